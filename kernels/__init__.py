@@ -1,0 +1,51 @@
+"""Kernels of pagedserve: the dispatching entry points (signatures in docs/interfaces.md).
+
+Each op runs the Triton implementation when its tensors are on CUDA and the plain-torch reference
+(`kernels.reference`) otherwise. The Triton modules are imported on first CUDA use, so CPU-only
+processes never import triton. Tests call `kernels.triton_*` directly to run Triton on CPU under
+TRITON_INTERPRET=1.
+
+Deliberately no `__version__` here: transformers probes for an unrelated PyPI package named
+`kernels` (tests/test_layering.py).
+"""
+
+import importlib
+
+import torch
+
+from kernels import reference
+
+__all__ = ["copy_blocks", "paged_attention", "reshape_and_cache", "swap_blocks"]
+
+
+def _cuda_module(name: str):
+    return importlib.import_module(f"kernels.{name}")
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    if key_cache.is_cuda:
+        impl = _cuda_module("triton_cache")
+        return impl.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale
+) -> torch.Tensor:
+    impl = _cuda_module("triton_attention") if query.is_cuda else reference
+    return impl.paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        max_query_len, max_seq_len, scale,
+    )
+
+
+def copy_blocks(kv_cache, block_mapping) -> None:
+    if kv_cache.is_cuda:
+        return _cuda_module("triton_cache").copy_blocks(kv_cache, block_mapping)
+    return reference.copy_blocks(kv_cache, block_mapping)
+
+
+def swap_blocks(src_cache, dst_cache, block_mapping) -> None:
+    if src_cache.is_cuda or dst_cache.is_cuda:
+        return _cuda_module("swap").swap_blocks(src_cache, dst_cache, block_mapping)
+    return reference.swap_blocks(src_cache, dst_cache, block_mapping)

@@ -1,0 +1,115 @@
+"""Plain-torch references of every kernel, with the signatures of docs/interfaces.md.
+
+They run on any device and are the CPU path of the dispatcher. Attention accumulates in float32
+(float64 for float64 inputs), so it is exact up to rounding. One Python iteration per sequence,
+never per token.
+
+KV cache layout (one layer)::
+
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block_id * block_size + offset_in_block
+"""
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, < 0 = skip
+) -> None:
+    """Write each token's K/V into its slot of the paged cache; tokens with slot < 0 are skipped."""
+    valid = slot_mapping >= 0  # [num_tokens]
+    slots = slot_mapping[valid].to(torch.long)  # [num_valid]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks_per_seq]
+    seq_len: int,
+) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's K (or V), contiguous: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].to(device=cache.device, dtype=torch.long)
+    return cache[blocks].flatten(0, 1)[:seq_len]
+
+
+def attend_one_sequence(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim]
+    key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    scale: float,
+) -> torch.Tensor:
+    """Causal GQA attention of the last q_len positions of a context over all of it.
+
+    Computes in float32, or float64 for float64 inputs.
+    """
+    q_len, num_heads, head_dim = query.shape
+    seq_len, num_kv_heads, _ = key.shape
+    group = num_heads // num_kv_heads
+    acc = torch.promote_types(query.dtype, torch.float32)
+    q = query.to(acc).view(q_len, num_kv_heads, group, head_dim)  # [q, kvh, g, d]
+    k, v = key.to(acc), value.to(acc)  # [t, kvh, d]
+    scores = torch.einsum("qhgd,thd->hgqt", q, k) * scale  # [kvh, g, q, t]
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q]
+    k_pos = torch.arange(seq_len, device=query.device)  # [t]
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hgqt,thd->qhgd", probs, v)  # [q, kvh, g, d]
+    return out.reshape(q_len, num_heads, head_dim)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Varlen causal paged attention; see docs/interfaces.md. Returns [num_tokens, num_heads, head_dim]."""
+    del max_query_len, max_seq_len  # only the kernels need the bounds
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        begin, end = starts[i], starts[i + 1]
+        if end == begin:
+            continue
+        key = gather_context(key_cache, block_tables[i], seq_len)
+        value = gather_context(value_cache, block_tables[i], seq_len)
+        out[begin:end] = attend_one_sequence(query[begin:end], key, value, scale).to(out.dtype)
+    return out
+
+
+def copy_blocks(
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_mapping: torch.Tensor,  # [num_pairs, 2] int64 (src, dst)
+) -> None:
+    """Copy block src to block dst in every layer, K and V (copy-on-write)."""
+    if block_mapping.numel() == 0:
+        return
+    mapping = block_mapping.to(device=kv_cache.device, dtype=torch.long)
+    kv_cache[:, :, mapping[:, 1]] = kv_cache[:, :, mapping[:, 0]]
+
+
+def swap_blocks(
+    src_cache: torch.Tensor,  # [num_layers, 2, num_src_blocks, block_size, num_kv_heads, head_dim]
+    dst_cache: torch.Tensor,  # [num_layers, 2, num_dst_blocks, block_size, num_kv_heads, head_dim]
+    block_mapping: torch.Tensor,  # [num_pairs, 2] int64 (src block, dst block)
+) -> None:
+    """Copy blocks between two whole caches, possibly on different devices (swap out / in)."""
+    if block_mapping.numel() == 0:
+        return
+    src_ids = block_mapping[:, 0].to(device=src_cache.device, dtype=torch.long)
+    dst_ids = block_mapping[:, 1].to(device=dst_cache.device, dtype=torch.long)
+    dst_cache[:, :, dst_ids] = src_cache[:, :, src_ids].to(dst_cache.device)
