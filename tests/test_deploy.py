@@ -1,0 +1,102 @@
+"""The Kubernetes manifests validate against the Kubernetes schemas, and the dashboard only queries
+metrics the scheduler exports."""
+
+import json
+import pathlib
+import re
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+from scheduler_svc.metrics import PREFIX, SchedulerMetrics, exported_metric_names  # noqa: E402
+
+DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"
+K8S_VERSION = "1.33"  # preStop `sleep` needs >= 1.30; native gRPC probes >= 1.24
+
+
+def _documents(path: pathlib.Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _kustomization_resources(directory: pathlib.Path) -> list[pathlib.Path]:
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    files = []
+    for entry in kustomization.get("resources", []):
+        target = (directory / entry).resolve()
+        files += _kustomization_resources(target) if target.is_dir() else [target]
+    return files
+
+
+def test_every_base_resource_validates_against_kubernetes_schemas():
+    files = _kustomization_resources(DEPLOY / "k8s" / "base")
+    assert {f.name for f in files} == {p.name for p in (DEPLOY / "k8s" / "base").glob("*.yaml")} - {
+        "kustomization.yaml"
+    }
+    kinds = []
+    for path in files:
+        for doc in _documents(path):
+            kinds.append(doc["kind"])
+            if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+                # A CRD (prometheus-operator): no upstream schema; check the fields it needs.
+                assert doc["spec"]["endpoints"] and doc["spec"]["selector"]
+                continue
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    assert sorted(kinds) == sorted(
+        ["ConfigMap", "Deployment", "Service", "StatefulSet", "Service", "NetworkPolicy", "ServiceMonitor"]
+    )
+
+
+def test_overlay_patches_name_base_resources_and_validate():
+    overlay = DEPLOY / "k8s" / "overlays" / "example"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    base_names = {
+        (d["kind"], d["metadata"]["name"])
+        for p in _kustomization_resources(overlay)
+        for d in _documents(p)
+    }
+    for patch in kustomization["patches"]:
+        for doc in _documents(overlay / patch["path"]):
+            assert (doc["kind"], doc["metadata"]["name"]) in base_names
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    for replica in kustomization["replicas"]:
+        assert ("StatefulSet", replica["name"]) in base_names
+
+
+def test_engine_config_is_json_and_tensor_parallel_size_matches_executor_replicas():
+    for directory, replicas in ((DEPLOY / "k8s" / "base", 1), (DEPLOY / "k8s" / "overlays" / "example", 2)):
+        config_file = "configmap.yaml" if directory.name == "base" else "engine-config.yaml"
+        data = _documents(directory / config_file)[0]["data"]
+        scheduler, executor = json.loads(data["scheduler.json"]), json.loads(data["executor.json"])
+        assert executor["tensor_parallel_size"] == replicas
+        assert len(scheduler["executors"]) == replicas
+
+
+def test_dashboard_queries_only_metrics_the_scheduler_exports():
+    dashboard = json.loads((DEPLOY / "grafana" / "pagedserve-dashboard.json").read_text())
+    exported = exported_metric_names()
+    # The names the real registry renders must be the ones exported_metric_names() promises.
+    metrics = SchedulerMetrics()
+    metrics.inc("preemptions", mode="swap")
+    metrics.inc("requests_finished", reason="length")
+    rendered = {
+        line.split("{")[0].split(" ")[0]
+        for line in metrics.render().decode().splitlines()
+        if line and not line.startswith("#")
+    }
+    assert {n for n in rendered if not n.endswith("_created")} <= exported
+    queried = set()
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(panels) >= 12
+    for panel in panels:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = set(re.findall(re.escape(PREFIX) + r"[a-zA-Z0-9_:]+", target["expr"]))
+            assert names, (panel["title"], target["expr"])
+            assert names <= exported, (panel["title"], names - exported)
+            queried |= names
+    for must in ("gpu_blocks_used", "gpu_blocks_cached_free", "cpu_swap_blocks_used", "kv_usage_ratio",
+                 "blocks_saved_by_sharing", "prefix_cache_hits_tokens_total", "preemptions_total",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket"):
+        assert PREFIX + must in queried
