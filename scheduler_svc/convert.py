@@ -8,7 +8,14 @@ sequence.
 
 from __future__ import annotations
 
-from itertools import accumulate
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from itertools import chain, islice
+from operator import attrgetter
+
+import grpc
 
 from protos.pagedserve.v1 import executor_pb2, generation_pb2
 from scheduler_svc.sampling_params import SamplingParams
@@ -63,10 +70,26 @@ def _pairs(flat) -> list[tuple[int, int]]:
     return list(zip(it, it, strict=True))
 
 
-def _split(flat, counts) -> list[list[int]]:
-    flat = list(flat)
-    ends = list(accumulate(counts))
-    return [flat[end - count : end] for end, count in zip(ends, counts, strict=True)]
+def _split(flat, counts) -> list[list]:
+    """[flat[0:c0], flat[c0:c0+c1], ...] for counts [c0, c1, ...], fast when every count is 0 or 1."""
+    counts = list(counts)
+    if not flat:
+        return [[] for _ in counts]
+    if len(flat) == len(counts) and all(c == 1 for c in counts):
+        return [[x] for x in flat]
+    it = iter(flat)
+    return [list(islice(it, c)) for c in counts]
+
+
+_seq_id = attrgetter("seq_id")
+_num_new_tokens = attrgetter("num_new_tokens")
+_new_token_ids = attrgetter("new_token_ids")
+_block_table_start = attrgetter("block_table_start")
+_block_ids = attrgetter("block_ids")
+_token_id = attrgetter("token_id")
+_logprob = attrgetter("logprob")
+_top_logprobs = attrgetter("top_logprobs")
+_beam_candidates = attrgetter("beam_candidates")
 
 
 def step_plan_to_pb(plan: StepPlan) -> executor_pb2.StepPlan:
@@ -89,14 +112,16 @@ def step_plan_to_pb(plan: StepPlan) -> executor_pb2.StepPlan:
             )
         )
     cont = plan.cont_seqs
+    new_token_ids = list(map(_new_token_ids, cont))
+    block_ids = list(map(_block_ids, cont))
     cont_pb = executor_pb2.ContinuingSequences(
-        seq_ids=[s.seq_id for s in cont],
-        num_new_tokens=[s.num_new_tokens for s in cont],
-        new_token_count=[len(s.new_token_ids) for s in cont],
-        new_token_ids=[t for s in cont for t in s.new_token_ids],
-        block_table_start=[s.block_table_start for s in cont],
-        block_count=[len(s.block_ids) for s in cont],
-        block_ids=[b for s in cont for b in s.block_ids],
+        seq_ids=list(map(_seq_id, cont)),
+        num_new_tokens=list(map(_num_new_tokens, cont)),
+        new_token_count=list(map(len, new_token_ids)),
+        new_token_ids=list(chain.from_iterable(new_token_ids)),
+        block_table_start=list(map(_block_table_start, cont)),
+        block_count=list(map(len, block_ids)),
+        block_ids=list(chain.from_iterable(block_ids)),
     )
     return executor_pb2.StepPlan(
         step_id=plan.step_id,
@@ -131,14 +156,16 @@ def step_plan_from_pb(msg: executor_pb2.StepPlan) -> StepPlan:
             )
         )
     c = msg.cont_seqs
-    new_token_ids = _split(c.new_token_ids, c.new_token_count)
-    block_ids = _split(c.block_ids, c.block_count)
-    cont_seqs = [
-        ContinuingSequence(seq_id, num_new, tokens, start, blocks)
-        for seq_id, num_new, tokens, start, blocks in zip(
-            c.seq_ids, c.num_new_tokens, new_token_ids, c.block_table_start, block_ids, strict=True
+    cont_seqs = list(
+        map(
+            ContinuingSequence,
+            c.seq_ids,
+            c.num_new_tokens,
+            _split(list(c.new_token_ids), c.new_token_count),
+            c.block_table_start,
+            _split(list(c.block_ids), c.block_count),
         )
-    ]
+    )
     return StepPlan(
         step_id=msg.step_id,
         new_seqs=new_seqs,
@@ -153,28 +180,73 @@ def step_plan_from_pb(msg: executor_pb2.StepPlan) -> StepPlan:
 
 def step_result_to_pb(result: StepResult) -> executor_pb2.StepResult:
     samples = result.samples
+    tops = list(map(_top_logprobs, samples))
+    beams = list(map(_beam_candidates, samples))
+    top_flat = list(chain.from_iterable(tops))
+    beam_flat = list(chain.from_iterable(beams))
     return executor_pb2.StepResult(
         step_id=result.step_id,
-        seq_ids=[s.seq_id for s in samples],
-        token_ids=[s.token_id for s in samples],
-        logprobs=[s.logprob for s in samples],
-        num_top=[len(s.top_logprobs) for s in samples],
-        top_token_ids=[t for s in samples for t, _ in s.top_logprobs],
-        top_logprobs=[lp for s in samples for _, lp in s.top_logprobs],
-        num_beam_candidates=[len(s.beam_candidates) for s in samples],
-        beam_token_ids=[t for s in samples for t, _ in s.beam_candidates],
-        beam_logprobs=[lp for s in samples for _, lp in s.beam_candidates],
+        seq_ids=list(map(_seq_id, samples)),
+        token_ids=list(map(_token_id, samples)),
+        logprobs=list(map(_logprob, samples)),
+        num_top=list(map(len, tops)),
+        top_token_ids=[t for t, _ in top_flat],
+        top_logprobs=[lp for _, lp in top_flat],
+        num_beam_candidates=list(map(len, beams)),
+        beam_token_ids=[t for t, _ in beam_flat],
+        beam_logprobs=[lp for _, lp in beam_flat],
         execute_time_s=result.execute_time_s,
     )
 
 
 def step_result_from_pb(msg: executor_pb2.StepResult) -> StepResult:
-    top = _split(zip(msg.top_token_ids, msg.top_logprobs, strict=True), msg.num_top)
-    beams = _split(zip(msg.beam_token_ids, msg.beam_logprobs, strict=True), msg.num_beam_candidates)
-    samples = [
-        SampledToken(seq_id, token_id, logprob, top_i, beam_i)
-        for seq_id, token_id, logprob, top_i, beam_i in zip(
-            msg.seq_ids, msg.token_ids, msg.logprobs, top, beams, strict=True
-        )
-    ]
+    top = _split(list(zip(msg.top_token_ids, msg.top_logprobs, strict=True)), msg.num_top)
+    beams = _split(list(zip(msg.beam_token_ids, msg.beam_logprobs, strict=True)), msg.num_beam_candidates)
+    samples = list(map(SampledToken, msg.seq_ids, msg.token_ids, msg.logprobs, top, beams))
     return StepResult(step_id=msg.step_id, samples=samples, execute_time_s=msg.execute_time_s)
+
+ErrorCodes = dict[type[BaseException], grpc.StatusCode]
+_log = logging.getLogger(__name__)
+
+
+def maps_errors(codes: ErrorCodes) -> Callable:
+    """Decorates an async servicer method (unary or server-streaming): an exception of a type in
+    `codes` aborts the call with that status code and the exception's message; any other exception
+    gives INTERNAL (and is logged). The server keeps serving either way."""
+
+    def status_of(exc: BaseException) -> grpc.StatusCode:
+        return next((code for cls, code in codes.items() if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
+
+    async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        code = status_of(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            _log.exception("internal error in a gRPC handler")
+        await context.abort(code, str(exc) or type(exc).__name__)
+
+    def decorate(method: Callable) -> Callable:
+        if inspect.isasyncgenfunction(method):
+
+            @functools.wraps(method)
+            async def stream(self, request, context):
+                try:
+                    async for item in method(self, request, context):
+                        yield item
+                except Exception as exc:  # noqa: BLE001 - mapped to a status code
+                    if isinstance(exc, grpc.aio.AbortError):
+                        raise
+                    await abort(context, exc)
+
+            return stream
+
+        @functools.wraps(method)
+        async def unary(self, request, context):
+            try:
+                return await method(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - mapped to a status code
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                await abort(context, exc)
+
+        return unary
+
+    return decorate

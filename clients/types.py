@@ -1,0 +1,120 @@
+"""Typed results of the Generation API, as the client library returns them (no protobuf)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_REASONS = {0: None, 1: "length", 2: "stop", 3: "abort"}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # most likely alternatives, best first
+
+
+@dataclass(frozen=True, slots=True)
+class OutputDelta:
+    """What is new for one output (sample or beam) in one streamed message."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None  # "length" | "stop" | "abort" once the output is finished
+    completion_tokens: int = 0
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDelta:
+    request_id: str
+    outputs: tuple[OutputDelta, ...]
+    prompt_tokens: int
+    finished: bool  # the last message of the stream
+
+
+@dataclass(slots=True)
+class Output:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+
+    def add(self, delta: OutputDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.cumulative_logprob = delta.cumulative_logprob
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str = ""
+    outputs: list[Output] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+    def add(self, delta: GenerationDelta) -> None:
+        self.request_id = delta.request_id
+        self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
+        for out in delta.outputs:
+            while len(self.outputs) <= out.index:
+                self.outputs.append(Output(index=len(self.outputs)))
+            self.outputs[out.index].add(out)
+
+    def to_json_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "outputs": [
+                {
+                    "index": o.index,
+                    "text": o.text,
+                    "token_ids": o.token_ids,
+                    "finish_reason": o.finish_reason,
+                    "cumulative_logprob": o.cumulative_logprob,
+                }
+                for o in self.outputs
+            ],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model_name: str
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_n: int
+    max_beam_width: int
+    world_size: int
+    preemption_mode: str
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    num_free_gpu_blocks: int
+    num_free_cpu_blocks: int
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_steps: int
+    num_preemptions: int
+    num_running_seqs: int
