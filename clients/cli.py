@@ -14,6 +14,9 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("scheduler_svc.simulator", "replay a workload through the real scheduler (no GPU)"),
+    "serve": ("clients.launcher", "start the executor(s) and the scheduler; serve the Generation API"),
+    "generate": ("clients.generate", "send one request to a server and stream its output"),
+    "make-tiny-model": ("clients.make_tiny_model", "write a tiny random-weight model folder (tests, demos)"),
 }
 
 

@@ -1,0 +1,73 @@
+"""`pagedserve generate`: send one request and stream its text to the terminal (or print JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+from clients.client import Client
+from clients.types import GenerationResult
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected comma-separated integers, e.g. 1,2,3") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, e.g. 1,2,3")
+    parser.add_argument("--server", default="localhost:50051", help="HOST:PORT of the Generation API")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--n", type=int, default=None, help="parallel samples")
+    parser.add_argument("--beam-width", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (server default 1.0)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--stop", nargs="+", default=[], help="stop strings")
+    parser.add_argument("--stop-token-ids", type=_token_ids, default=[])
+    parser.add_argument("--logprobs", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def run(args: argparse.Namespace) -> int:
+    params = dict(
+        max_tokens=args.max_tokens, n=args.n, beam_width=args.beam_width, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop,
+        stop_token_ids=args.stop_token_ids, logprobs=args.logprobs,
+    )
+    prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    result = GenerationResult()
+    try:
+        with Client(args.server) as client:
+            for delta in client.stream(prompt, **params):
+                result.add(delta)
+                if not args.json:
+                    _print_delta(delta, single=len(result.outputs) <= 1 and not (args.n or 1) > 1)
+    except grpc.RpcError as err:
+        print(f"pagedserve generate: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.to_json_dict(), ensure_ascii=False))
+    elif len(result.outputs) > 1 or (args.beam_width or 1) > 1:
+        for out in result.outputs:
+            print(f"[{out.index}] ({out.finish_reason}) {out.text}")
+    else:
+        print(f"\n[{result.outputs[0].finish_reason if result.outputs else 'empty'}]")
+    return 0
+
+
+def _print_delta(delta, single: bool) -> None:
+    """Streams the text of a single output as it comes; several outputs are printed at the end."""
+    if single:
+        for out in delta.outputs:
+            sys.stdout.write(out.text)
+        sys.stdout.flush()

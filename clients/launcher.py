@@ -1,0 +1,150 @@
+"""`pagedserve serve`: the executor(s) and the scheduler as separate processes on this machine.
+
+    executor_svc.server (one per rank) ◀── Executor.Step ── scheduler_svc.server ◀── clients
+
+Waits until every process reports SERVING through grpc.health.v1, prints where to connect, and
+stops them all on Ctrl-C / SIGTERM (or when one of them dies). With no --model it serves a tiny
+random-weight Llama the project creates on first use (cached under ~/.cache/pagedserve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+CACHE_DIR = pathlib.Path(os.environ.get("PAGEDSERVE_CACHE", "~/.cache/pagedserve")).expanduser()
+DEFAULT_MODEL_DIR = CACHE_DIR / "tiny-llama"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="Hugging Face model folder (default: the tiny model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the public API listens on")
+    parser.add_argument("--port", type=int, default=50051, help="public API port")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="executor ranks (one per GPU)")
+    parser.add_argument("--preemption", choices=("swap", "recompute"), default="recompute")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profiled number")
+    parser.add_argument("--num-cpu-blocks", type=int, default=None, help="override the swap space size")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_default_model(model_dir: pathlib.Path = DEFAULT_MODEL_DIR) -> pathlib.Path:
+    if not (model_dir / "config.json").exists():
+        print(f"creating the tiny default model in {model_dir} ...", flush=True)
+        cmd = [sys.executable, "-m", "clients.cli", "make-tiny-model", str(model_dir), "--family", "llama"]
+        subprocess.run(cmd, check=True)
+    return model_dir
+
+
+def executor_command(args: argparse.Namespace, model: str, rank: int, port: int, dist_port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "executor_svc.server", "--model", model, "--port", str(port),
+           "--rank", str(rank), "--world-size", str(args.tensor_parallel_size), "--dtype", args.dtype,
+           "--load-format", args.load_format, "--block-size", str(args.block_size),
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.device:
+        cmd += ["--device", args.device]
+    if args.tensor_parallel_size > 1:
+        cmd += ["--dist-init", f"tcp://127.0.0.1:{dist_port}"]
+    return cmd
+
+
+def scheduler_command(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "scheduler_svc.server", "--model", model, "--host", args.host,
+           "--port", str(args.port), "--executors", ",".join(executor_targets),
+           "--preemption", args.preemption, "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    for flag, value in (("--num-gpu-blocks", args.num_gpu_blocks), ("--num-cpu-blocks", args.num_cpu_blocks),
+                        ("--max-model-len", args.max_model_len), ("--metrics-port", args.metrics_port)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if args.no_prefix_caching:
+        cmd.append("--no-prefix-caching")
+    return cmd
+
+
+def wait_serving(target: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
+    from scheduler_svc.grpc_serving import health_status
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a pagedserve process exited during startup (see its log above)")
+        if health_status(target, timeout_s=1.0) == "SERVING":
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{target} did not become SERVING within {timeout_s:.0f} s")
+
+
+def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for proc in reversed(procs):  # scheduler first, then the executors
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    model = str(pathlib.Path(args.model).resolve()) if args.model else str(ensure_default_model())
+    stop_requested = False
+
+    def request_stop(signum, frame) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    procs: list[subprocess.Popen] = []
+    dist_port = free_port()
+    try:
+        targets = []
+        for rank in range(args.tensor_parallel_size):
+            port = free_port()
+            procs.append(subprocess.Popen(executor_command(args, model, rank, port, dist_port)))
+            targets.append(f"127.0.0.1:{port}")
+        for target in targets:
+            wait_serving(target, procs, args.startup_timeout)
+        procs.append(subprocess.Popen(scheduler_command(args, model, targets)))
+        public = f"{'localhost' if args.host in ('127.0.0.1', '0.0.0.0') else args.host}:{args.port}"
+        wait_serving(public, procs, args.startup_timeout)
+        print(f"pagedserve is serving {model} on {public} (gRPC: pagedserve.v1.Generation)", flush=True)
+        if args.metrics_port is not None:
+            print(f"metrics: http://localhost:{args.metrics_port}/metrics", flush=True)
+        print(f"try: pagedserve generate --server {public} --prompt 'Hello'   (Ctrl-C stops)", flush=True)
+        while not stop_requested:
+            if any(p.poll() is not None for p in procs):
+                print("pagedserve: a process exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except (RuntimeError, TimeoutError) as err:
+        print(f"pagedserve serve: {err}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(procs)
+
