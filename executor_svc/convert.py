@@ -1,4 +1,4 @@
-"""Protobuf ↔ the worker's description (Describe). Step plans and results: scheduler_svc.convert."""
+"""The worker's description → protobuf (Describe). Step plans and results: scheduler_svc.convert."""
 
 from __future__ import annotations
 
@@ -51,9 +51,3 @@ def describe_to_pb(info: Any) -> executor_pb2.DescribeResponse:
     msg.extra_json = json.dumps(extra, default=str, sort_keys=True)
     return msg
 
-
-def describe_from_pb(msg: executor_pb2.DescribeResponse) -> dict[str, Any]:
-    values: dict[str, Any] = {name: getattr(msg, name) for name in _FIELDS}
-    values["eos_token_ids"] = tuple(msg.eos_token_ids)
-    values["extra"] = json.loads(msg.extra_json) if msg.extra_json else {}
-    return values

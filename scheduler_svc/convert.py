@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
 from collections.abc import Callable
 from itertools import chain, islice
 from operator import attrgetter
+from typing import Any
 
 import grpc
 
@@ -59,6 +61,14 @@ def sampling_params_from_pb(msg: generation_pb2.SamplingParameters, **limits: in
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
     return SamplingParams(**kwargs, **limits)
+
+
+def describe_from_pb(msg: executor_pb2.DescribeResponse) -> dict[str, Any]:
+    """An executor's description as a dict (the fields of DescribeResponse; `extra` from extra_json)."""
+    values: dict[str, Any] = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+    values["eos_token_ids"] = tuple(msg.eos_token_ids)
+    values["extra"] = json.loads(values.pop("extra_json") or "{}")
+    return values
 
 
 def _flatten_pairs(pairs: list[tuple[int, int]]) -> list[int]:

@@ -1,0 +1,78 @@
+"""The scheduler's side of the Executor API: every rank behind one `ExecutorPool`.
+
+The engine sees domain objects only (`StepPlan` in, `StepResult` out). A plan is encoded and
+serialized once and the same bytes go to every rank concurrently; rank 0's result is returned (all
+ranks run the same sampler on the same logits; the others' results only confirm the step ran).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from scheduler_svc.convert import describe_from_pb, step_plan_to_pb, step_result_from_pb
+from scheduler_svc.step_plan import StepPlan, StepResult
+
+STEP_METHOD = "/pagedserve.v1.Executor/Step"
+GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+
+
+class ExecutorError(RuntimeError):
+    """An executor rank failed a call; `code` is the gRPC status code name."""
+
+    def __init__(self, target: str, code: str, details: str):
+        super().__init__(f"executor {target}: {code}: {details}")
+        self.target = target
+        self.code = code
+
+
+class ExecutorPool:
+    def __init__(self, targets: list[str]):
+        if not targets:
+            raise ValueError("at least one executor target is needed")
+        self.targets = list(targets)
+        self._channels = [grpc.aio.insecure_channel(t, options=GRPC_OPTIONS) for t in self.targets]
+        self._stubs = [executor_pb2_grpc.ExecutorStub(c) for c in self._channels]
+        # Step takes pre-serialized bytes so a plan is serialized once for all ranks.
+        self._step_calls = [
+            c.unary_unary(STEP_METHOD, request_serializer=None,
+                          response_deserializer=executor_pb2.StepResult.FromString)
+            for c in self._channels
+        ]
+        self.last_plan_bytes = 0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.targets)
+
+    async def _all(self, calls) -> list[Any]:
+        try:
+            return await asyncio.gather(*calls)
+        except grpc.aio.AioRpcError as err:
+            raise ExecutorError(",".join(self.targets), err.code().name, err.details() or "") from err
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in self._channels)), timeout_s)
+
+    async def describe(self) -> list[dict[str, Any]]:
+        replies = await self._all(s.Describe(executor_pb2.DescribeRequest()) for s in self._stubs)
+        return [describe_from_pb(r) for r in replies]
+
+    async def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        request = executor_pb2.InitCacheRequest(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
+        await self._all(s.InitCache(request) for s in self._stubs)
+
+    async def step(self, plan: StepPlan) -> StepResult:
+        data = step_plan_to_pb(plan).SerializeToString()
+        self.last_plan_bytes = len(data)
+        replies = await self._all(call(data) for call in self._step_calls)
+        return step_result_from_pb(replies[0])
+
+    async def reset(self) -> None:
+        await self._all(s.Reset(executor_pb2.ResetRequest()) for s in self._stubs)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._channels))
