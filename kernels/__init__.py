@@ -47,5 +47,5 @@ def copy_blocks(kv_cache, block_mapping) -> None:
 
 def swap_blocks(src_cache, dst_cache, block_mapping) -> None:
     if src_cache.is_cuda or dst_cache.is_cuda:
-        return _cuda_module("swap").swap_blocks(src_cache, dst_cache, block_mapping)
+        return _cuda_module("triton_cache").swap_blocks(src_cache, dst_cache, block_mapping)
     return reference.swap_blocks(src_cache, dst_cache, block_mapping)

@@ -1,0 +1,227 @@
+"""Paged attention in Triton: one kernel for decode, prefill and mixed batches, plus a split-K reduce.
+
+Signature as in kernels/reference.py (docs/interfaces.md), with one keyword-only extra,
+`num_splits`, to force a split count (tests, benchmarks); by default it is chosen from the grid size.
+
+Why one kernel and not a decode/prefill family: a tile of query *rows* covers both cases. A row is
+one (query token, query head of the KV head's group) pair, so a program owns BLOCK_Q consecutive
+query tokens of one sequence times all G query heads that share one KV head:
+
+    rows of a tile (G_PAD = next_pow2(G))      K/V tile, BLOCK_N context positions
+    r = t * G_PAD + g  ->  token q0 + t,        gathered through the block table:
+                           head kv_head*G + g   slot = block_table[n // block_size] * block_size
+                                                       + n % block_size
+Decode is BLOCK_Q = 1 (the G heads of one token, padded to the 16 rows tl.dot needs); prefill chunks
+are BLOCK_Q = BLOCK_M // G_PAD tokens with a causal mask by position, and they read prefix blocks
+already in the cache exactly like decode reads its context. K/V are loaded once per group (GQA
+without repeating K/V), the softmax is online (base 2, scale folded in), and all sequences of a
+varlen batch share one launch: a program finds its sequence by binary search over query_start_loc.
+
+Split-K (flash-decoding): when the grid (tiles x KV heads) is too small to fill the GPU, axis 2
+splits each context into partitions of `partition_size` positions; every program writes its
+unnormalized partial output with its running max and sum, and `_reduce_splits_kernel` combines them.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_NO_PARTITION = 1 << 30
+_MIN_PARTITION = 256  # context positions; smaller partitions cost more in the reduce than they win
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, BLOCK_Q: tl.constexpr):
+    """Largest sequence i whose first tile, query_start_loc[i] // BLOCK_Q + i, is <= tile_id."""
+    lo = tile_id * 0
+    hi = lo + num_seqs
+    for _ in range(num_search_steps):
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        right = first_tile <= tile_id
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale_log2, num_seqs, num_search_steps, partition_size, num_heads, num_splits, head_dim,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
+    IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if IS_DECODE:
+        seq = tile_id
+        q_tile_start = tile_id * 0
+    else:
+        seq = _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, BLOCK_Q)
+        first_tile = tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq
+        q_tile_start = (tile_id - first_tile) * BLOCK_Q
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    if q_tile_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_start = seq_len - q_len  # position of the sequence's first query token
+
+    rows = tl.arange(0, BLOCK_M)
+    row_token = q_tile_start + rows // G_PAD  # [BLOCK_M] index among the sequence's query tokens
+    row_head = kv_head * GROUP + rows % G_PAD  # [BLOCK_M]
+    row_valid = (rows // G_PAD < BLOCK_Q) & (rows % G_PAD < GROUP) & (row_token < q_len)
+    row_pos = context_start + row_token  # [BLOCK_M] causal limit: keys at positions <= row_pos
+    row_global = (q_begin + row_token).to(tl.int64)
+    dims = tl.arange(0, D_PAD)
+    dim_valid = dims < head_dim
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(
+        query_ptr + row_global[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + dims[None, :],
+        mask=q_mask, other=0.0,
+    )  # [BLOCK_M, D_PAD]
+
+    kv_end = context_start + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    kv_lo = split * partition_size
+    kv_hi = tl.minimum(kv_lo + partition_size, kv_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    head_offset = kv_head.to(tl.int64) * stride_c_head
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        pos_valid = pos < kv_hi
+        block = tl.load(block_table + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        kv_offset = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot + head_offset
+        kv_mask = pos_valid[:, None] & dim_valid[None, :]
+        k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        allowed = pos_valid[None, :] & (pos[None, :] <= row_pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        part_row = (row_global * num_heads + row_head) * num_splits + split  # [BLOCK_M]
+        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part_row[:, None] * D_PAD + dims[None, :], acc, mask=row_valid[:, None])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + row_global[:, None] * stride_o_tok + row_head[:, None] * stride_o_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=q_mask,
+        )
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    num_heads, num_splits, head_dim, stride_o_tok, stride_o_head,
+    S_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, S_PAD)
+    dims = tl.arange(0, D_PAD)
+    split_valid = splits < num_splits
+    part_row = (token * num_heads + head) * num_splits + splits  # [S_PAD]
+    part_max = tl.load(part_max_ptr + part_row, mask=split_valid, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0)
+    acc_ptrs = part_acc_ptr + part_row[:, None] * D_PAD + dims[None, :]
+    acc = tl.load(acc_ptrs, mask=split_valid[:, None], other=0.0)  # [S_PAD, D_PAD]
+    weight = tl.exp2(part_max - tl.max(part_max, axis=0))  # split 0 holds position 0: the max is finite
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(part_sum * weight, axis=0)  # [D_PAD]
+    tl.store(
+        out_ptr + token * stride_o_tok + head * stride_o_head + dims,
+        out.to(out_ptr.dtype.element_ty), mask=dims < head_dim,
+    )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
+    """Split the context when the grid would leave the GPU short of programs (~4 per SM wanted)."""
+    wanted = 4 * num_sms
+    if num_programs >= wanted:
+        return 1
+    return max(1, min(math.ceil(wanted / num_programs), math.ceil(max_seq_len / _MIN_PARTITION)))
+
+
+def paged_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+    max_query_len, max_seq_len, scale, *, num_splits: int | None = None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert query.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert key_cache.shape == value_cache.shape and block_tables.stride(1) == 1
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    is_decode = max_query_len == 1
+    if is_decode:
+        block_q, block_m, block_n, num_warps, num_stages = 1, max(16, g_pad), 64, 4, 3
+        num_tiles = num_seqs
+    else:
+        block_m = max(64, g_pad)
+        block_q, block_n, num_warps, num_stages = block_m // g_pad, 64, 4, 2
+        num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles exit at once
+    partition_size = _NO_PARTITION
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seq_len, _num_sms(query.device))
+        if num_splits > 1:  # whole K/V tiles per partition
+            partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    elif num_splits > 1:
+        partition_size = triton.cdiv(max_seq_len, num_splits)
+    if num_splits > 1:
+        num_splits = triton.cdiv(max_seq_len, partition_size)
+    split = num_splits > 1
+
+    f32 = dict(dtype=torch.float32, device=query.device)
+    part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32) if split else out
+    part_max = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
+    part_sum = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
+    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        out, part_acc, part_max, part_sum,
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        scale * math.log2(math.e), num_seqs, max(0, (num_seqs - 1).bit_length()), partition_size,
+        num_heads, num_splits, head_dim,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, D_PAD=d_pad, IS_DECODE=is_decode, SPLIT=split,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_max, part_sum, num_heads, num_splits, head_dim, out.stride(0), out.stride(1),
+            S_PAD=triton.next_power_of_2(num_splits), D_PAD=d_pad, num_warps=4,
+        )
+    return out

@@ -1,0 +1,126 @@
+"""The Triton kernels against the torch references on CPU, under the Triton interpreter (small shapes).
+
+TRITON_INTERPRET must be set before `triton.jit` decorates the kernels (triton 3.6 decides between a
+compiled and an interpreted function at decoration time), so this module sets it before importing
+kernels.triton_*; nothing on a CPU-only machine imports those modules earlier (the dispatcher sends CPU
+tensors to the reference). With CUDA present, tests/gpu covers the compiled kernels instead.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu runs the compiled kernels", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+
+from triton.runtime import interpreter  # noqa: E402
+
+from kernels import reference, triton_attention, triton_cache  # noqa: E402
+from kernels.testing import make_paged_case, relative_error  # noqa: E402
+
+_patch_lang_tensor = interpreter._patch_lang_tensor
+
+
+def _patch_lang_tensor_for_numpy_2_4(tensor, scope):
+    """The interpreter holds scalars as 1-element arrays and turns them into loop bounds with int(),
+    which numpy >= 2.4 refuses for arrays with ndim > 0; .item() works on every numpy."""
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+
+interpreter._patch_lang_tensor = _patch_lang_tensor_for_numpy_2_4
+
+
+def test_kernels_are_interpreted():
+    assert type(triton_attention._paged_attention_kernel).__name__ == "InterpretedFunction"
+    assert type(triton_cache._copy_blocks_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.fixture
+def seed(request):
+    value = random.randrange(2**31)
+    print(f"{request.node.name}: seed {value}")
+    return value
+
+
+ATTENTION_CASES = {
+    # name: (seq_lens, query_lens); 16 and 32 are exact multiples of the block sizes 8 and 16
+    "decode": ([1, 17, 16, 40], [1, 1, 1, 1]),
+    "prefill_no_prefix": ([20, 16, 3], [20, 16, 3]),
+    "prefill_with_cached_prefix": ([33, 24, 9], [12, 8, 9]),
+    "mixed_chunk_and_decodes": ([29, 1, 32, 16], [11, 1, 1, 16]),
+    "long_decode": ([150, 70], [1, 1]),  # several K/V tiles per program
+    "long_chunk_after_prefix": ([130, 5], [40, 1]),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"), [(2, 2, 16, 8), (8, 2, 32, 16), (6, 2, 16, 16)]
+)
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_paged_attention_matches_reference(
+    seed, name, num_heads, num_kv_heads, head_dim, block_size, num_splits
+):
+    seq_lens, query_lens = ATTENTION_CASES[name]
+    case = make_paged_case(
+        seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu", seed
+    )
+    ref = reference.paged_attention(*case.args())
+    out = triton_attention.paged_attention(*case.args(), num_splits=num_splits)
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+
+
+def test_split_count_follows_grid_size():
+    assert triton_attention.choose_num_splits(num_programs=1024, max_seq_len=1024, num_sms=132) == 1
+    assert triton_attention.choose_num_splits(num_programs=128, max_seq_len=16384, num_sms=132) == 5
+    assert triton_attention.choose_num_splits(num_programs=8, max_seq_len=300, num_sms=132) == 2
+
+
+def test_reshape_and_cache_matches_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 7, 8, 3, 16, 13
+    qkv = torch.randn(num_tokens, 5 * num_kv_heads, head_dim, generator=gen)  # [T, q+k+v heads, d]
+    key = qkv[:, 3 * num_kv_heads : 4 * num_kv_heads]  # strided views, as a model produces them
+    value = qkv[:, 4 * num_kv_heads :]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=gen)[:3]] = -1
+    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    reference.reshape_and_cache(key, value, *want, slots)
+    triton_cache.reshape_and_cache(key, value, *caches, slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1]), f"seed {seed}"
+
+
+def _random_pairs(gen, num_src_blocks, num_dst_blocks, num_pairs, disjoint):
+    """[num_pairs, 2] int64 (src, dst), distinct dsts; disjoint: no dst is also a src (one cache)."""
+    if disjoint:
+        ids = torch.randperm(num_src_blocks, generator=gen)
+        return torch.stack([ids[:num_pairs], ids[num_pairs : 2 * num_pairs]], dim=1)
+    src = torch.randint(0, num_src_blocks, (num_pairs,), generator=gen)
+    return torch.stack([src, torch.randperm(num_dst_blocks, generator=gen)[:num_pairs]], dim=1)
+
+
+def test_copy_blocks_matches_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(3, 2, 12, 8, 2, 16, generator=gen)  # [L, 2, blocks, bs, kvh, d]
+    mapping = _random_pairs(gen, 12, 12, 5, disjoint=True)
+    want = kv.clone()
+    reference.copy_blocks(want, mapping)
+    triton_cache.copy_blocks(kv, mapping)
+    assert torch.equal(kv, want), f"seed {seed}"
+
+
+def test_swap_blocks_matches_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randn(2, 2, 10, 8, 2, 16, generator=gen)
+    dst = torch.randn(2, 2, 6, 8, 2, 16, generator=gen)
+    mapping = _random_pairs(gen, 10, 6, 4, disjoint=False)
+    want = dst.clone()
+    reference.swap_blocks(src, want, mapping)
+    triton_cache.swap_blocks(src, dst, mapping)
+    assert torch.equal(dst, want), f"seed {seed}"
