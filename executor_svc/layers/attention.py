@@ -1,0 +1,59 @@
+"""Paged attention over one layer's view of the KV cache, through `kernels`.
+
+The metadata describes one forward pass (flat tokens of several sequences, no padding):
+
+    query tokens  |--seq 0 (q_len 3)--|-seq 1 (1)-|----seq 2 (4)----|
+    query_start_loc  0                 3           4                  8
+    seq_lens[i]   = tokens of context of seq i INCLUDING this step's (their K/V are written first)
+    slot_mapping  = block_tables[i][pos // block_size] * block_size + pos % block_size per token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import kernels
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KV, D], kv_cache: [2, num_blocks, block_size, KV, D] -> [T, H * D]."""
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = kernels.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            meta.max_seq_len,
+            self.scale,
+        )  # [T, H, D]
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)

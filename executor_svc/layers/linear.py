@@ -1,0 +1,191 @@
+"""Tensor-parallel linear layers and the vocabulary embedding / LM head.
+
+Every parameter carries a `weight_loader(param, full_weight, shard_id=None)` that copies THIS rank's
+shard out of the full checkpoint tensor, so the loader never needs to know how a layer is split:
+
+    ColumnParallelLinear   W [out, in]  split along out (dim 0); output stays split
+    RowParallelLinear      W [out, in]  split along in  (dim 1); partial outputs are all-reduced
+    QKVParallelLinear      q, k, v heads split by rank, stored fused as [q | k | v] rows
+    MergedColumnParallel   gate and up stored fused as [gate | up] rows
+    VocabParallelEmbedding vocab rows split by rank; rows of other ranks give 0, then all-reduce
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def tp_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    if tp_size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def tp_all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    if tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"{what}: checkpoint shard has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        )
+    dst.copy_(src)
+
+
+def _divide(n: int, tp_size: int, what: str) -> int:
+    if n % tp_size:
+        raise ValueError(f"{what} = {n} is not divisible by the tensor-parallel size {tp_size}")
+    return n // tp_size
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)  # [out, in]
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)  # [out]
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(
+        self, param: nn.Parameter, full: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ):
+        super().__init__(in_features, _divide(out_features, tp_size, "out_features"), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, full, shard_id=None):
+        rows = param.shape[0]
+        _copy_checked(param.data, full.narrow(0, self.tp_rank * rows, rows), "column-parallel")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul (e.g. gate_proj and up_proj)."""
+
+    def __init__(
+        self, in_features: int, out_sizes: list[int], bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ):
+        self.out_sizes_per_rank = [_divide(n, tp_size, "out_features") for n in out_sizes]
+        super().__init__(in_features, sum(out_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, full, shard_id=None):
+        size = self.out_sizes_per_rank[shard_id]
+        offset = sum(self.out_sizes_per_rank[:shard_id])
+        shard = full.narrow(0, self.tp_rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), shard, f"merged shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; each rank holds its query heads and its KV heads.
+
+    When there are fewer KV heads than ranks, KV heads are replicated (rank r holds head r * kv // tp).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_key_value_heads")
+            self.kv_head_start = tp_rank * self.num_kv_heads
+        else:
+            self.num_kv_heads = 1
+            self.kv_head_start = tp_rank * num_kv_heads // tp_size
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        _ParallelLinear.__init__(self, hidden_size, out, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, full, shard_id=None):
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            dst, src = param.data.narrow(0, 0, q_rows), full.narrow(0, self.tp_rank * q_rows, q_rows)
+        elif shard_id in ("k", "v"):
+            offset = q_rows + (kv_rows if shard_id == "v" else 0)
+            dst = param.data.narrow(0, offset, kv_rows)
+            src = full.narrow(0, self.kv_head_start * self.head_dim, kv_rows)
+        else:
+            raise ValueError(f"QKV shard id must be q, k or v, got {shard_id!r}")
+        _copy_checked(dst, src, f"qkv shard {shard_id}")
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return qkv.split([q_rows, kv_rows, kv_rows], dim=-1)
+
+
+class RowParallelLinear(_ParallelLinear):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ):
+        super().__init__(_divide(in_features, tp_size, "in_features"), out_features, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, full, shard_id=None):
+        if param.dim() == 1:  # the bias is added once, after the all-reduce
+            _copy_checked(param.data, full, "row-parallel bias")
+            return
+        cols = param.shape[1]
+        _copy_checked(param.data, full.narrow(1, self.tp_rank * cols, cols), "row-parallel")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = tp_all_reduce(F.linear(x, self.weight), self.tp_size)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split by rank (padded so every rank holds as many)."""
+
+    def __init__(self, vocab_size: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.vocab_size = vocab_size
+        self.num_rows = -(-vocab_size // tp_size)
+        self.vocab_start = tp_rank * self.num_rows
+        self.weight = nn.Parameter(torch.empty(self.num_rows, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, full, shard_id=None):
+        rows = max(0, min(self.num_rows, full.shape[0] - self.vocab_start))
+        param.data.zero_()
+        _copy_checked(param.data.narrow(0, 0, rows), full.narrow(0, self.vocab_start, rows), "vocab shard")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, D]
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return tp_all_reduce(out, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocabulary projection split by rank; logits are gathered to the full vocabulary."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = tp_all_gather_last_dim(F.linear(hidden, self.weight), self.tp_size)  # [S, V_padded]
+        return logits[..., : self.vocab_size]

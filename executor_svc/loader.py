@@ -1,0 +1,137 @@
+"""Build a model and fill its weights from a Hugging Face folder (safetensors) or at random (dummy).
+
+Weights stream one tensor at a time from the memory-mapped safetensors files into the parameters
+(already on the target device, in the target dtype), through each parameter's `weight_loader`, which
+takes this rank's shard; no full copy of the model is ever made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from executor_svc.model_config import ModelConfig
+from executor_svc.models import model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DUMMY_STD = 0.02
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint does not match the model (missing, unexpected or mis-shaped tensors)."""
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    model_dir: str | pathlib.Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    seed: int = 0,
+) -> nn.Module:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class(config)(config, tp_rank, tp_size)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_safetensors(model, model_dir)
+    return model.eval()
+
+
+def safetensors_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    folder = pathlib.Path(model_dir)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors in {folder}")
+    return files
+
+
+def iterate_checkpoint(model_dir: str | pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def load_safetensors(model: nn.Module, model_dir: str | pathlib.Path) -> None:
+    params = dict(model.named_parameters())
+    stacked = getattr(model, "STACKED_PARAMS", ())
+    tied = model.config.tie_word_embeddings or model.config.family == "opt"
+    loaded: set[str] = set()
+    for hf_name, tensor in iterate_checkpoint(model_dir):
+        if "rotary_emb.inv_freq" in hf_name or (tied and hf_name == "lm_head.weight"):
+            continue
+        name = hf_name if hf_name in params or hf_name.startswith("model.") else "model." + hf_name
+        shard_id = None
+        for ours, theirs, shard in stacked:
+            if theirs in name:
+                name, shard_id = name.replace(theirs, ours), shard
+                break
+        param = params.get(name)
+        if param is None:
+            raise WeightLoadError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
+        loader = getattr(param, "weight_loader", None)
+        with torch.no_grad():
+            if loader is None:
+                if param.shape != tensor.shape:
+                    raise WeightLoadError(
+                        f"{hf_name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
+                param.data.copy_(tensor)
+            elif shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise WeightLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY_STD) -> None:
+    """Random weights of the real shapes, generated in place in the parameter's dtype and device.
+
+    Norm scales are 1 and biases 0, so activations keep a sane size through many layers.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                gen = torch.Generator(device=param.device)
+                gen.manual_seed(seed + hash_name(name))
+                param.normal_(0.0, std, generator=gen)
+
+
+def hash_name(name: str) -> int:
+    """A stable (not per-process salted) small hash of a parameter name."""
+    value = 0
+    for byte in name.encode():
+        value = (value * 131 + byte) % 1_000_003
+    return value

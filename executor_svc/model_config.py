@@ -1,0 +1,169 @@
+"""What the executor needs to know about a model, read from a Hugging Face `config.json`.
+
+One frozen dataclass for every family; family-specific switches (biases, q/k norm, OPT's layer-norm
+placement) are plain fields so a model file never reads the raw JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass, field
+
+import torch
+
+# HF `architectures[0]` -> our family name (one model file per family).
+ARCHITECTURE_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "OPTForCausalLM": "opt",
+}
+MODEL_TYPE_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "opt": "opt"}
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelConfigError(ValueError):
+    """config.json describes something this executor cannot serve."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "llama3", "linear"):
+            raise ModelConfigError(f"rope_type {self.rope_type!r} is not supported")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_model_len: int
+    norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    # OPT only.
+    do_layer_norm_before: bool = True
+    word_embed_proj_dim: int = 0
+    layer_norm_elementwise_affine: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"  # dtype the checkpoint was saved in
+
+    def __post_init__(self) -> None:
+        if self.family not in ("llama", "qwen2", "qwen3", "opt"):
+            raise ModelConfigError(f"unknown model family {self.family!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ModelConfigError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_kv_heads}"
+            )
+        if min(self.vocab_size, self.hidden_size, self.num_layers, self.head_dim, self.max_model_len) < 1:
+            raise ModelConfigError("sizes must be positive")
+
+    @classmethod
+    def from_dir(cls, model_dir: str | pathlib.Path) -> ModelConfig:
+        path = pathlib.Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{path} not found")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> ModelConfig:
+        family = _family(hf)
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        common = dict(
+            family=family,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            max_model_len=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", family == "opt"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+        )
+        if family == "opt":
+            if not hf.get("enable_bias", True):
+                raise ModelConfigError("OPT without biases (enable_bias=false) is not supported")
+            return cls(
+                **common,
+                num_kv_heads=num_heads,
+                head_dim=hf["hidden_size"] // num_heads,
+                intermediate_size=hf["ffn_dim"],
+                norm_eps=1e-5,
+                qkv_bias=True,
+                o_bias=True,
+                mlp_bias=True,
+                do_layer_norm_before=hf.get("do_layer_norm_before", True),
+                word_embed_proj_dim=hf.get("word_embed_proj_dim", hf["hidden_size"]),
+                layer_norm_elementwise_affine=hf.get("layer_norm_elementwise_affine", True),
+            )
+        if hf.get("use_sliding_window", False):
+            raise ModelConfigError("sliding-window attention is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"hidden_act {hf.get('hidden_act')!r} is not supported")
+        attention_bias = hf.get("attention_bias", False)
+        return cls(
+            **common,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            intermediate_size=hf["intermediate_size"],
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope=_rope(hf),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=hf.get("mlp_bias", False),
+            qk_norm=family == "qwen3",
+        )
+
+
+def _family(hf: dict) -> str:
+    for arch in hf.get("architectures") or ():
+        if arch in ARCHITECTURE_FAMILIES:
+            return ARCHITECTURE_FAMILIES[arch]
+    model_type = hf.get("model_type", "")
+    if model_type in MODEL_TYPE_FAMILIES:
+        return MODEL_TYPE_FAMILIES[model_type]
+    raise ModelConfigError(f"unsupported architecture {hf.get('architectures')} / model_type {model_type!r}")
+
+
+def _rope(hf: dict) -> RopeConfig:
+    """Reads `rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=params.get("factor", 1.0),
+        low_freq_factor=params.get("low_freq_factor", 1.0),
+        high_freq_factor=params.get("high_freq_factor", 4.0),
+        original_max_position_embeddings=params.get(
+            "original_max_position_embeddings", hf.get("max_position_embeddings", 8192)
+        ),
+    )

@@ -1,0 +1,58 @@
+"""Runs one step's `ModelInput` through the model and the sampler."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from executor_svc.kv_cache import KVCache
+from executor_svc.layers.attention import AttentionMetadata
+from executor_svc.model_input import ModelInput
+from executor_svc.sampler import SamplerOutput, sample
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_cache: KVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ModelInput) -> torch.Tensor:
+        """Logits [S, V] of the rows named by `logits_indices` (float32)."""
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.kv_cache.device_cache, batch.attn
+        )  # [T, D]
+        return self.model.compute_logits(hidden[batch.logits_indices]).float()
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelInput) -> SamplerOutput:
+        return sample(self.compute_logits(batch), batch.sampling)
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, max_num_seqs: int = 256) -> None:
+        """A forward pass over `num_tokens` tokens (split into up to `max_num_seqs` prefills) that
+        writes no KV (all slots -1) and reads only block 0: the activation peak of the largest step."""
+        device = self.kv_cache.device_cache.device
+        num_seqs = max(1, min(max_num_seqs, num_tokens))
+        q_lens = torch.full((num_seqs,), num_tokens // num_seqs, dtype=torch.int32)  # [B]
+        q_lens[: num_tokens % num_seqs] += 1
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)  # [B + 1]
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        max_len = int(q_lens.max())
+        block_size = self.kv_cache.block_size
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            block_tables=torch.zeros(num_seqs, -(-max_len // block_size), dtype=torch.int32, device=device),
+            seq_lens=q_lens.to(device),
+            query_start_loc=query_start_loc.to(device),
+            max_query_len=max_len,
+            max_seq_len=max_len,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)  # [T]
+        positions = torch.arange(num_tokens, dtype=torch.int32) - query_start_loc[:-1].repeat_interleave(
+            q_lens
+        )
+        hidden = self.model(
+            input_ids, positions.to(device=device, dtype=torch.int64), self.kv_cache.device_cache, meta
+        )
+        self.model.compute_logits(hidden[query_start_loc[1:].to(device, torch.int64) - 1]).float()

@@ -1,0 +1,124 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, seeded randomness, logprobs, beam candidates.
+
+Randomness is counter-based: the uniform number for (row, token v) is a hash of
+(seed, sample_index, output_position, v) computed with int64 tensor ops. A seeded sequence thus
+draws the same numbers whatever shares its batch and however often it is preempted and recomputed;
+an unseeded row simply gets a fresh random seed each step. Sampling uses the exponential race
+(argmax of log p - log E with E = -log u), which draws exactly from the filtered distribution.
+
+Log-probabilities reported to the client (the chosen token's and the top-N) are of the distribution
+after temperature and BEFORE top-k / top-p filtering: log_softmax(logits / T), with T = 1 for greedy
+rows. Beam candidates are the top 2k of log_softmax(raw logits) (beam search ignores temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MIX_MULT = 0x45D9F3B  # < 2**27, so x * _MIX_MULT stays below 2**63 for 32-bit x
+_UNIFORM_BITS = 23  # (k + 0.5) / 2**23 is exact in float32 and strictly inside (0, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingMetadata:
+    """Per sampled row (S rows) parameters, all tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [S] float32, 0 = greedy
+    top_p: torch.Tensor  # [S] float32, 1 = off
+    top_k: torch.Tensor  # [S] int64, 0 = off
+    seeds: torch.Tensor  # [S] int64 in [0, 2**63): the request's seed, or a fresh random one
+    has_seed: torch.Tensor  # [S] bool (informational: rows without a seed got a random `seeds` value)
+    sample_index: torch.Tensor  # [S] int64, index of the sample within its request
+    output_positions: torch.Tensor  # [S] int64, index of the output token being sampled
+    num_logprobs: torch.Tensor  # [S] int64, -1 = none
+    num_beam_candidates: torch.Tensor  # [S] int64, 0 = not beam search
+    max_num_logprobs: int = 0
+    max_num_beam_candidates: int = 0
+    all_greedy: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [S] int64
+    logprobs: torch.Tensor  # [S] float32
+    top_token_ids: torch.Tensor  # [S, N] int64, N = max_num_logprobs
+    top_logprobs: torch.Tensor  # [S, N] float32
+    beam_token_ids: torch.Tensor  # [S, K] int64, K = max_num_beam_candidates
+    beam_logprobs: torch.Tensor  # [S, K] float32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX_MULT) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * _MIX_MULT) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, sample_index: torch.Tensor, output_positions: torch.Tensor) -> torch.Tensor:
+    """[S] 32-bit keys, one per (seed, sample_index, output_position)."""
+    h = mix32((output_positions & _MASK32) ^ 0x9E3779B9)
+    h = mix32(h ^ (sample_index & _MASK32))
+    h = mix32(h ^ ((seeds >> 32) & _MASK32))
+    return mix32(h ^ (seeds & _MASK32))
+
+
+def uniform_noise(seeds, sample_index, output_positions, vocab_size: int) -> torch.Tensor:
+    """[S, V] float32 uniforms in (0, 1), a pure function of (seed, sample_index, position, token)."""
+    keys = row_keys(seeds, sample_index, output_positions)  # [S]
+    token_keys = mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) + 0x7F4A7C15)  # [V]
+    x = mix32(keys[:, None] ^ token_keys[None, :])  # [S, V]
+    x = mix32(x ^ (keys[:, None] >> 5))
+    return ((x >> (32 - _UNIFORM_BITS)).float() + 0.5) * (2.0**-_UNIFORM_BITS)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits / T per row; greedy rows (T = 0) are left unscaled."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return logits / t[:, None]
+
+
+def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[S, V] bool: tokens kept by top-k, then by top-p over the renormalized top-k distribution.
+
+    top-p keeps the smallest prefix of tokens (by descending probability, ties by token id) whose
+    probability mass reaches p: token r is kept when the mass of the tokens before it is < p. The most
+    likely token is always kept.
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [S, V]
+    ranks = torch.arange(vocab_size, device=logits.device)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab_size))
+    keep = ranks[None, :] < k[:, None]  # [S, V] in sorted order
+    probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep &= mass_before < top_p[:, None]
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    """logits: [S, V] (any float dtype) -> one token per row plus logprobs and beam candidates."""
+    logits = logits.float()
+    scaled = apply_temperature(logits, meta.temperature)
+    logprobs_all = scaled.log_softmax(dim=-1)  # [S, V]
+    if meta.all_greedy:
+        token_ids = logits.argmax(dim=-1)
+    else:
+        mask = top_k_top_p_mask(scaled, meta.top_k, meta.top_p)
+        filtered = scaled.masked_fill(~mask, float("-inf")).log_softmax(dim=-1)
+        exp_noise = -torch.log(
+            uniform_noise(meta.seeds, meta.sample_index, meta.output_positions, logits.shape[-1])
+        )
+        random_choice = (filtered - exp_noise.log()).argmax(dim=-1)
+        token_ids = torch.where(meta.temperature > 0, random_choice, logits.argmax(dim=-1))
+    chosen_logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)  # [S]
+    top_logprobs, top_token_ids = logprobs_all.topk(meta.max_num_logprobs, dim=-1)  # [S, N]
+    beam_logprobs, beam_token_ids = logits.log_softmax(dim=-1).topk(meta.max_num_beam_candidates, dim=-1)
+    return SamplerOutput(
+        token_ids, chosen_logprobs, top_token_ids, top_logprobs, beam_token_ids, beam_logprobs
+    )

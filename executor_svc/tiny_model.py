@@ -1,0 +1,240 @@
+"""Write a tiny but real Hugging Face model folder: config.json of the real architecture, random
+weights in safetensors, and a byte-level BPE tokenizer trained on `assets/corpus.txt`.
+
+The folder loads with `transformers.AutoTokenizer` / `AutoModelForCausalLM.from_pretrained` and with
+our own loader; the same (family, seed) always gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+CORPUS = pathlib.Path(__file__).parent / "assets" / "corpus.txt"
+FAMILIES = ("llama", "qwen2", "qwen3", "opt")
+VOCAB_SIZE = 512
+# Special tokens take ids 0, 1, 2: (pad, bos, eos) as Llama/OPT name them; Qwen's tokenizer class
+# insists on <|endoftext|> (its pad = eos = unk), so Qwen folders use Qwen's names.
+SPECIAL_TOKENS = {
+    "llama": {"pad": ("<pad>", 0), "bos": ("<s>", 1), "eos": ("</s>", 2), "extra": ()},
+    "qwen": {
+        "pad": ("<|endoftext|>", 0),
+        "bos": ("<|im_start|>", 1),
+        "eos": ("<|endoftext|>", 0),
+        "extra": ("<|im_end|>",),
+    },
+}
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, MAX_POS = 64, 2, 4, 2, 128, 2048
+
+
+def make_tiny_model(model_dir: str | pathlib.Path, family: str = "llama", seed: int = 0) -> pathlib.Path:
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    folder = pathlib.Path(model_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(family)
+    specials = _specials(family)
+    config |= {
+        "pad_token_id": specials["pad"][1],
+        "bos_token_id": specials["bos"][1],
+        "eos_token_id": specials["eos"][1],
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(tiny_weights(config, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer(folder, specials, add_bos=family in ("llama", "opt"))
+    return folder
+
+
+def tiny_config(family: str) -> dict:
+    common = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "max_position_embeddings": MAX_POS,
+        "dtype": "float32",
+    }
+    if family == "opt":
+        return common | {
+            "architectures": ["OPTForCausalLM"],
+            "model_type": "opt",
+            "ffn_dim": FFN,
+            "do_layer_norm_before": True,
+            "word_embed_proj_dim": HIDDEN,
+            "enable_bias": True,
+            "activation_function": "relu",
+            "dropout": 0.0,
+            "attention_dropout": 0.0,
+            "layer_norm_elementwise_affine": True,
+            "tie_word_embeddings": True,
+        }
+    llama_like = common | {
+        "num_key_value_heads": KV_HEADS,
+        "intermediate_size": FFN,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "attention_dropout": 0.0,
+    }
+    if family == "llama":  # llama3 rope scaling with a short original context, so it really changes freqs
+        return llama_like | {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        }
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
+    if family == "qwen2":
+        return (
+            llama_like
+            | rope
+            | {
+                "architectures": ["Qwen2ForCausalLM"],
+                "model_type": "qwen2",
+                "use_sliding_window": False,
+                "tie_word_embeddings": True,
+            }
+        )
+    return (
+        llama_like
+        | rope
+        | {  # qwen3: head_dim 32 != hidden / heads
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "head_dim": 32,
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "tie_word_embeddings": True,
+        }
+    )
+
+
+def tiny_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random fp32 weights under the HF names; scales keep logits well spread (std about 4)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = _opt_shapes(config) if config["model_type"] == "opt" else _llama_shapes(config)
+    weights = {}
+    for name, shape in shapes.items():
+        if name.endswith(("norm.weight", "layer_norm.weight")):
+            value = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith(".bias"):
+            value = 0.1 * torch.randn(shape, generator=gen)
+        elif "embed" in name or name == "lm_head.weight":
+            value = 0.5 * torch.randn(shape, generator=gen)
+        else:
+            value = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+        weights[name] = value.contiguous()
+    return weights
+
+
+def _llama_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    d, h, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim", d // h)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab_size"], d)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (h * hd, d),
+            p + "self_attn.k_proj.weight": (kv * hd, d),
+            p + "self_attn.v_proj.weight": (kv * hd, d),
+            p + "self_attn.o_proj.weight": (d, h * hd),
+            p + "mlp.gate_proj.weight": (c["intermediate_size"], d),
+            p + "mlp.up_proj.weight": (c["intermediate_size"], d),
+            p + "mlp.down_proj.weight": (d, c["intermediate_size"]),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+        }
+        if c["model_type"] == "qwen2":
+            shapes |= {p + f"self_attn.{x}_proj.bias": (n * hd,) for x, n in (("q", h), ("k", kv), ("v", kv))}
+        if c["model_type"] == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    shapes["model.norm.weight"] = (d,)
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (c["vocab_size"], d)
+    return shapes
+
+
+def _opt_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    d, f = c["hidden_size"], c["ffn_dim"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.decoder.embed_tokens.weight": (c["vocab_size"], d),
+        "model.decoder.embed_positions.weight": (c["max_position_embeddings"] + 2, d),
+    }
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.decoder.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes |= {p + f"self_attn.{proj}.weight": (d, d), p + f"self_attn.{proj}.bias": (d,)}
+        shapes |= {
+            p + "fc1.weight": (f, d),
+            p + "fc1.bias": (f,),
+            p + "fc2.weight": (d, f),
+            p + "fc2.bias": (d,),
+        }
+        for norm in ("self_attn_layer_norm", "final_layer_norm"):
+            shapes |= {p + f"{norm}.weight": (d,), p + f"{norm}.bias": (d,)}
+    shapes |= {"model.decoder.final_layer_norm.weight": (d,), "model.decoder.final_layer_norm.bias": (d,)}
+    return shapes
+
+
+def _specials(family: str) -> dict:
+    return SPECIAL_TOKENS["qwen" if family.startswith("qwen") else "llama"]
+
+
+def _special_list(specials: dict) -> list[str]:
+    ordered = [specials["pad"][0], specials["bos"][0], specials["eos"][0], *specials["extra"]]
+    return list(dict.fromkeys(ordered))  # ids 0, 1, 2 in this order
+
+
+def train_tokenizer(specials: dict, add_bos: bool) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=_special_list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train([str(CORPUS)], trainer)
+    if add_bos:
+        bos, bos_id = specials["bos"]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer
+
+
+def write_tokenizer(folder: pathlib.Path, specials: dict, add_bos: bool) -> None:
+    tokenizer = train_tokenizer(specials, add_bos)
+    for key in ("pad", "bos", "eos"):
+        token, token_id = specials[key]
+        if tokenizer.token_to_id(token) != token_id:
+            raise RuntimeError(f"{key} token {token!r} did not get id {token_id}")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": specials["bos"][0],
+        "eos_token": specials["eos"][0],
+        "pad_token": specials["pad"][0],
+        "add_bos_token": add_bos,
+        "model_max_length": MAX_POS,
+        "clean_up_tokenization_spaces": False,
+    }
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n"
+    )

@@ -1,0 +1,322 @@
+"""The step worker of one executor rank: holds the model, the KV cache and per-sequence state, and
+carries out step plans (order documented in scheduler_svc/step_plan.py).
+
+Lifecycle: `Worker(...)` loads the model and measures how many KV blocks fit; `describe()` reports
+it; `init_cache(num_gpu_blocks, num_cpu_blocks)` (optional) allocates the caches with the counts the
+scheduler settled on, otherwise they are allocated on first use with the counts that fit;
+`execute(plan)` runs a step; `reset()` drops all sequence state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from executor_svc.kv_cache import GIB, CacheConfig, KVCache, blocks_from_profile, bytes_per_block
+from executor_svc.loader import load_model
+from executor_svc.model_config import DTYPES, ModelConfig
+from executor_svc.model_input import PlanError, ScheduledSequence, SequenceState, build_model_input
+from executor_svc.model_runner import ModelRunner
+from scheduler_svc.step_plan import SampledToken, StepPlan, StepResult
+
+__all__ = ["PlanError", "StepOrderError", "Worker", "WorkerConfig", "WorkerDescription"]
+
+
+class StepOrderError(RuntimeError):
+    """A plan's step_id does not follow the step this worker last ran (reset the worker to recover)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model_dir: str
+    device: str | None = None  # None: cuda when available, else cpu
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: the checkpoint's; fp32 -> bf16 on CUDA)
+    load_format: str = "auto"  # auto | safetensors | dummy
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_gib: float = 0.25
+    swap_space_gib: float = 0.25
+    max_num_batched_tokens: int = 2048
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            self.block_size,
+            self.num_gpu_blocks,
+            self.num_cpu_blocks,
+            self.gpu_memory_utilization,
+            self.cpu_kv_gib,
+            self.swap_space_gib,
+            self.max_num_batched_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerDescription:
+    """What the scheduler needs to know (field names of the Executor API's DescribeResponse)."""
+
+    model_name: str
+    family: str
+    rank: int
+    world_size: int
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_gpu_blocks: int  # blocks that fit (or the count set by init_cache)
+    num_cpu_blocks: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    bos_token_id: int | None = None
+    hidden_size: int = 0
+    model_config: ModelConfig | None = field(default=None, compare=False)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig | str, **overrides):
+        if not isinstance(config, WorkerConfig):
+            config = WorkerConfig(model_dir=str(config), **overrides)
+        elif overrides:
+            config = replace(config, **overrides)
+        if config.world_size > 1 and not torch.distributed.is_initialized():
+            raise ValueError("world_size > 1 needs torch.distributed initialized before the Worker is built")
+        self.config = config
+        self.cache_config = config.cache_config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
+        self.model = load_model(
+            config.model_dir,
+            self.model_config,
+            self.dtype,
+            self.device,
+            config.load_format,
+            config.rank,
+            config.world_size,
+            config.seed,
+        )
+        self.num_kv_heads_per_rank = max(1, self.model_config.num_kv_heads // config.world_size)
+        self.block_bytes = bytes_per_block(
+            self.model_config.num_layers,
+            self.cache_config.block_size,
+            self.num_kv_heads_per_rank,
+            self.model_config.head_dim,
+            self.dtype,
+        )
+        self.num_gpu_blocks, self.num_cpu_blocks = self._blocks_that_fit()
+        self.runner: ModelRunner | None = None
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.seqs: dict[int, SequenceState] = {}
+        self.last_step_id: int | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def describe(self) -> WorkerDescription:
+        mc = self.model_config
+        return WorkerDescription(
+            model_name=self.config.model_dir.rstrip("/").rsplit("/", 1)[-1],
+            family=mc.family,
+            rank=self.config.rank,
+            world_size=self.config.world_size,
+            vocab_size=mc.vocab_size,
+            max_model_len=mc.max_model_len,
+            num_layers=mc.num_layers,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            block_size=self.cache_config.block_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            eos_token_ids=mc.eos_token_ids,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            bos_token_id=mc.bos_token_id,
+            hidden_size=mc.hidden_size,
+            model_config=mc,
+        )
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocates the caches (dropping any sequence state); at most the blocks that fit."""
+        if not 1 <= num_gpu_blocks <= self.num_gpu_blocks or num_cpu_blocks > max(self.num_cpu_blocks, 0):
+            raise ValueError(
+                f"init_cache({num_gpu_blocks}, {num_cpu_blocks}): at most "
+                f"({self.num_gpu_blocks}, {self.num_cpu_blocks}) blocks fit"
+            )
+        self.reset()
+        self.runner = None
+        self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        self._ensure_cache()
+
+    def reset(self) -> None:
+        """Drops every sequence's state and the step count; the next plan may carry any step_id."""
+        self.seqs.clear()
+        self.last_step_id = None
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self._ensure_cache().kv_cache
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self.last_step_id is not None and plan.step_id != self.last_step_id + 1:
+            raise StepOrderError(
+                f"step {plan.step_id} does not follow step {self.last_step_id}; expected "
+                f"{self.last_step_id + 1} (reset the executor to start over)"
+            )
+        start = time.perf_counter()
+        runner = self._ensure_cache()
+        for seq_id in plan.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for child_id, parent_id in plan.forks:
+            self.seqs[child_id] = self._state(parent_id, "fork parent").copy()
+        runner.kv_cache.swap_out(plan.swap_out)
+        runner.kv_cache.swap_in(plan.swap_in)
+        runner.kv_cache.copy(plan.copies)
+        scheduled = self._apply_sequences(plan)
+        samples: list[SampledToken] = []
+        if scheduled:
+            batch = build_model_input(scheduled, self.cache_config.block_size, self.device, self.generator)
+            output = runner.execute(batch) if batch.logits_indices.numel() else None
+            for s in scheduled:
+                s.state.num_computed_tokens += s.num_new_tokens
+            if output is not None:
+                samples = _to_samples(batch, output)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_step_id = plan.step_id
+        return StepResult(plan.step_id, samples, time.perf_counter() - start)
+
+    def _apply_sequences(self, plan: StepPlan) -> list[ScheduledSequence]:
+        scheduled = []
+        for new in plan.new_seqs:
+            state = SequenceState(
+                list(new.token_ids),
+                new.num_computed_tokens,
+                list(new.block_table),
+                new.sampling_params,
+                new.sample_index,
+                new.prompt_len,
+            )
+            self.seqs[new.seq_id] = state
+            scheduled.append(ScheduledSequence(new.seq_id, state, new.num_new_tokens))
+        for cont in plan.cont_seqs:
+            state = self._state(cont.seq_id, "continuing sequence")
+            state.token_ids.extend(cont.new_token_ids)
+            if cont.block_table_start > len(state.block_table):
+                raise PlanError(
+                    f"sequence {cont.seq_id}: block_table_start {cont.block_table_start} past its "
+                    f"{len(state.block_table)} blocks"
+                )
+            state.block_table[cont.block_table_start :] = cont.block_ids
+            scheduled.append(ScheduledSequence(cont.seq_id, state, cont.num_new_tokens))
+        return scheduled
+
+    def _state(self, seq_id: int, what: str) -> SequenceState:
+        state = self.seqs.get(seq_id)
+        if state is None:
+            raise PlanError(f"{what} {seq_id} is unknown to this executor")
+        return state
+
+    # ---- memory ----------------------------------------------------------------------------------
+
+    def _ensure_cache(self) -> ModelRunner:
+        if self.runner is None:
+            mc, cc = self.model_config, self.cache_config
+            cache = KVCache(
+                mc.num_layers,
+                self.num_kv_heads_per_rank,
+                mc.head_dim,
+                cc.block_size,
+                self.num_gpu_blocks,
+                self.num_cpu_blocks,
+                self.dtype,
+                self.device,
+            )
+            self.runner = ModelRunner(self.model, cache)
+        return self.runner
+
+    def _blocks_that_fit(self) -> tuple[int, int]:
+        cc = self.cache_config
+        num_gpu = cc.num_gpu_blocks
+        if num_gpu is None and self.device.type == "cuda":
+            num_gpu = self._profile_gpu_blocks()
+        elif num_gpu is None:
+            num_gpu = int(cc.cpu_kv_gib * GIB) // self.block_bytes
+        num_cpu = cc.num_cpu_blocks
+        if num_cpu is None:
+            num_cpu = int(cc.swap_space_gib * GIB) // self.block_bytes
+        if num_gpu < 1:
+            raise MemoryError("no KV cache block fits in the memory budget")
+        return num_gpu, min(num_cpu, num_gpu)
+
+    def _profile_gpu_blocks(self) -> int:
+        mc, cc = self.model_config, self.cache_config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        probe = KVCache(
+            mc.num_layers,
+            self.num_kv_heads_per_rank,
+            mc.head_dim,
+            cc.block_size,
+            1,
+            0,
+            self.dtype,
+            self.device,
+        )
+        ModelRunner(self.model, probe).profile_run(cc.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        del probe
+        torch.cuda.empty_cache()
+        return blocks_from_profile(
+            total, cc.gpu_memory_utilization, peak + max(0, non_torch), self.block_bytes
+        )
+
+
+def _resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    saved = DTYPES.get(config.torch_dtype, torch.float32)
+    return torch.bfloat16 if saved == torch.float32 and device.type == "cuda" else saved
+
+
+def _to_samples(batch, output) -> list[SampledToken]:
+    token_ids = output.token_ids.tolist()
+    logprobs = output.logprobs.tolist()
+    top_ids, top_lps = output.top_token_ids.tolist(), output.top_logprobs.tolist()
+    beam_ids, beam_lps = output.beam_token_ids.tolist(), output.beam_logprobs.tolist()
+    num_top = batch.sampling.num_logprobs.tolist()
+    num_beam = batch.sampling.num_beam_candidates.tolist()
+    samples = []
+    for row, seq_id in enumerate(batch.sampled_seq_ids):
+        n_top, n_beam = max(0, num_top[row]), num_beam[row]
+        samples.append(
+            SampledToken(
+                seq_id,
+                token_ids[row],
+                logprobs[row],
+                top_logprobs=list(zip(top_ids[row][:n_top], top_lps[row][:n_top], strict=True)),
+                beam_candidates=list(zip(beam_ids[row][:n_beam], beam_lps[row][:n_beam], strict=True)),
+            )
+        )
+    return samples

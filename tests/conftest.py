@@ -1,0 +1,21 @@
+"""Shared fixtures. Add yours below; keep models tiny (the CPU suite runs on two busy cores)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """family -> a tiny random-weight HF model folder (llama, qwen2, qwen3, opt), made once per session."""
+    from executor_svc.tiny_model import FAMILIES, make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {family: make_tiny_model(root / family, family, seed=0) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dirs) -> pathlib.Path:
+    return tiny_model_dirs["llama"]
