@@ -1,7 +1,8 @@
 """Paged attention in Triton: one kernel for decode, prefill and mixed batches, plus a split-K reduce.
 
-Signature as in kernels/reference.py (docs/interfaces.md), with one keyword-only extra,
-`num_splits`, to force a split count (tests, benchmarks); by default it is chosen from the grid size.
+Signature as in kernels/reference.py (docs/interfaces.md), with keyword-only extras for tests and
+benchmarks: `num_splits` forces a split count (by default it is chosen from the grid size) and `tile`
+forces the K/V tile and launch shape.
 
 Why one kernel and not a decode/prefill family: a tile of query *rows* covers both cases. A row is
 one (query token, query head of the KV head's group) pair, so a program owns BLOCK_Q consecutive
@@ -170,7 +171,10 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
     max_query_len, max_seq_len, scale, *, num_splits: int | None = None,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
+    """See kernels/reference.py. num_splits forces the split-K count (1 = none); tile forces
+    (BLOCK_N, num_warps, num_stages) (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -192,6 +196,8 @@ def paged_attention(
         block_m = max(64, g_pad)
         block_q, block_n, num_warps, num_stages = block_m // g_pad, 64, 4, 2
         num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles exit at once
+    if tile is not None:
+        block_n, num_warps, num_stages = tile
     partition_size = _NO_PARTITION
     if num_splits is None:
         num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seq_len, _num_sms(query.device))

@@ -6,6 +6,7 @@ kernels.triton_*; nothing on a CPU-only machine imports those modules earlier (t
 tensors to the reference). With CUDA present, tests/gpu covers the compiled kernels instead.
 """
 
+import importlib
 import os
 import random
 
@@ -20,6 +21,10 @@ from triton.runtime import interpreter  # noqa: E402
 
 from kernels import reference, triton_attention, triton_cache  # noqa: E402
 from kernels.testing import make_paged_case, relative_error  # noqa: E402
+
+if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":  # imported earlier
+    triton_attention = importlib.reload(triton_attention)
+    triton_cache = importlib.reload(triton_cache)
 
 _patch_lang_tensor = interpreter._patch_lang_tensor
 
