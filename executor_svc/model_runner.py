@@ -18,15 +18,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: ModelInput) -> torch.Tensor:
-        """Logits [S, V] of the rows named by `logits_indices` (float32)."""
+        """Runs the forward pass (writing this step's K/V) and returns the logits [S, V] (float32) of the
+        rows named by `logits_indices` (S may be 0: a step of prefill chunks only)."""
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.device_cache, batch.attn
         )  # [T, D]
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> SamplerOutput:
-        return sample(self.compute_logits(batch), batch.sampling)
+    def execute(self, batch: ModelInput) -> SamplerOutput | None:
+        """Forward pass and sampling; None when no row is sampled."""
+        logits = self.compute_logits(batch)
+        return sample(logits, batch.sampling) if logits.shape[0] else None
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_num_seqs: int = 256) -> None:

@@ -194,7 +194,7 @@ class Worker:
         samples: list[SampledToken] = []
         if scheduled:
             batch = build_model_input(scheduled, self.cache_config.block_size, self.device, self.generator)
-            output = runner.execute(batch) if batch.logits_indices.numel() else None
+            output = runner.execute(batch)
             for s in scheduled:
                 s.state.num_computed_tokens += s.num_new_tokens
             if output is not None:
@@ -225,7 +225,8 @@ class Worker:
                     f"sequence {cont.seq_id}: block_table_start {cont.block_table_start} past its "
                     f"{len(state.block_table)} blocks"
                 )
-            state.block_table[cont.block_table_start :] = cont.block_ids
+            if cont.block_ids:  # no block ids: the table is unchanged (whatever block_table_start says)
+                state.block_table[cont.block_table_start :] = cont.block_ids
             scheduled.append(ScheduledSequence(cont.seq_id, state, cont.num_new_tokens))
         return scheduled
 
