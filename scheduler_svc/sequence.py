@@ -95,6 +95,8 @@ class SequenceGroup:
     sampling_params: SamplingParams
     arrival_time: float
     expected_output_len: int | None = None
+    arrival_index: int = 0  # tie-break of equal arrival times (set by the scheduler)
+    stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

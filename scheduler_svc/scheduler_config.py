@@ -1,0 +1,64 @@
+"""Scheduler configuration and the error raised for a request that can never be served."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+class RequestRejectedError(ValueError):
+    """A request the scheduler can never serve; `field` names the offending input."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Sizes and policies of one scheduler.
+
+    preemption_mode: "recompute" frees a preempted group's blocks and requeues it; a group with
+    several live sequences (n samples, beams) is swapped instead when the CPU pool can take it,
+    since recomputing would lose their sharing. "swap" moves groups to the CPU pool, falling back
+    to recompute when swap space is full.
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int = 1024
+    num_cpu_blocks: int = 0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    preemption_mode: str = "recompute"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    eos_token_id: int | None = None
+    watermark_blocks: int = 0  # free blocks admission keeps in reserve (fewer preemptions)
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.num_cpu_blocks <= self.num_gpu_blocks:
+            raise ValueError(
+                f"num_cpu_blocks must be in [0, num_gpu_blocks={self.num_gpu_blocks}], "
+                f"got {self.num_cpu_blocks}"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode 'swap' needs num_cpu_blocks > 0")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len}): a long prompt could never run"
+            )
+        if not 0 <= self.watermark_blocks < self.num_gpu_blocks:
+            raise ValueError(f"watermark_blocks must be in [0, num_gpu_blocks), got {self.watermark_blocks}")
+        if self.eos_token_id is not None and self.eos_token_id < 0:
+            raise ValueError(f"eos_token_id must be >= 0, got {self.eos_token_id}")

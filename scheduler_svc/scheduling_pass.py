@@ -1,0 +1,230 @@
+"""One `schedule()` step: which tokens of which groups run, preemption, swap-in, admission, and
+the diff-based plan entries of every scheduled sequence (see scheduler.py for the policy)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler_svc.kv_manager import AllocStatus
+from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.step_plan import ContinuingSequence, NewSequence, StepPlan
+
+if TYPE_CHECKING:
+    from scheduler_svc.scheduler import Scheduler
+
+
+def _is_running(group: SequenceGroup) -> bool:
+    return bool(group.seqs) and group.seqs[0].status is SequenceStatus.RUNNING
+
+
+class SchedulingPass:
+    def __init__(self, sched: Scheduler, plan: StepPlan):
+        self.sched = sched
+        self.kv = sched.kv
+        self.plan = plan
+        self.budget = sched.config.max_num_batched_tokens
+        self.num_seqs = 0
+        self.scheduled: list[Sequence] = []
+        self.scheduled_groups: set[int] = set()
+        self.preempted = False
+
+    def run(self) -> list[Sequence]:
+        prefilling = []
+        for group in list(self.sched.running):
+            if not _is_running(group):
+                continue  # preempted or dropped earlier in this pass
+            if self._is_prefilling(group):
+                prefilling.append(group)
+            else:
+                self._schedule_running(group)
+        for group in prefilling:
+            if _is_running(group):
+                self._schedule_running(group)
+        if not self.preempted:
+            self._resume_swapped()
+        if not self.preempted:
+            self._admit_waiting()
+        return self.scheduled
+
+    # ---- what to compute -------------------------------------------------------------------------
+    @staticmethod
+    def _is_prefilling(group: SequenceGroup) -> bool:
+        if group.sampling_params.n > 1 and not group.samples_forked:
+            return True
+        return any(seq.num_tokens - seq.num_computed_tokens > 1 for seq in group.seqs)
+
+    def _maybe_fork_samples(self, group: SequenceGroup) -> None:
+        """n > 1: once the prompt but its last token is computed, fork the n-1 other samples."""
+        n = group.sampling_params.n
+        if n == 1 or group.samples_forked:
+            return
+        seq0 = group.seqs[0]
+        if seq0.num_computed_tokens < seq0.prompt_len - 1:
+            return
+        group.samples_forked = True
+        for _ in range(n - 1):
+            self.sched.fork_seq(group, seq0)
+
+    def _tokens_to_compute(self, group: SequenceGroup) -> list[tuple[Sequence, int]]:
+        """(seq, num_new_tokens) to schedule now, [] when the group cannot run this step."""
+        self._maybe_fork_samples(group)
+        unforked = group.sampling_params.n > 1 and not group.samples_forked
+        todo = []
+        total = 0
+        for seq in group.seqs:
+            target = seq.prompt_len - 1 if unforked else seq.num_tokens
+            num_new = target - seq.num_computed_tokens
+            if num_new > 0:
+                todo.append((seq, num_new))
+                total += num_new
+        if not todo or self.num_seqs + len(todo) > self.sched.config.max_num_seqs:
+            return []
+        if total <= self.budget:
+            return todo
+        if not self.sched.config.enable_chunked_prefill or self.budget <= 0:
+            return []
+        chunked = []
+        budget = self.budget
+        for seq, num_new in todo:
+            if budget <= 0:
+                break
+            chunked.append((seq, min(num_new, budget)))
+            budget -= num_new
+        return chunked
+
+    # ---- running ---------------------------------------------------------------------------------
+    def _schedule_running(self, group: SequenceGroup) -> None:
+        todo = self._tokens_to_compute(group)
+        if not todo:
+            return
+        need = {seq.seq_id: num_new for seq, num_new in todo}
+        while not self.kv.can_append_slots(group, need):
+            victim = self._pick_victim(group)
+            if victim is None and self.sched.running == [group]:
+                # Alone in the cache and still short of blocks: it can never make progress.
+                self.sched._drop_unservable(group, "the request outgrew the KV cache")
+                return
+            self._preempt(victim or group)
+            if victim is None:
+                return
+        self._commit(group, todo)
+
+    def _pick_victim(self, group: SequenceGroup) -> SequenceGroup | None:
+        for candidate in reversed(self.sched.running):
+            if candidate is not group and id(candidate) not in self.scheduled_groups:
+                return candidate
+        return None
+
+    def _preempt(self, group: SequenceGroup) -> None:
+        sched, kv = self.sched, self.kv
+        self.preempted = True
+        sched.num_preemptions += 1
+        sched.running.remove(group)
+        mode = sched.config.preemption_mode
+        if (mode == "swap" or len(group.seqs) > 1) and sched.config.num_cpu_blocks and kv.can_swap_out(group):
+            self.plan.swap_out.extend(kv.swap_out(group))
+            for seq in group.seqs:
+                seq.status = SequenceStatus.SWAPPED
+                seq.executor_num_blocks = 0  # swap-in resends the whole table
+            sched._insert_swapped(group)
+            return
+        for seq in group.seqs:  # recompute: prompt + outputs become the prompt to prefill again
+            kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            sched._forget_executor_state(seq)
+        if group.beam is not None:
+            group.beam.pending.clear()
+        sched.waiting.appendleft(group)
+
+    # ---- swapped and waiting -----------------------------------------------------------------------
+    def _resume_swapped(self) -> None:
+        sched = self.sched
+        while sched.swapped:
+            group = sched.swapped[0]
+            todo = self._tokens_to_compute(group)
+            if not todo:
+                return
+            if not self.kv.can_swap_in(group):
+                if not sched.running and not self.scheduled:
+                    sched.swapped.pop(0)
+                    sched._drop_unservable(group, "the request outgrew the KV cache")
+                    continue
+                return
+            self.plan.swap_in.extend(self.kv.swap_in(group))
+            sched.swapped.pop(0)
+            group.set_status(SequenceStatus.RUNNING)
+            sched._insert_running(group)
+            need = {seq.seq_id: num_new for seq, num_new in todo}
+            if self.kv.can_append_slots(group, need):
+                self._commit(group, todo)
+
+    def _admit_waiting(self) -> None:
+        sched = self.sched
+        while sched.waiting and self.budget > 0:
+            group = sched.waiting[0]
+            num_waiting = len(group.seqs) + (group.sampling_params.n - 1 if not group.samples_forked else 0)
+            if self.num_seqs + num_waiting > sched.config.max_num_seqs:
+                return
+            if not sched.config.enable_chunked_prefill:
+                upper = sum(seq.num_tokens - seq.num_computed_tokens for seq in group.seqs)
+                if upper > self.budget:
+                    return
+            status = self.kv.can_allocate(group)
+            if status is AllocStatus.LATER and not sched.running and not sched.swapped and not self.scheduled:
+                status = AllocStatus.NEVER  # it does not fit even with nothing else in the cache
+            if status is AllocStatus.NEVER:
+                sched.waiting.popleft()
+                sched._drop_unservable(group, "the request no longer fits in the KV cache")
+                continue
+            if status is AllocStatus.LATER:
+                return
+            sched.waiting.popleft()
+            self.kv.allocate(group)
+            group.set_status(SequenceStatus.RUNNING)
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = sched.clock()
+            sched._insert_running(group)
+            todo = self._tokens_to_compute(group)
+            if todo:
+                self._commit(group, todo)
+
+    # ---- plan entries --------------------------------------------------------------------------------
+    def _commit(self, group: SequenceGroup, todo: list[tuple[Sequence, int]]) -> None:
+        kv, plan = self.kv, self.plan
+        block_size = kv.block_size
+        params = group.sampling_params
+        for seq, num_new in todo:
+            copies = kv.append_slots(seq, num_new)
+            if copies:
+                plan.copies.extend(copies)
+                seq.executor_num_blocks = min(seq.executor_num_blocks, seq.num_computed_tokens // block_size)
+            table = kv.block_table(seq)
+            token_ids = seq.token_ids
+            if seq.executor_num_tokens < 0:
+                plan.new_seqs.append(
+                    NewSequence(
+                        seq.seq_id,
+                        list(token_ids),
+                        seq.num_computed_tokens,
+                        num_new,
+                        list(table),
+                        params,
+                        seq.sample_index,
+                        seq.prompt_len,
+                    )
+                )
+            else:
+                start = seq.executor_num_blocks
+                plan.cont_seqs.append(
+                    ContinuingSequence(
+                        seq.seq_id, num_new, token_ids[seq.executor_num_tokens :], start, table[start:]
+                    )
+                )
+            seq.executor_num_tokens = len(token_ids)
+            seq.executor_num_blocks = len(table)
+            seq.num_computed_tokens += num_new
+            self.scheduled.append(seq)
+            self.budget -= num_new
+        self.num_seqs += len(todo)
+        self.scheduled_groups.add(id(group))
