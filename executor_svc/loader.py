@@ -94,22 +94,27 @@ def load_safetensors(model: nn.Module, model_dir: str | pathlib.Path) -> None:
         param = params.get(name)
         if param is None:
             raise WeightLoadError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
-        loader = getattr(param, "weight_loader", None)
-        with torch.no_grad():
-            if loader is None:
-                if param.shape != tensor.shape:
-                    raise WeightLoadError(
-                        f"{hf_name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                    )
-                param.data.copy_(tensor)
-            elif shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
+        try:
+            _load_one(param, tensor, shard_id)
+        except (ValueError, RuntimeError) as e:
+            raise WeightLoadError(f"{hf_name}: {e}") from e
         loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise WeightLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+@torch.no_grad()
+def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id) -> None:
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        if param.shape != tensor.shape:
+            raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+    elif shard_id is None:
+        loader(param, tensor)
+    else:
+        loader(param, tensor, shard_id)
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY_STD) -> None:
