@@ -33,7 +33,10 @@ def test_plan_is_full_once_then_diffs_and_finishes_on_max_tokens():
     plan = sched.schedule()
     (new,) = plan.new_seqs
     assert (new.token_ids, new.num_computed_tokens, new.num_new_tokens, new.block_table) == (
-        list(range(6)), 0, 6, [0, 1]
+        list(range(6)),
+        0,
+        6,
+        [0, 1],
     )
     answer(sched, plan, {sid: 50})
     expected = [([50], 2, []), ([51], 2, []), ([52], 2, [2])]  # position 8 opens block 2
@@ -41,7 +44,10 @@ def test_plan_is_full_once_then_diffs_and_finishes_on_max_tokens():
         plan = sched.schedule()
         (cont,) = plan.cont_seqs
         assert (cont.new_token_ids, cont.num_new_tokens, cont.block_table_start, cont.block_ids) == (
-            new_tokens, 1, start, blocks
+            new_tokens,
+            1,
+            start,
+            blocks,
         )
         outs = answer(sched, plan, {sid: 51 + i})
     assert outs[0].finished and outs[0].samples[0].finish_reason is FinishReason.LENGTH
@@ -116,8 +122,9 @@ def test_recomputed_group_comes_back_as_a_new_sequence_with_its_outputs():
 
 
 def test_swap_preemption_round_trip_block_ids():
-    sched = make(block_size=2, num_gpu_blocks=4, num_cpu_blocks=4, preemption_mode="swap",
-                 enable_prefix_caching=False)
+    sched = make(
+        block_size=2, num_gpu_blocks=4, num_cpu_blocks=4, preemption_mode="swap", enable_prefix_caching=False
+    )
     a = add(sched, "A", [3, 4, 5], 0.0, max_tokens=4)
     b = add(sched, "B", [6, 7, 8], 1.0, max_tokens=4)
     ex = FakeExecutor(sched)
@@ -152,9 +159,7 @@ def test_chunked_prefill_token_counts_per_step():
         plans.append([(s.seq_id, s.num_new_tokens) for s in (*plan.new_seqs, *plan.cont_seqs)])
         sched.process_result(ex.step(plan))
     a, b = 1, 2  # seq ids in arrival order
-    assert plans == [
-        [(a, 8)], [(a, 8)], [(b, 4), (a, 4)], [(a, 1), (b, 1)], [(a, 1), (b, 1)], [(b, 1)]
-    ]
+    assert plans == [[(a, 8)], [(a, 8)], [(b, 4), (a, 4)], [(a, 1), (b, 1)], [(a, 1), (b, 1)], [(b, 1)]]
     assert not sched.has_unfinished()
 
 
@@ -172,7 +177,10 @@ def test_n4_samples_fork_after_the_shared_prefill_and_copy_the_partial_block():
     assert plan.forks == [(c, s0) for c in children]
     assert plan.copies == [(2, 3), (2, 4), (2, 5)]  # the last one keeps block 2
     assert [(s.seq_id, s.num_new_tokens, s.block_table_start, s.block_ids) for s in plan.cont_seqs] == [
-        (s0, 1, 2, [3]), (children[0], 1, 2, [4]), (children[1], 1, 2, [5]), (children[2], 1, 3, []),
+        (s0, 1, 2, [3]),
+        (children[0], 1, 2, [4]),
+        (children[1], 1, 2, [5]),
+        (children[2], 1, 3, []),
     ]
     assert [s.sample_index for s in group.seqs] == [0, 1, 2, 3]
     assert sched.kv.num_shared_block_refs == 6  # blocks 0 and 1 held by all four

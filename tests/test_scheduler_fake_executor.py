@@ -58,8 +58,12 @@ class FakeExecutor:
             assert child not in self.states
             src = self.states[parent]
             self.states[child] = _State(
-                list(src.token_ids), list(src.block_table), src.num_computed_tokens, src.params,
-                src.sample_index, src.prompt_len,
+                list(src.token_ids),
+                list(src.block_table),
+                src.num_computed_tokens,
+                src.params,
+                src.sample_index,
+                src.prompt_len,
             )
         for src, dst in plan.swap_out:
             self.cpu[dst] = dict(self.gpu.get(src, {}))
@@ -71,8 +75,12 @@ class FakeExecutor:
         for new in plan.new_seqs:
             assert new.seq_id not in self.states, f"seq {new.seq_id} sent as new twice"
             state = _State(
-                list(new.token_ids), list(new.block_table), new.num_computed_tokens, new.sampling_params,
-                new.sample_index, new.prompt_len,
+                list(new.token_ids),
+                list(new.block_table),
+                new.num_computed_tokens,
+                new.sampling_params,
+                new.sample_index,
+                new.prompt_len,
             )
             self.states[new.seq_id] = state
             scheduled.append((new.seq_id, state, new.num_new_tokens))
@@ -113,7 +121,8 @@ class FakeExecutor:
             if eos is not None and self.rng.random() < self.eos_prob:
                 tokens[self.rng.randrange(len(tokens))] = eos
             logprobs = sorted((-self.rng.random() * 4 for _ in tokens), reverse=True)
-            return SampledToken(seq_id, tokens[0], logprobs[0], beam_candidates=list(zip(tokens, logprobs, strict=True)))
+            candidates = list(zip(tokens, logprobs, strict=True))
+            return SampledToken(seq_id, tokens[0], logprobs[0], beam_candidates=candidates)
         return SampledToken(seq_id, self._token(), -self.rng.random())
 
     def run_until_done(self, max_steps: int = 2000, check=None) -> list:
