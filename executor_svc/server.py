@@ -45,13 +45,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--swap-space-gib", type=float, default=4.0)
+    parser.add_argument("--swap-space-gib", type=float, default=0.25, help="CPU swap space per rank")
+    parser.add_argument("--cpu-kv-gib", type=float, default=0.25, help="KV cache size when on CPU")
+    parser.add_argument("--dist-init", default=None, help="torch.distributed init method (world size > 1)")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def build_worker(args: argparse.Namespace) -> Any:
     from executor_svc.worker import Worker, WorkerConfig
 
+    if args.world_size > 1:
+        import torch
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        backend = "nccl" if device == "cuda" else "gloo"
+        torch.distributed.init_process_group(
+            backend, init_method=args.dist_init, rank=args.rank, world_size=args.world_size
+        )
     config = WorkerConfig(
         model_dir=args.model,
         device=args.device,
@@ -62,6 +72,7 @@ def build_worker(args: argparse.Namespace) -> Any:
         world_size=args.world_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space_gib=args.swap_space_gib,
+        cpu_kv_gib=args.cpu_kv_gib,
         seed=args.seed,
     )
     return Worker(config)

@@ -8,28 +8,15 @@ from typing import Any
 import grpc
 
 from executor_svc.convert import describe_to_pb
+from executor_svc.worker import PlanError, StepOrderError
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from scheduler_svc.convert import maps_errors, step_plan_from_pb, step_result_to_pb
 
-
-class StepOrderError(RuntimeError):
-    """Fallback type when the worker module defines none (a plan that skips a step)."""
-
-
-def _error_codes() -> dict[type[BaseException], grpc.StatusCode]:
-    codes: dict[type[BaseException], grpc.StatusCode] = {StepOrderError: grpc.StatusCode.FAILED_PRECONDITION}
-    try:
-        from executor_svc import worker as worker_module
-    except ImportError:
-        return codes
-    for name in ("StepOrderError", "PlanOrderError", "StepMismatchError"):
-        if isinstance(cls := getattr(worker_module, name, None), type):
-            codes[cls] = grpc.StatusCode.FAILED_PRECONDITION
-    codes[ValueError] = grpc.StatusCode.INVALID_ARGUMENT
-    return codes
-
-
-ERROR_CODES = _error_codes()
+ERROR_CODES = {
+    StepOrderError: grpc.StatusCode.FAILED_PRECONDITION,  # a plan that skips a step: reset first
+    PlanError: grpc.StatusCode.INVALID_ARGUMENT,  # a plan naming unknown sequences or blocks
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # e.g. init_cache with more blocks than fit
+}
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):

@@ -238,13 +238,16 @@ def maps_errors(codes: ErrorCodes) -> Callable:
 
             @functools.wraps(method)
             async def stream(self, request, context):
+                inner = method(self, request, context)
                 try:
-                    async for item in method(self, request, context):
+                    async for item in inner:
                         yield item
                 except Exception as exc:  # noqa: BLE001 - mapped to a status code
                     if isinstance(exc, grpc.aio.AbortError):
                         raise
                     await abort(context, exc)
+                finally:
+                    await inner.aclose()  # runs the handler's cleanup even when cancelled mid-yield
 
             return stream
 

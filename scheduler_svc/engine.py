@@ -1,0 +1,363 @@
+"""The engine loop: schedule → every executor rank → process the result → stream outputs.
+
+One asyncio task runs the loop; requests arrive from gRPC handlers on the same event loop, so the
+scheduler is only ever touched from one thread. Each request has an asyncio queue of
+`RequestDelta`s; text is detokenized incrementally per output (never broken UTF-8) and stop strings
+finish a sequence through the scheduler so its blocks are freed. With nothing to do the loop
+sleeps on an event (no busy spin). No protobuf here: the servicer converts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler_svc.detokenizer import Decoder, IncrementalDetokenizer, OutputText
+from scheduler_svc.output_processor import RequestOutput, SampleDelta
+from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.scheduler_config import RequestRejectedError
+from scheduler_svc.sequence import FinishReason
+from scheduler_svc.step_plan import StepPlan, StepResult
+
+_log = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """Bad client input; `field` names it (the edge answers INVALID_ARGUMENT)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+class RequestFailedError(RuntimeError):
+    """The server dropped an accepted request (e.g. it outgrew the KV cache, or an executor failed)."""
+
+
+class Tokenizer(Decoder, Protocol):
+    def encode(self, text: str): ...
+
+
+class Executors(Protocol):
+    async def step(self, plan: StepPlan) -> StepResult: ...
+
+    async def reset(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    eos_token_ids: tuple[int, ...] = ()
+    max_n: int = 16
+    max_beam_width: int = 16
+    world_size: int = 1
+
+
+@dataclass(slots=True)
+class OutputDelta:
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None  # None when the request did not ask for logprobs
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_output_tokens: int = 0
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    request_id: str
+    prompt_len: int
+    outputs: list[OutputDelta] = field(default_factory=list)
+    finished: bool = False
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_free_gpu_blocks: int
+    num_free_cpu_blocks: int
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_steps: int
+    num_preemptions: int
+    num_running_seqs: int
+
+
+class _Output:
+    """Per output index: its text state and counters."""
+
+    __slots__ = ("text", "num_tokens", "cumulative_logprob", "finished")
+
+    def __init__(self, text: OutputText):
+        self.text = text
+        self.num_tokens = 0
+        self.cumulative_logprob = 0.0
+        self.finished = False
+
+
+class _Request:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Decoder):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self.outputs: dict[int, _Output] = {}
+
+    def output(self, index: int) -> _Output:
+        if index not in self.outputs:
+            detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+            self.outputs[index] = _Output(OutputText(detok, self.params.stop))
+        return self.outputs[index]
+
+
+class RequestStream:
+    """What `Engine.add_request` returns: iterate `deltas()`; the last one has `finished`."""
+
+    def __init__(self, engine: Engine, request: _Request):
+        self._engine = engine
+        self._request = request
+        self.request_id = request.request_id
+        self.prompt_len = len(request.prompt_ids)
+
+    async def deltas(self) -> AsyncIterator[RequestDelta]:
+        while True:
+            delta = await self._request.queue.get()
+            if delta.error is not None:
+                raise RequestFailedError(delta.error)
+            yield delta
+            if delta.finished:
+                return
+
+    def abort(self) -> bool:
+        return self._engine.abort(self.request_id)
+
+
+class Engine:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executors: Executors,
+        tokenizer: Tokenizer,
+        limits: ModelLimits,
+        metrics=None,
+    ):
+        self.scheduler = scheduler
+        self.executors = executors
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.metrics = metrics
+        self._requests: dict[str, _Request] = {}
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self.num_steps = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str = ""
+    ) -> RequestStream:
+        """Validate and queue a request; raises InvalidRequestError (with the field) for bad input."""
+        prompt_ids = self._prompt_ids(prompt)
+        vocab = self.limits.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
+        total_blocks = -(-(len(prompt_ids) + params.max_tokens) // self.limits.block_size)
+        within_model_len = len(prompt_ids) + params.max_tokens <= self.limits.max_model_len
+        if total_blocks > self.limits.num_gpu_blocks and within_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never fit in the "
+                f"KV cache ({self.limits.num_gpu_blocks} blocks of {self.limits.block_size} tokens)",
+            )
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        group = self.scheduler.new_group(request_id, prompt_ids, params)
+        try:
+            self.scheduler.add_request(group)
+        except RequestRejectedError as err:
+            raise InvalidRequestError(err.field, str(err).split(": ", 1)[-1]) from None
+        request = _Request(request_id, prompt_ids, params, self.tokenizer)
+        self._requests[request_id] = request
+        self._wakeup.set()
+        return RequestStream(self, request)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return list(self.tokenizer.encode(prompt).ids)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.limits.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "prompt.token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Abort now: the blocks are freed at once, the executors drop the state with the next plan."""
+        request = self._requests.pop(request_id, None)
+        found = self.scheduler.abort(request_id)
+        if request is not None:
+            indexes = [i for i, o in sorted(request.outputs.items()) if not o.finished] or [0]
+            outputs = [OutputDelta(i, [], "", finish_reason="abort") for i in indexes]
+            delta = RequestDelta(request_id, len(request.prompt_ids), outputs, finished=True)
+            request.queue.put_nowait(delta)
+        self._wakeup.set()
+        return found or request is not None
+
+    def stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.scheduler.kv
+        cpu = getattr(kv, "cpu", None)
+        return EngineStats(
+            num_free_gpu_blocks=kv.num_free_blocks,
+            num_free_cpu_blocks=cpu.num_free_blocks if cpu is not None else 0,
+            num_waiting=len(s.waiting),
+            num_running=len(s.running),
+            num_swapped=len(s.swapped),
+            num_steps=self.num_steps,
+            num_preemptions=s.num_preemptions,
+            num_running_seqs=sum(len(g.seqs) for g in s.running),
+        )
+
+    # ---- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        while not self._stopping:
+            if not self.scheduler.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            start = time.perf_counter()
+            plan = self.scheduler.schedule()
+            try:
+                result = await self.executors.step(plan)  # an empty plan too: step ids stay contiguous
+            except Exception as err:  # an executor failed: fail what was in flight, keep serving
+                _log.exception("step %d failed", plan.step_id)
+                await self._recover(plan, f"executor failure: {err}")
+                continue
+            outputs = self.scheduler.process_result(result)
+            self.num_steps += 1
+            for out in outputs:
+                self._emit(out)
+            if self.metrics is not None:
+                self._record_metrics(plan, time.perf_counter() - start)
+            if plan.is_empty:  # nothing runnable now: wait for a new request or an abort
+                self._wakeup.clear()
+                await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=0.05)
+
+    async def _recover(self, plan: StepPlan, error: str) -> None:
+        for request_id, request in list(self._requests.items()):
+            self.scheduler.abort(request_id)
+            delta = RequestDelta(request_id, len(request.prompt_ids), finished=True, error=error)
+            request.queue.put_nowait(delta)
+        self._requests.clear()
+        self.scheduler.process_result(StepResult(plan.step_id))
+        try:
+            await self.executors.reset()
+        except Exception:  # noqa: BLE001 - still down; the next step reports it again
+            _log.exception("executor reset failed")
+
+    def _record_metrics(self, plan: StepPlan, step_time_s: float) -> None:
+        m, stats, kv = self.metrics, self.stats(), self.scheduler.kv
+        m.set("gpu_blocks_total", self.limits.num_gpu_blocks)
+        m.set("gpu_blocks_free", stats.num_free_gpu_blocks)
+        m.set("gpu_blocks_used", self.limits.num_gpu_blocks - stats.num_free_gpu_blocks)
+        m.set("gpu_blocks_cached_free", kv.num_cached_free_blocks)
+        m.set("cpu_swap_blocks_total", self.limits.num_cpu_blocks)
+        m.set("cpu_swap_blocks_used", self.limits.num_cpu_blocks - stats.num_free_cpu_blocks)
+        m.set("kv_usage_ratio", 1 - stats.num_free_gpu_blocks / self.limits.num_gpu_blocks)
+        m.set("blocks_saved_by_sharing", kv.num_shared_block_refs)
+        m.set("num_requests_running", stats.num_running)
+        m.set("num_requests_waiting", stats.num_waiting)
+        m.set("num_requests_swapped", stats.num_swapped)
+        m.set_total("prefix_cache_queries_tokens", kv.num_prefix_query_tokens)
+        m.set_total("prefix_cache_hits_tokens", kv.num_prefix_hit_tokens)
+        m.set_total("preemptions", stats.num_preemptions, mode=self.scheduler.config.preemption_mode)
+        m.inc("swapped_out_blocks", len(plan.swap_out))
+        m.inc("swapped_in_blocks", len(plan.swap_in))
+        m.inc("cow_copies", len(plan.copies))
+        m.observe("step_time_seconds", step_time_s)
+        m.observe("batch_size", len(plan.new_seqs) + len(plan.cont_seqs))
+        m.observe("step_plan_bytes", getattr(self.executors, "last_plan_bytes", 0))
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+
+    def _emit(self, out: RequestOutput) -> None:
+        request = self._requests.get(out.request_id)
+        if request is None:
+            return
+        delta = RequestDelta(out.request_id, len(request.prompt_ids), finished=out.finished, error=out.error)
+        if out.beams:
+            delta.outputs = [self._beam_output(request, i, h) for i, h in enumerate(out.beams)]
+        else:
+            delta.outputs = [self._sample_output(request, s) for s in out.samples]
+            delta.finished = delta.finished or self.scheduler.get_group(out.request_id) is None
+        if delta.finished:
+            del self._requests[out.request_id]
+        request.queue.put_nowait(delta)
+
+    def _sample_output(self, request: _Request, sample: SampleDelta) -> OutputDelta:
+        state = request.output(sample.sample_index)
+        state.num_tokens += len(sample.token_ids)
+        state.cumulative_logprob += sum(sample.logprobs)
+        text = state.text.append(sample.token_ids)
+        reason = sample.finish_reason.value if sample.finish_reason is not None else None
+        if text.stopped and reason is None:
+            reason = FinishReason.STOP.value
+            self._finish_by_stop_string(request.request_id, sample.sample_index)
+        elif text.stopped:
+            reason = FinishReason.STOP.value
+        text_delta = text.text + (state.text.finish() if reason is not None else "")
+        state.finished = reason is not None
+        want_logprobs = request.params.logprobs is not None
+        return OutputDelta(
+            index=sample.sample_index,
+            token_ids=list(sample.token_ids),
+            text=text_delta,
+            logprobs=list(sample.logprobs) if want_logprobs else None,
+            top_logprobs=[list(t) for t in sample.top_logprobs] if want_logprobs else None,
+            finish_reason=reason,
+            num_output_tokens=state.num_tokens,
+            cumulative_logprob=state.cumulative_logprob,
+        )
+
+    def _finish_by_stop_string(self, request_id: str, sample_index: int) -> None:
+        group = self.scheduler.get_group(request_id)
+        if group is None:
+            return
+        seq = next((s for s in group.seqs if s.sample_index == sample_index), None)
+        if seq is not None:
+            self.scheduler.finish_sequence(seq.seq_id, FinishReason.STOP)
+
+    def _beam_output(self, request: _Request, index: int, hypothesis) -> OutputDelta:
+        tokens = list(hypothesis.output_token_ids)
+        state = request.output(index)
+        text = state.text.append(tokens).text + state.text.finish()
+        stop_ids = set(request.params.stop_token_ids) | (
+            set() if request.params.ignore_eos else set(self.limits.eos_token_ids))
+        ends_on_stop = bool(tokens) and tokens[-1] in stop_ids
+        return OutputDelta(
+            index=index, token_ids=tokens, text=text,
+            finish_reason="stop" if ends_on_stop or state.text.stopped else "length",
+            num_output_tokens=len(tokens), cumulative_logprob=hypothesis.cumulative_logprob,
+        )

@@ -1,0 +1,201 @@
+"""The scheduler process: `python -m scheduler_svc.server --model DIR --executors HOST:PORT[,...]`.
+
+Connects to every executor rank, settles the KV cache size (the smallest that fits on every rank,
+or --num-gpu-blocks), has them allocate it, then serves the public Generation API with health and
+reflection. Prints `pagedserve scheduler listening on HOST:PORT` once it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import pathlib
+import signal
+from dataclasses import dataclass
+
+import grpc
+from tokenizers import Tokenizer
+
+from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from scheduler_svc.engine import Engine, ModelLimits
+from scheduler_svc.executor_client import ExecutorPool
+from scheduler_svc.grpc_serving import Health, add_reflection
+from scheduler_svc.sampling_params import MAX_BEAM_WIDTH, MAX_N
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.servicer import GenerationServicer
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    model: str
+    executors: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 50051
+    preemption: str = "recompute"
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    max_n: int = MAX_N
+    max_beam_width: int = MAX_BEAM_WIDTH
+    metrics_port: int | None = None
+    connect_timeout_s: float = 60.0
+
+
+async def build_engine(opts: ServeOptions) -> Engine:
+    pool = ExecutorPool(list(opts.executors))
+    await pool.wait_ready(opts.connect_timeout_s)
+    ranks = await pool.describe()
+    first = ranks[0]
+    fit_gpu = min(r["num_gpu_blocks"] for r in ranks)
+    fit_cpu = min(r["num_cpu_blocks"] for r in ranks)
+    num_gpu_blocks = min(opts.num_gpu_blocks or fit_gpu, fit_gpu)
+    wanted_cpu = fit_cpu if opts.num_cpu_blocks is None else opts.num_cpu_blocks
+    num_cpu_blocks = min(wanted_cpu, num_gpu_blocks, fit_cpu)
+    await pool.init_cache(num_gpu_blocks, num_cpu_blocks)
+    await pool.reset()
+    max_model_len = min(opts.max_model_len or first["max_model_len"], first["max_model_len"])
+    eos = first["eos_token_ids"]
+    config = SchedulerConfig(
+        block_size=first["block_size"],
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        max_num_seqs=opts.max_num_seqs,
+        max_model_len=max_model_len,
+        preemption_mode=opts.preemption,
+        enable_prefix_caching=opts.enable_prefix_caching,
+        eos_token_id=eos[0] if eos else None,
+    )
+    limits = ModelLimits(
+        model_name=first["model_name"] or pathlib.Path(opts.model).name,
+        vocab_size=first["vocab_size"],
+        max_model_len=max_model_len,
+        block_size=first["block_size"],
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        eos_token_ids=tuple(eos),
+        max_n=opts.max_n,
+        max_beam_width=opts.max_beam_width,
+        world_size=len(ranks),
+    )
+    tokenizer = Tokenizer.from_file(str(pathlib.Path(opts.model) / "tokenizer.json"))
+    metrics = None
+    if opts.metrics_port is not None:
+        from scheduler_svc.metrics import SchedulerMetrics
+
+        metrics = SchedulerMetrics(limits.model_name)
+        metrics.serve(opts.metrics_port)
+    return Engine(Scheduler(config), pool, tokenizer, limits, metrics)
+
+
+def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
+    limits, config = engine.limits, engine.scheduler.config
+    return generation_pb2.GetModelInfoResponse(
+        model_name=limits.model_name,
+        max_model_len=limits.max_model_len,
+        block_size=limits.block_size,
+        num_gpu_blocks=limits.num_gpu_blocks,
+        num_cpu_blocks=limits.num_cpu_blocks,
+        vocab_size=limits.vocab_size,
+        eos_token_ids=limits.eos_token_ids,
+        max_n=limits.max_n,
+        max_beam_width=limits.max_beam_width,
+        world_size=limits.world_size,
+        preemption_mode=config.preemption_mode,
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
+
+
+class SchedulerServer:
+    """The running server: the gRPC server and the engine loop task."""
+
+    def __init__(self, engine: Engine, server: grpc.aio.Server, port: int, health: Health):
+        self.engine = engine
+        self.server = server
+        self.port = port
+        self.health = health
+        self.loop_task = asyncio.create_task(self._run_engine())
+
+    async def _run_engine(self) -> None:
+        try:
+            await self.engine.run()
+        except Exception:
+            _log.exception("engine loop died")
+            await self.health.set_serving(False)
+            raise
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.health.set_serving(False)
+        self.engine.stop()
+        await self.server.stop(grace_s)
+        await asyncio.gather(self.loop_task, return_exceptions=True)
+        close = getattr(self.engine.executors, "close", None)
+        if close is not None:
+            await close()
+
+
+async def start_scheduler_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> SchedulerServer:
+    server = grpc.aio.server()
+    servicer = GenerationServicer(engine, model_info_pb(engine))
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health = Health(server, [SERVICE_NAME])
+    add_reflection(server, [SERVICE_NAME])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    running = SchedulerServer(engine, server, bound, health)
+    await health.set_serving(True)
+    return running
+
+
+def parse_args(argv: list[str] | None = None) -> ServeOptions:
+    p = argparse.ArgumentParser(prog="python -m scheduler_svc.server", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="model folder (its tokenizer.json is used)")
+    p.add_argument("--executors", required=True, help="comma-separated HOST:PORT of every rank, rank 0 first")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--num-cpu-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-n", type=int, default=MAX_N)
+    p.add_argument("--max-beam-width", type=int, default=MAX_BEAM_WIDTH)
+    p.add_argument("--metrics-port", type=int, default=None)
+    a = p.parse_args(argv)
+    return ServeOptions(
+        model=a.model, executors=tuple(t for t in a.executors.split(",") if t), host=a.host, port=a.port,
+        preemption=a.preemption, num_gpu_blocks=a.num_gpu_blocks, num_cpu_blocks=a.num_cpu_blocks,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching, max_n=a.max_n,
+        max_beam_width=a.max_beam_width, metrics_port=a.metrics_port,
+    )
+
+
+async def serve(opts: ServeOptions) -> None:
+    engine = await build_engine(opts)
+    running = await start_scheduler_server(engine, opts.host, opts.port)
+    print(f"pagedserve scheduler listening on {opts.host}:{running.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await running.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
