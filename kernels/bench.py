@@ -11,6 +11,8 @@ import datetime
 import json
 import math
 import platform
+import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,31 @@ DEV = "cuda"
 
 def time_ms(fn, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def warm_up_gpu(seconds: float = 1.0) -> None:
+    """Keep the GPU busy long enough for its clocks to rise before the first measurement (an idle
+    H100 sat at 405 MHz, and the first case measured 40 % slow without this)."""
+    src = torch.randn(1 << 28, device=DEV, dtype=DTYPE)  # 512 MiB
+    dst = torch.empty_like(src)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(20):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+
+
+def compiled_attention_kernels() -> list[dict]:
+    """Registers, spills and shared memory of every compiled paged-attention variant (best effort)."""
+    rows = []
+    try:
+        for caches in triton_attention._paged_attention_kernel.device_caches.values():
+            for key, kernel in caches[0].items():
+                rows.append(dict(key=str(key)[-160:], n_regs=kernel.n_regs, n_spills=kernel.n_spills,
+                                 shared_bytes=kernel.metadata.shared))
+    except (AttributeError, IndexError, TypeError) as exc:
+        rows.append(dict(error=repr(exc)))
+    return rows
 
 
 def copy_bandwidth() -> float:
@@ -56,8 +83,9 @@ def _decode_inputs(batch: int, context: int, gen: torch.Generator):
             1 / math.sqrt(dim))
 
 
-def _num_sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
+def _decode_slots() -> int:
+    """Resident decode programs for the default decode tile (BLOCK_N 64, d 128, 3 stages, bf16)."""
+    return triton_attention.resident_programs(torch.device(DEV), 64, 128, 3, 2)
 
 
 def _contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -77,6 +105,7 @@ def _time_sdpa(query, key, value) -> dict[str, float]:
         "efficient+enable_gqa": SDPBackend.EFFICIENT_ATTENTION,
     }
     times = {}
+    warnings.filterwarnings("ignore", message=".*(not used because|runtime disabled|same num_heads).*")
     for name, backend in forms.items():
         def run(backend=backend):
             if backend is None:
@@ -113,18 +142,43 @@ def bench_decode(batch: int, context: int, copy_bw: float, sweep: bool, gen) -> 
         ours_bw_fraction=kv_bytes / (ours_ms * 1e-3) / copy_bw,
         sdpa_bw_fraction=kv_bytes / (sdpa[best] * 1e-3) / copy_bw,
         rel_error_vs_reference=error, rel_error_vs_sdpa=relative_error(out, sdpa_out),
-        num_splits=triton_attention.choose_num_splits(batch * LLAMA3_8B["num_kv_heads"], context, _num_sms()),
+        num_splits=triton_attention.choose_num_splits(
+            batch * LLAMA3_8B["num_kv_heads"], context, _decode_slots()
+        ),
     )
     if sweep:
         row["sweep_splits_ms"] = {
             str(s): time_ms(lambda s=s: triton_attention.paged_attention(*args, num_splits=s))
-            for s in (1, 2, 4, 8, 16)
+            for s in (1, 2, 3, 4, 5, 8, 16)
         }
         row["sweep_tile_ms"] = {
             str(t): time_ms(lambda t=t: triton_attention.paged_attention(*args, tile=t))
             for t in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (32, 4, 4), (64, 8, 3))
         }
     return row
+
+
+def bench_prefill(batch: int, prompt: int, gen) -> dict:
+    """Causal prefill without a cached prefix, ours vs SDPA (is_causal, enable_gqa), in TFLOP/s."""
+    heads, dim = LLAMA3_8B["num_heads"], LLAMA3_8B["head_dim"]
+    args = list(_decode_inputs(batch, prompt, gen))
+    query = torch.randn(batch * prompt, heads, dim, device=DEV, dtype=DTYPE, generator=gen)  # [B*L, 32, 128]
+    args[0] = query
+    args[5] = torch.arange(0, batch * prompt + 1, prompt, device=DEV, dtype=torch.int32)  # [B + 1]
+    args[6] = prompt
+    ours_ms = time_ms(lambda: triton_attention.paged_attention(*args))
+    q = query.view(batch, prompt, heads, dim).transpose(1, 2)  # [B, 32, L, 128]
+    key = _contiguous_kv(args[1], args[3])
+    value = _contiguous_kv(args[2], args[3])
+    sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(q, key, value, is_causal=True, enable_gqa=True))
+    sdpa_out = F.scaled_dot_product_attention(q, key, value, is_causal=True, enable_gqa=True)
+    out = triton_attention.paged_attention(*args)
+    flops = 4 * batch * heads * dim * prompt * prompt / 2  # QK^T and PV, causal half
+    return dict(
+        batch=batch, prompt=prompt, ours_ms=ours_ms, sdpa_ms=sdpa_ms, speed_vs_sdpa=sdpa_ms / ours_ms,
+        ours_tflops=flops / (ours_ms * 1e-3) / 1e12, sdpa_tflops=flops / (sdpa_ms * 1e-3) / 1e12,
+        rel_error_vs_sdpa=relative_error(out, sdpa_out.transpose(1, 2).reshape(batch * prompt, heads, dim)),
+    )
 
 
 def bench_reshape_and_cache(copy_bw: float, gen) -> dict:
@@ -202,6 +256,14 @@ def _table(results: dict) -> str:
             f"{r['sdpa_ms'] * 1e3:>8.1f} {r['speed_vs_sdpa']:>9.2f} {100 * r['ours_bw_fraction']:>7.1f}% "
             f"{100 * r['sdpa_bw_fraction']:>7.1f}%  {r['sdpa_form']}"
         )
+    p = results["prefill"]
+    lines += [
+        "",
+        f"prefill {p['batch']} x {p['prompt']} tokens (causal, no prefix): "
+        f"ours {p['ours_ms'] * 1e3:.0f} us ({p['ours_tflops']:.0f} TFLOP/s), "
+        f"sdpa {p['sdpa_ms'] * 1e3:.0f} us ({p['sdpa_tflops']:.0f} TFLOP/s), "
+        f"sdpa/ours {p['speed_vs_sdpa']:.2f}",
+    ]
     rc, cb = results["reshape_and_cache"], results["copy_blocks"]
     lines += [
         "",
@@ -228,6 +290,7 @@ def main() -> None:
         device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(),
     )
+    warm_up_gpu()
     copy_bw = copy_bandwidth()
     results["copy_bandwidth_bytes_per_s"] = copy_bw
     results["decode"] = []
@@ -235,6 +298,9 @@ def main() -> None:
         results["decode"].append(bench_decode(batch, context, copy_bw, opts.sweep, gen))
         torch.cuda.empty_cache()
         print(json.dumps(results["decode"][-1]), flush=True)
+    results["prefill"] = bench_prefill(4, 2048, gen)
+    torch.cuda.empty_cache()
+    results["compiled_attention_kernels"] = compiled_attention_kernels()
     results["reshape_and_cache"] = bench_reshape_and_cache(copy_bw, gen)
     torch.cuda.empty_cache()
     results["copy_blocks"] = bench_copy_blocks(copy_bw, gen)

@@ -81,9 +81,11 @@ def test_paged_attention_matches_reference(
 
 
 def test_split_count_follows_grid_size():
-    assert triton_attention.choose_num_splits(num_programs=1024, max_seq_len=1024, num_sms=132) == 1
-    assert triton_attention.choose_num_splits(num_programs=128, max_seq_len=16384, num_sms=132) == 5
-    assert triton_attention.choose_num_splits(num_programs=8, max_seq_len=300, num_sms=132) == 2
+    choose = triton_attention.choose_num_splits
+    assert choose(num_programs=512, max_seq_len=4096, num_slots=264) == 1  # a wave or more: no split
+    assert choose(num_programs=128, max_seq_len=16384, num_slots=264) == 4  # 512 programs, 1.94 waves
+    assert choose(num_programs=200, max_seq_len=16384, num_slots=264) == 5  # 1000 in 4 waves of 264
+    assert choose(num_programs=8, max_seq_len=300, num_slots=264) == 2  # capped by the partition size
 
 
 def test_reshape_and_cache_matches_reference(seed):

@@ -60,8 +60,8 @@ def test_paged_attention_bf16_matches_reference(
 
 def test_default_split_k_is_taken_for_few_long_sequences():
     programs = 2 * 8  # two sequences, 8 KV heads
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert triton_attention.choose_num_splits(programs, 5000, num_sms) > 1
+    slots = triton_attention.resident_programs(torch.device(DEVICE), 64, 128, 3, 2)
+    assert triton_attention.choose_num_splits(programs, 5000, slots) > 1
 
 
 def test_dispatcher_runs_triton_on_cuda(seed):
