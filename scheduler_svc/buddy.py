@@ -81,6 +81,15 @@ class BuddyAllocator:
         order = order_for(num_blocks)
         return order <= self.max_order and self.largest_free_order >= order
 
+    def num_allocatable(self, num_blocks: int) -> int:
+        """How many allocations of `num_blocks` blocks would succeed one after another right now."""
+        order = order_for(num_blocks)
+        return sum(len(starts) << (k - order) for k, starts in enumerate(self._free_starts) if k >= order)
+
+    def num_allocatable_when_empty(self, num_blocks: int) -> int:
+        """Like `num_allocatable`, in an allocator with nothing allocated."""
+        return self.num_blocks >> order_for(num_blocks)
+
     def size_of(self, start: int) -> int:
         """Number of blocks held by the allocation starting at `start` (a power of two)."""
         return 1 << self._allocated_orders[start]

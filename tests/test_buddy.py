@@ -65,6 +65,17 @@ def test_external_fragmentation_refuses_a_request_that_fits_in_total():
     assert buddy.can_allocate(2)
 
 
+def test_num_allocatable_counts_what_splitting_can_serve():
+    buddy = BuddyAllocator(13)  # 8 @ 0, 4 @ 8, 1 @ 12
+    assert [buddy.num_allocatable(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [13, 6, 3, 3, 1, 1, 0]
+    assert buddy.num_allocatable_when_empty(4) == 3
+    for _ in range(3):
+        buddy.allocate(4)
+    assert buddy.num_allocatable(4) == 0
+    assert buddy.num_allocatable(1) == 1
+    assert buddy.num_allocatable_when_empty(4) == 3
+
+
 def test_top_level_pieces_never_merge_across_the_range_end():
     buddy = BuddyAllocator(12)  # 8 @ 0, 4 @ 8
     x = buddy.allocate(4)
