@@ -185,8 +185,7 @@ class Worker:
         runner = self._ensure_cache()
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
-        for child_id, parent_id in plan.forks:
-            self.seqs[child_id] = self._state(parent_id, "fork parent").copy()
+        self._apply_forks(plan.forks)
         runner.kv_cache.swap_out(plan.swap_out)
         runner.kv_cache.swap_in(plan.swap_in)
         runner.kv_cache.copy(plan.copies)
@@ -203,6 +202,22 @@ class Worker:
             torch.cuda.synchronize(self.device)
         self.last_step_id = plan.step_id
         return StepResult(plan.step_id, samples, time.perf_counter() - start)
+
+    def _apply_forks(self, forks: list[tuple[int, int]]) -> None:
+        """child := copy of parent. Forks carry no sample index, so the k-th child forked from a parent
+        in one plan gets the parent's sample_index + k: the numbering the scheduler gives the n samples
+        of a request (it forks samples 1..n-1 from sample 0 in one plan), so a seeded request draws the
+        same streams here as when its sequences come back as NewSequences with their own index. Beam
+        candidates ignore the index (they are not random)."""
+        forks_per_parent: dict[int, int] = {}
+        for child_id, parent_id in forks:
+            if child_id in self.seqs:
+                raise PlanError(f"fork child {child_id} already exists")
+            parent = self._state(parent_id, "fork parent")
+            forks_per_parent[parent_id] = forks_per_parent.get(parent_id, 0) + 1
+            child = parent.copy()
+            child.sample_index = parent.sample_index + forks_per_parent[parent_id]
+            self.seqs[child_id] = child
 
     def _apply_sequences(self, plan: StepPlan) -> list[ScheduledSequence]:
         scheduled = []
