@@ -27,7 +27,7 @@ async def start_executor_server(worker: Any, host: str = "127.0.0.1", port: int 
     server = grpc.aio.server(options=GRPC_OPTIONS)
     executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(worker), server)
     health = Health(server, [SERVICE_NAME])
-    add_reflection(server, [SERVICE_NAME])
+    add_reflection(server, [SERVICE_NAME, *health.reflection_names])
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     await health.set_serving(True)

@@ -33,6 +33,10 @@ class Health:
     def available(self) -> bool:
         return self._servicer is not None
 
+    @property
+    def reflection_names(self) -> list[str]:
+        return ["grpc.health.v1.Health"] if self._servicer is not None else []
+
     async def set_serving(self, serving: bool) -> None:
         if self._servicer is None:
             return

@@ -146,7 +146,7 @@ async def start_scheduler_server(engine: Engine, host: str = "127.0.0.1", port: 
     servicer = GenerationServicer(engine, model_info_pb(engine))
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = Health(server, [SERVICE_NAME])
-    add_reflection(server, [SERVICE_NAME])
+    add_reflection(server, [SERVICE_NAME, *health.reflection_names])
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     running = SchedulerServer(engine, server, bound, health)

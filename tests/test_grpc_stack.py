@@ -1,0 +1,139 @@
+"""A real pagedserve stack on localhost for the gRPC tests (executor server + scheduler server, each a
+grpc.aio server, in one background event loop), and the tests of the service plumbing itself:
+health, reflection, the Executor API's step ordering."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
+
+HEALTH = pytest.importorskip("grpc_health.v1.health_pb2")
+HEALTH_GRPC = pytest.importorskip("grpc_health.v1.health_pb2_grpc")
+
+
+class Stack:
+    """`with Stack(model_dir, num_gpu_blocks=...) as stack:` serves on `stack.target`."""
+
+    def __init__(self, model_dir, num_gpu_blocks: int = 256, num_cpu_blocks: int = 256, **options):
+        self.model_dir = str(model_dir)
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.options = options
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def run(self, coro, timeout_s: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _start(self) -> None:
+        from executor_svc.server import start_executor_server
+        from executor_svc.worker import Worker, WorkerConfig
+        from scheduler_svc.server import ServeOptions, build_engine, start_scheduler_server
+
+        worker = Worker(
+            WorkerConfig(
+                model_dir=self.model_dir,
+                device="cpu",
+                num_gpu_blocks=self.num_gpu_blocks,
+                num_cpu_blocks=self.num_cpu_blocks,
+            )
+        )
+        self.executor_server, port = await start_executor_server(worker)
+        self.executor_target = f"127.0.0.1:{port}"
+        opts = ServeOptions(model=self.model_dir, executors=(self.executor_target,), port=0)
+        self.engine = await build_engine(replace(opts, **self.options))
+        self.scheduler = await start_scheduler_server(self.engine, "127.0.0.1", 0)
+        self.target = f"127.0.0.1:{self.scheduler.port}"
+
+    async def _stop(self) -> None:
+        await self.scheduler.stop(0.5)
+        await self.executor_server.stop(0.5)
+
+    def __enter__(self) -> Stack:
+        self._thread.start()
+        self.run(self._start())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.run(self._stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+
+    def check_integrity(self) -> None:
+        """The scheduler's block manager invariants (run on the engine's loop, between steps)."""
+
+        async def check() -> None:
+            self.engine.scheduler.kv.check_integrity()
+
+        self.run(check())
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir):
+    with Stack(tiny_llama_dir) as running:
+        yield running
+
+
+def _health(target: str, service: str) -> str:
+    with grpc.insecure_channel(target) as channel:
+        reply = HEALTH_GRPC.HealthStub(channel).Check(HEALTH.HealthCheckRequest(service=service), timeout=5)
+    return HEALTH.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def test_health_is_serving_on_both_services(stack):
+    assert _health(stack.target, "") == "SERVING"
+    assert _health(stack.target, "pagedserve.v1.Generation") == "SERVING"
+    assert _health(stack.executor_target, "") == "SERVING"
+    assert _health(stack.executor_target, "pagedserve.v1.Executor") == "SERVING"
+    with pytest.raises(grpc.RpcError) as info:
+        _health(stack.target, "no.such.Service")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_lists_the_services(stack):
+    reflection_pb2 = pytest.importorskip("grpc_reflection.v1alpha.reflection_pb2")
+    reflection_grpc = pytest.importorskip("grpc_reflection.v1alpha.reflection_pb2_grpc")
+    with grpc.insecure_channel(stack.target) as channel:
+        stub = reflection_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=5)))
+    names = {s.name for s in reply.list_services_response.service}
+    assert "pagedserve.v1.Generation" in names and "grpc.health.v1.Health" in names
+
+
+def test_executor_rejects_a_plan_that_skips_a_step(tiny_llama_dir):
+    async def scenario() -> tuple[grpc.StatusCode, str, int]:
+        from executor_svc.server import start_executor_server
+        from executor_svc.worker import Worker, WorkerConfig
+
+        worker = Worker(
+            WorkerConfig(model_dir=str(tiny_llama_dir), device="cpu", num_gpu_blocks=8, num_cpu_blocks=0)
+        )
+        server, port = await start_executor_server(worker)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = executor_pb2_grpc.ExecutorStub(channel)
+                await stub.Step(executor_pb2.StepPlan(step_id=1))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Step(executor_pb2.StepPlan(step_id=3))
+                await stub.Reset(executor_pb2.ResetRequest())
+                after_reset = await stub.Step(executor_pb2.StepPlan(step_id=7))
+                described = await stub.Describe(executor_pb2.DescribeRequest())
+                assert described.vocab_size == 512 and described.num_gpu_blocks == 8
+            return info.value.code(), info.value.details(), after_reset.step_id
+        finally:
+            await server.stop(0)
+
+    code, details, step_after_reset = asyncio.run(scenario())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "step 3 does not follow step 1" in details
+    assert step_after_reset == 7
