@@ -175,13 +175,16 @@ class Engine:
         vocab = self.limits.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
+        cache = f"the KV cache ({self.limits.num_gpu_blocks} blocks of {self.limits.block_size} tokens)"
+        if -(-len(prompt_ids) // self.limits.block_size) > self.limits.num_gpu_blocks:
+            raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens can never fit in {cache}")
         total_blocks = -(-(len(prompt_ids) + params.max_tokens) // self.limits.block_size)
         within_model_len = len(prompt_ids) + params.max_tokens <= self.limits.max_model_len
         if total_blocks > self.limits.num_gpu_blocks and within_model_len:
             raise InvalidRequestError(
                 "max_tokens",
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) can never fit in the "
-                f"KV cache ({self.limits.num_gpu_blocks} blocks of {self.limits.block_size} tokens)",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"can never fit in {cache}",
             )
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
