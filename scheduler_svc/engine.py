@@ -14,11 +14,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-from scheduler_svc.detokenizer import Decoder, IncrementalDetokenizer, OutputText
-from scheduler_svc.output_processor import RequestOutput, SampleDelta
+from scheduler_svc.detokenizer import Decoder
+from scheduler_svc.engine_outputs import RequestDelta, RequestState
+from scheduler_svc.output_processor import RequestOutput
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_config import RequestRejectedError
@@ -65,27 +66,6 @@ class ModelLimits:
 
 
 @dataclass(slots=True)
-class OutputDelta:
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[float] | None = None  # None when the request did not ask for logprobs
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_output_tokens: int = 0
-    cumulative_logprob: float = 0.0
-
-
-@dataclass(slots=True)
-class RequestDelta:
-    request_id: str
-    prompt_len: int
-    outputs: list[OutputDelta] = field(default_factory=list)
-    finished: bool = False
-    error: str | None = None
-
-
-@dataclass(slots=True)
 class EngineStats:
     num_free_gpu_blocks: int
     num_free_cpu_blocks: int
@@ -97,38 +77,10 @@ class EngineStats:
     num_running_seqs: int
 
 
-class _Output:
-    """Per output index: its text state and counters."""
-
-    __slots__ = ("text", "num_tokens", "cumulative_logprob", "finished")
-
-    def __init__(self, text: OutputText):
-        self.text = text
-        self.num_tokens = 0
-        self.cumulative_logprob = 0.0
-        self.finished = False
-
-
-class _Request:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Decoder):
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.tokenizer = tokenizer
-        self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self.outputs: dict[int, _Output] = {}
-
-    def output(self, index: int) -> _Output:
-        if index not in self.outputs:
-            detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
-            self.outputs[index] = _Output(OutputText(detok, self.params.stop))
-        return self.outputs[index]
-
-
 class RequestStream:
     """What `Engine.add_request` returns: iterate `deltas()`; the last one has `finished`."""
 
-    def __init__(self, engine: Engine, request: _Request):
+    def __init__(self, engine: Engine, request: RequestState):
         self._engine = engine
         self._request = request
         self.request_id = request.request_id
@@ -161,7 +113,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._wakeup = asyncio.Event()
         self._stopping = False
         self.num_steps = 0
@@ -194,7 +146,7 @@ class Engine:
             self.scheduler.add_request(group)
         except RequestRejectedError as err:
             raise InvalidRequestError(err.field, str(err).split(": ", 1)[-1]) from None
-        request = _Request(request_id, prompt_ids, params, self.tokenizer)
+        request = RequestState(request_id, prompt_ids, params, self.tokenizer)
         self._requests[request_id] = request
         self._wakeup.set()
         return RequestStream(self, request)
@@ -220,10 +172,7 @@ class Engine:
         request = self._requests.pop(request_id, None)
         found = self.scheduler.abort(request_id)
         if request is not None:
-            indexes = [i for i, o in sorted(request.outputs.items()) if not o.finished] or [0]
-            outputs = [OutputDelta(i, [], "", finish_reason="abort") for i in indexes]
-            delta = RequestDelta(request_id, len(request.prompt_ids), outputs, finished=True)
-            request.queue.put_nowait(delta)
+            request.queue.put_nowait(request.abort_delta())
         self._wakeup.set()
         return found or request is not None
 
@@ -311,56 +260,21 @@ class Engine:
             return
         delta = RequestDelta(out.request_id, len(request.prompt_ids), finished=out.finished, error=out.error)
         if out.beams:
-            delta.outputs = [self._beam_output(request, i, h) for i, h in enumerate(out.beams)]
-        else:
-            delta.outputs = [self._sample_output(request, s) for s in out.samples]
-            delta.finished = delta.finished or self.scheduler.get_group(out.request_id) is None
+            eos = self.limits.eos_token_ids
+            delta.outputs = [request.beam_output(i, h, eos) for i, h in enumerate(out.beams)]
+        for sample in out.samples if not out.beams else ():
+            output, stopped_by_string = request.sample_output(sample)
+            delta.outputs.append(output)
+            if stopped_by_string:
+                self._finish_sequence(out.request_id, sample.sample_index)
+        delta.finished = delta.finished or self.scheduler.get_group(out.request_id) is None
         if delta.finished:
             del self._requests[out.request_id]
         request.queue.put_nowait(delta)
 
-    def _sample_output(self, request: _Request, sample: SampleDelta) -> OutputDelta:
-        state = request.output(sample.sample_index)
-        state.num_tokens += len(sample.token_ids)
-        state.cumulative_logprob += sum(sample.logprobs)
-        text = state.text.append(sample.token_ids)
-        reason = sample.finish_reason.value if sample.finish_reason is not None else None
-        if text.stopped and reason is None:
-            reason = FinishReason.STOP.value
-            self._finish_by_stop_string(request.request_id, sample.sample_index)
-        elif text.stopped:
-            reason = FinishReason.STOP.value
-        text_delta = text.text + (state.text.finish() if reason is not None else "")
-        state.finished = reason is not None
-        want_logprobs = request.params.logprobs is not None
-        return OutputDelta(
-            index=sample.sample_index,
-            token_ids=list(sample.token_ids),
-            text=text_delta,
-            logprobs=list(sample.logprobs) if want_logprobs else None,
-            top_logprobs=[list(t) for t in sample.top_logprobs] if want_logprobs else None,
-            finish_reason=reason,
-            num_output_tokens=state.num_tokens,
-            cumulative_logprob=state.cumulative_logprob,
-        )
-
-    def _finish_by_stop_string(self, request_id: str, sample_index: int) -> None:
+    def _finish_sequence(self, request_id: str, sample_index: int) -> None:
+        """A stop string ended this sample: finish its sequence so its blocks are freed now."""
         group = self.scheduler.get_group(request_id)
-        if group is None:
-            return
-        seq = next((s for s in group.seqs if s.sample_index == sample_index), None)
+        seq = next((s for s in group.seqs if s.sample_index == sample_index), None) if group else None
         if seq is not None:
             self.scheduler.finish_sequence(seq.seq_id, FinishReason.STOP)
-
-    def _beam_output(self, request: _Request, index: int, hypothesis) -> OutputDelta:
-        tokens = list(hypothesis.output_token_ids)
-        state = request.output(index)
-        text = state.text.append(tokens).text + state.text.finish()
-        stop_ids = set(request.params.stop_token_ids) | (
-            set() if request.params.ignore_eos else set(self.limits.eos_token_ids))
-        ends_on_stop = bool(tokens) and tokens[-1] in stop_ids
-        return OutputDelta(
-            index=index, token_ids=tokens, text=text,
-            finish_reason="stop" if ends_on_stop or state.text.stopped else "length",
-            num_output_tokens=len(tokens), cumulative_logprob=hypothesis.cumulative_logprob,
-        )

@@ -11,7 +11,8 @@ import grpc
 
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.convert import maps_errors, sampling_params_from_pb
-from scheduler_svc.engine import Engine, InvalidRequestError, OutputDelta, RequestDelta, RequestFailedError
+from scheduler_svc.engine import Engine, InvalidRequestError, RequestFailedError
+from scheduler_svc.engine_outputs import OutputDelta, RequestDelta
 from scheduler_svc.sampling_params import SamplingParamsError
 
 ERROR_CODES = {
