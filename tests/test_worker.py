@@ -262,3 +262,31 @@ def test_describe_and_init_cache(tiny_model_dirs):
     assert worker.kv_cache.device_cache.shape == (2, 2, 8, 16, 2, 32)
     assert worker.kv_cache.cpu_cache.shape == (2, 2, 2, 16, 2, 32)
     assert worker.describe().num_gpu_blocks == 8
+
+
+def test_description_converts_for_the_grpc_edge(tiny_llama_dir):
+    from executor_svc.convert import describe_to_pb
+    from scheduler_svc.convert import describe_from_pb
+
+    worker = make_worker(tiny_llama_dir)
+    values = describe_from_pb(describe_to_pb(worker.describe()))
+    assert (values["family"], values["vocab_size"], values["num_gpu_blocks"], values["num_cpu_blocks"]) == (
+        "llama",
+        512,
+        32,
+        16,
+    )
+    assert (values["eos_token_ids"], values["block_size"], values["model_name"]) == ((2,), BS, "llama")
+    assert values["extra"]["bos_token_id"] == 1 and values["extra"]["rope_type"] == "llama3"
+
+
+def test_dummy_weights_worker_runs_and_profile_run_works_on_cpu(tiny_model_dirs):
+    from executor_svc.kv_cache import blocks_from_profile
+
+    worker = make_worker(tiny_model_dirs["opt"], load_format="dummy", max_num_batched_tokens=64)
+    result = worker.execute(StepPlan(0, new_seqs=[NewSequence(1, PROMPT, 0, 6, [1, 2], GREEDY)]))
+    assert 0 <= result.samples[0].token_id < 512
+    worker.runner.profile_run(64, max_num_seqs=5)  # 5 prefills of 12-13 tokens, no KV written
+    assert torch.count_nonzero(worker.kv_cache.device_cache[:, :, 3:]) == 0
+    assert blocks_from_profile(total_bytes=1000, utilization=0.5, peak_bytes=100, block_bytes=64) == 6
+    assert blocks_from_profile(total_bytes=1000, utilization=0.1, peak_bytes=200, block_bytes=64) == 0
