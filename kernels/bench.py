@@ -84,8 +84,13 @@ def _decode_inputs(batch: int, context: int, gen: torch.Generator):
 
 
 def _decode_slots() -> int:
-    """Resident decode programs for the default decode tile (BLOCK_N 64, d 128, 3 stages, bf16)."""
-    return triton_attention.resident_programs(torch.device(DEV), 64, 128, 3, 2)
+    return triton_attention.split_slots(torch.device(DEV))
+
+
+PREFILL_TILES = [  # (block_m, (BLOCK_N, num_warps, num_stages)); the first is the default
+    (64, (64, 4, 2)), (64, (64, 4, 3)), (128, (64, 8, 2)),
+    (128, (64, 8, 3)), (128, (128, 8, 2)), (128, (32, 4, 3)),
+]
 
 
 def _contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -158,7 +163,7 @@ def bench_decode(batch: int, context: int, copy_bw: float, sweep: bool, gen) -> 
     return row
 
 
-def bench_prefill(batch: int, prompt: int, gen) -> dict:
+def bench_prefill(batch: int, prompt: int, gen, sweep: bool) -> dict:
     """Causal prefill without a cached prefix, ours vs SDPA (is_causal, enable_gqa), in TFLOP/s."""
     heads, dim = LLAMA3_8B["num_heads"], LLAMA3_8B["head_dim"]
     args = list(_decode_inputs(batch, prompt, gen))
@@ -174,7 +179,14 @@ def bench_prefill(batch: int, prompt: int, gen) -> dict:
     sdpa_out = F.scaled_dot_product_attention(q, key, value, is_causal=True, enable_gqa=True)
     out = triton_attention.paged_attention(*args)
     flops = 4 * batch * heads * dim * prompt * prompt / 2  # QK^T and PV, causal half
+    sweep_ms = {}
+    for block_m, tile in PREFILL_TILES if sweep else ():
+        def run(block_m=block_m, tile=tile):
+            return triton_attention.paged_attention(*args, tile=tile, block_m=block_m)
+        error = relative_error(run(), sdpa_out.transpose(1, 2).reshape(batch * prompt, heads, dim))
+        sweep_ms[str((block_m, tile))] = dict(ms=time_ms(run), rel_error_vs_sdpa=error)
     return dict(
+        sweep_tile_ms=sweep_ms,
         batch=batch, prompt=prompt, ours_ms=ours_ms, sdpa_ms=sdpa_ms, speed_vs_sdpa=sdpa_ms / ours_ms,
         ours_tflops=flops / (ours_ms * 1e-3) / 1e12, sdpa_tflops=flops / (sdpa_ms * 1e-3) / 1e12,
         rel_error_vs_sdpa=relative_error(out, sdpa_out.transpose(1, 2).reshape(batch * prompt, heads, dim)),
@@ -298,7 +310,7 @@ def main() -> None:
         results["decode"].append(bench_decode(batch, context, copy_bw, opts.sweep, gen))
         torch.cuda.empty_cache()
         print(json.dumps(results["decode"][-1]), flush=True)
-    results["prefill"] = bench_prefill(4, 2048, gen)
+    results["prefill"] = bench_prefill(4, 2048, gen, opts.sweep)
     torch.cuda.empty_cache()
     results["compiled_attention_kernels"] = compiled_attention_kernels()
     results["reshape_and_cache"] = bench_reshape_and_cache(copy_bw, gen)

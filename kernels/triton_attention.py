@@ -48,6 +48,44 @@ def _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, BLO
 
 
 @triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, lo, hi, kv_hi,
+    row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, m_i, l_i) over context positions [lo, hi), BLOCK_N at a time,
+    K/V gathered through the block table. MASKED: positions >= kv_hi or after a row's own position
+    are excluded; unmasked calls must cover only positions every row may see."""
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        if MASKED:
+            pos_valid = pos < kv_hi
+            block = tl.load(block_table + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+            kv_mask = pos_valid[:, None] & dim_valid[None, :]
+        else:
+            block = tl.load(block_table + pos // BLOCK_SIZE).to(tl.int64)
+            kv_mask = dim_valid[None, :]
+        kv_offset = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot + head_offset
+        k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            allowed = pos_valid[None, :] & (pos[None, :] <= row_pos[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -98,24 +136,21 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head.to(tl.int64) * stride_c_head
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        pos_valid = pos < kv_hi
-        block = tl.load(block_table + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
-        kv_offset = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot + head_offset
-        kv_mask = pos_valid[:, None] & dim_valid[None, :]
-        k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        allowed = pos_valid[None, :] & (pos[None, :] <= row_pos[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Whole tiles at or before the tile's first query position need no mask; the rest (the causal
+    # diagonal, the partial last tile) do.
+    first_row_pos = context_start + q_tile_start
+    num_unmasked = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - kv_lo, 0) // BLOCK_N
+    unmasked_hi = kv_lo + num_unmasked * BLOCK_N
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, unmasked_hi,
+        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot,
+        BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_hi, kv_hi,
+        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot,
+        BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION,
+    )
 
     if SPLIT:
         part_row = (row_global * num_heads + row_head) * num_splits + split  # [BLOCK_M]
@@ -154,24 +189,24 @@ def _reduce_splits_kernel(
     )
 
 
-def resident_programs(device: torch.device, block_n: int, d_pad: int, num_stages: int, elsize: int) -> int:
-    """How many programs of this tile shape the GPU holds at once. The K and V tiles, one buffer per
-    pipeline stage, bound it: 96 KB per program for BLOCK_N 64, d 128, 3 stages, bf16, so two per
-    H100 SM."""
+def split_slots(device: torch.device) -> int:
+    """Grid size (programs) from which the context is not split: two programs per SM.
+
+    Calibrated on an H100 (132 SMs), decode tile (BLOCK_N 64, d 128, 4 warps, 3 stages: 128
+    registers, 39 KB shared, so 4 resident programs per SM by registers): 512 programs unsplit beat
+    every split for (64 seqs, 1024 or 4096 context); 128 programs were fastest split 3, 4 or 8 ways
+    (within 1 %), while 5 ways (640 programs, 1.2 x the 528 resident) ran 15 % slower."""
     if device.type != "cuda":
         return 8
-    props = torch.cuda.get_device_properties(device)
-    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-    smem_per_program = num_stages * 2 * block_n * d_pad * elsize
-    return props.multi_processor_count * max(1, min(8, smem_per_sm // smem_per_program))
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_slots: int) -> int:
-    """Split-K count for a grid of num_programs (tiles x KV heads) on a GPU that holds num_slots.
+    """Split-K count for a grid of num_programs (tiles x KV heads); num_slots from split_slots().
 
-    A grid of at least one full wave is left alone. A smaller one is split into the fewest partitions
-    that give at least 1.5 waves, with the last wave at least 90 % full (on an H100, 640 programs in
-    waves of 264 ran 15 % slower than 512). Partitions stay >= _MIN_PARTITION positions."""
+    A grid of at least num_slots programs is left alone. A smaller one is split into the fewest
+    partitions that give at least 1.5 x num_slots programs, in waves of num_slots the last at least
+    90 % full. Partitions stay >= _MIN_PARTITION positions."""
     if num_programs >= num_slots:
         return 1
     max_splits = max(1, math.ceil(max_seq_len / _MIN_PARTITION))
@@ -186,10 +221,10 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_slots: int) -> in
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
     max_query_len, max_seq_len, scale, *, num_splits: int | None = None,
-    tile: tuple[int, int, int] | None = None,
+    tile: tuple[int, int, int] | None = None, block_m: int | None = None,
 ) -> torch.Tensor:
     """See kernels/reference.py. num_splits forces the split-K count (1 = none); tile forces
-    (BLOCK_N, num_warps, num_stages) (benchmark sweeps)."""
+    (BLOCK_N, num_warps, num_stages) and block_m the rows of a prefill tile (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -208,15 +243,14 @@ def paged_attention(
         block_q, block_m, block_n, num_warps, num_stages = 1, max(16, g_pad), 64, 4, 3
         num_tiles = num_seqs
     else:
-        block_m = max(64, g_pad)
+        block_m = max(block_m or 64, g_pad)
         block_q, block_n, num_warps, num_stages = block_m // g_pad, 64, 4, 2
         num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles exit at once
     if tile is not None:
         block_n, num_warps, num_stages = tile
     partition_size = _NO_PARTITION
     if num_splits is None:
-        slots = resident_programs(query.device, block_n, d_pad, num_stages, query.element_size())
-        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seq_len, slots)
+        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seq_len, split_slots(query.device))
         if num_splits > 1:  # whole K/V tiles per partition
             partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     elif num_splits > 1:

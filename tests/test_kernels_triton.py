@@ -80,6 +80,18 @@ def test_paged_attention_matches_reference(
     assert err < 1e-5, f"seed {seed}: relative error {err}"
 
 
+@pytest.mark.parametrize(("block_m", "tile"), [(128, (32, 4, 3)), (16, (16, 4, 2))])
+@pytest.mark.parametrize("name", ["long_chunk_after_prefix", "mixed_chunk_and_decodes"])
+def test_paged_attention_other_tile_shapes(seed, name, block_m, tile):
+    """Small K/V tiles: many unmasked tiles before the causal diagonal, several masked ones on it."""
+    seq_lens, query_lens = ATTENTION_CASES[name]
+    case = make_paged_case(seq_lens, query_lens, 8, 2, 32, 8, torch.float32, "cpu", seed)
+    ref = reference.paged_attention(*case.args())
+    out = triton_attention.paged_attention(*case.args(), tile=tile, block_m=block_m)
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+
+
 def test_split_count_follows_grid_size():
     choose = triton_attention.choose_num_splits
     assert choose(num_programs=512, max_seq_len=4096, num_slots=264) == 1  # a wave or more: no split

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 
 import kernels  # noqa: E402
 from kernels import reference, triton_attention, triton_cache  # noqa: E402
+from kernels.bench import PREFILL_TILES  # noqa: E402
 from kernels.testing import make_paged_case, relative_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -60,8 +61,19 @@ def test_paged_attention_bf16_matches_reference(
 
 def test_default_split_k_is_taken_for_few_long_sequences():
     programs = 2 * 8  # two sequences, 8 KV heads
-    slots = triton_attention.resident_programs(torch.device(DEVICE), 64, 128, 3, 2)
+    slots = triton_attention.split_slots(torch.device(DEVICE))
     assert triton_attention.choose_num_splits(programs, 5000, slots) > 1
+
+
+@pytest.mark.parametrize(("block_m", "tile"), PREFILL_TILES)
+@pytest.mark.parametrize("name", ["prefill_with_cached_prefix", "mixed_chunks_and_decodes"])
+def test_prefill_tile_candidates_match_reference(seed, name, block_m, tile):
+    seq_lens, query_lens = ATTENTION_CASES[name]
+    case = make_paged_case(seq_lens, query_lens, 32, 8, 128, 16, torch.bfloat16, DEVICE, seed)
+    ref = reference.paged_attention(*case.args())
+    out = triton_attention.paged_attention(*case.args(), tile=tile, block_m=block_m)
+    err = relative_error(out, ref)
+    assert err < 1e-2, f"seed {seed}: relative error {err}"
 
 
 def test_dispatcher_runs_triton_on_cuda(seed):
