@@ -50,11 +50,20 @@ def build_request(
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest; parameters left as None take the server's defaults."""
     optional = dict(
-        max_tokens=max_tokens, n=n, beam_width=beam_width, temperature=temperature, top_p=top_p,
-        seed=seed, logprobs=logprobs, length_penalty=length_penalty,
+        max_tokens=max_tokens,
+        n=n,
+        beam_width=beam_width,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        logprobs=logprobs,
+        length_penalty=length_penalty,
     )
     sampling = generation_pb2.SamplingParameters(
-        top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+        top_k=top_k,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
         **{k: v for k, v in optional.items() if v is not None},
     )
     request = generation_pb2.GenerateRequest(sampling=sampling, request_id=request_id)
@@ -80,8 +89,12 @@ def _delta_from_pb(msg: generation_pb2.GenerateResponse) -> GenerationDelta:
                 logprobs.append(TokenLogprob(out.token_ids[i], logprob, top))
         outputs.append(
             OutputDelta(
-                index=out.index, token_ids=tuple(out.token_ids), text=out.text, logprobs=tuple(logprobs),
-                finish_reason=FINISH_REASONS[out.finish_reason], completion_tokens=out.completion_tokens,
+                index=out.index,
+                token_ids=tuple(out.token_ids),
+                text=out.text,
+                logprobs=tuple(logprobs),
+                finish_reason=FINISH_REASONS[out.finish_reason],
+                completion_tokens=out.completion_tokens,
                 cumulative_logprob=out.cumulative_logprob,
             )
         )
@@ -119,13 +132,19 @@ class Client:
         return result
 
     def model_info(self) -> ModelInfo:
-        return _model_info_from_pb(self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest()))
+        return _model_info_from_pb(
+            self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=self._timeout_s)
+        )
 
     def stats(self) -> ServerStats:
-        return _stats_from_pb(self._stub.GetServerStats(generation_pb2.GetServerStatsRequest()))
+        return _stats_from_pb(
+            self._stub.GetServerStats(generation_pb2.GetServerStatsRequest(), timeout=self._timeout_s)
+        )
 
     def abort(self, request_id: str) -> bool:
-        return self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id)).found
+        return self._stub.Abort(
+            generation_pb2.AbortRequest(request_id=request_id), timeout=self._timeout_s
+        ).found
 
     def close(self) -> None:
         self._channel.close()
@@ -158,13 +177,21 @@ class AsyncClient:
         return result
 
     async def model_info(self) -> ModelInfo:
-        return _model_info_from_pb(await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest()))
+        return _model_info_from_pb(
+            await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=self._timeout_s)
+        )
 
     async def stats(self) -> ServerStats:
-        return _stats_from_pb(await self._stub.GetServerStats(generation_pb2.GetServerStatsRequest()))
+        return _stats_from_pb(
+            await self._stub.GetServerStats(generation_pb2.GetServerStatsRequest(), timeout=self._timeout_s)
+        )
 
     async def abort(self, request_id: str) -> bool:
-        return (await self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id))).found
+        return (
+            await self._stub.Abort(
+                generation_pb2.AbortRequest(request_id=request_id), timeout=self._timeout_s
+            )
+        ).found
 
     async def close(self) -> None:
         await self._channel.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import grpc
 
@@ -36,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-token-ids", type=_token_ids, default=[])
     parser.add_argument("--logprobs", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                        help="wait up to this long for the server to be ready (e.g. right after `serve &`)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     )
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     result = GenerationResult()
+    if args.wait > 0 and not wait_ready(args.server, args.wait):
+        print(f"pagedserve generate: {args.server} not ready after {args.wait:.0f} s", file=sys.stderr)
+        return 1
     try:
         with Client(args.server) as client:
             for delta in client.stream(prompt, **params):
@@ -63,6 +69,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"\n[{result.outputs[0].finish_reason if result.outputs else 'empty'}]")
     return 0
+
+
+def wait_ready(target: str, timeout_s: float) -> bool:
+    """True once the server answers GetModelInfo (it does so only after startup completed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with Client(target, timeout_s=2.0) as client:
+                client.model_info()
+            return True
+        except grpc.RpcError:
+            time.sleep(0.5)
+    return False
 
 
 def _print_delta(delta, single: bool) -> None:
