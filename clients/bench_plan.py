@@ -12,15 +12,14 @@ so its cost must not grow with context length.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import subprocess
 import sys
 import time
 
-import grpc
-
-from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
-from scheduler_svc.convert import step_plan_from_pb, step_plan_to_pb, step_result_from_pb
+from scheduler_svc.convert import step_plan_from_pb, step_plan_to_pb, step_result_from_pb, step_result_to_pb
+from scheduler_svc.executor_client import ExecutorPool
 from scheduler_svc.step_plan import ContinuingSequence, SampledToken, StepPlan, StepResult
 
 
@@ -61,27 +60,32 @@ def _median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def measure(stub, num_seqs: int, context_len: int, steps: int) -> dict[str, float]:
-    keys = ("build", "encode", "rpc", "decode_plan", "decode_result")
+async def measure(pool, num_seqs: int, context_len: int, steps: int, first_step: int) -> dict[str, float]:
+    """Per step: build the plan; `pool.step` as the engine calls it (encode, serialize once, send,
+    executor decodes + answers, receive, decode the result); and, timed apart, the CPU cost of each
+    conversion on its own."""
+    keys = ("build", "step", "encode", "decode_plan", "encode_result", "decode_result")
     times: dict[str, list[float]] = {k: [] for k in keys}
     sizes = []
-    for step in range(steps):
+    for step_id in range(first_step, first_step + steps):
         t0 = time.perf_counter()
-        plan = build_plan(step, num_seqs, context_len)
+        plan = build_plan(step_id, num_seqs, context_len)
         t1 = time.perf_counter()
-        msg = step_plan_to_pb(plan)
+        result = await pool.step(plan)
         t2 = time.perf_counter()
-        reply = stub.Step(msg)  # serialize, send, server decode + execute + encode, receive, parse
+        msg = step_plan_to_pb(plan)
         t3 = time.perf_counter()
-        step_result_from_pb(reply)
+        step_plan_from_pb(msg)
         t4 = time.perf_counter()
-        step_plan_from_pb(msg)  # what the executor does on its side (also inside the rpc time)
+        result_msg = step_result_to_pb(result)
         t5 = time.perf_counter()
-        sizes.append(msg.ByteSize())
-        for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t5 - t4, t4 - t3), strict=True):
+        step_result_from_pb(result_msg)
+        t6 = time.perf_counter()
+        sizes.append(pool.last_plan_bytes)
+        for key, dt in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=True):
             times[key].append(dt)
     report = {k: _median_us(v) for k, v in times.items()}
-    report["total"] = report["build"] + report["encode"] + report["rpc"] + report["decode_result"]
+    report["total"] = report["build"] + report["step"]
     report["plan_bytes"] = statistics.median(sizes)
     return report
 
@@ -99,6 +103,26 @@ def serve_null(port_file: str) -> None:
     asyncio.run(run())
 
 
+async def _report(target: str, args: argparse.Namespace) -> None:
+    pool = ExecutorPool([target])
+    await pool.wait_ready(30)
+    await pool.reset()
+    print(f"step plan of {args.seqs} decoding sequences, median over {args.steps} steps (µs)")
+    print("  build + step = total per step; step = encode + send + executor decode/encode + receive + decode")
+    header = ("context", "build", "step", "total", "encode", "dec.plan", "enc.res", "dec.res", "bytes")
+    print(" ".join(f"{h:>8}" for h in header))
+    step_id = 1
+    for context_len in args.contexts:
+        await measure(pool, args.seqs, context_len, 20, step_id)  # warm up
+        step_id += 20
+        r = await measure(pool, args.seqs, context_len, args.steps, step_id)
+        step_id += args.steps
+        row = (r["build"], r["step"], r["total"], r["encode"], r["decode_plan"], r["encode_result"],
+               r["decode_result"], r["plan_bytes"])
+        print(f"{context_len:>8} " + " ".join(f"{v:>8.0f}" for v in row))
+    await pool.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", type=int, default=256)
@@ -114,18 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         port = int(proc.stdout.readline())
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = executor_pb2_grpc.ExecutorStub(channel)
-            stub.Reset(executor_pb2.ResetRequest())
-            print(f"step plan of {args.seqs} decoding sequences, median over {args.steps} steps (µs)")
-            print(f"{'context':>8} {'build':>7} {'encode':>7} {'rpc':>7} {'dec.res':>7} {'total':>7} "
-                  f"{'(dec.plan)':>10} {'bytes':>6}")
-            for context_len in args.contexts:
-                measure(stub, args.seqs, context_len, 20)  # warm up
-                r = measure(stub, args.seqs, context_len, args.steps)
-                print(f"{context_len:>8} {r['build']:>7.0f} {r['encode']:>7.0f} {r['rpc']:>7.0f} "
-                      f"{r['decode_result']:>7.0f} {r['total']:>7.0f} {r['decode_plan']:>10.0f} "
-                      f"{r['plan_bytes']:>6.0f}")
+        asyncio.run(_report(f"127.0.0.1:{port}", args))
     finally:
         proc.terminate()
         proc.wait()

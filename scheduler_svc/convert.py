@@ -81,13 +81,15 @@ def _pairs(flat) -> list[tuple[int, int]]:
 
 
 def _split(flat, counts) -> list[list]:
-    """[flat[0:c0], flat[c0:c0+c1], ...] for counts [c0, c1, ...], fast when every count is 0 or 1."""
+    """[flat[0:c0], flat[c0:c0+c1], ...] for counts [c0, c1, ...]; fast paths for counts of 0 or 1."""
     counts = list(counts)
     if not flat:
         return [[] for _ in counts]
     if len(flat) == len(counts) and all(c == 1 for c in counts):
         return [[x] for x in flat]
     it = iter(flat)
+    if max(counts) <= 1:
+        return [[next(it)] if c else [] for c in counts]
     return [list(islice(it, c)) for c in counts]
 
 
