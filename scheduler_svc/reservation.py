@@ -116,8 +116,7 @@ class ReservationManager(KVCacheManager):
         if ranges is None:
             ranges = self._groups[group.request_id] = _GroupRanges(group)
         waiting = group.seqs_with_status(SequenceStatus.WAITING)
-        for _ in range(self._num_ranges(group) - len(waiting)):
-            ranges.spare_starts.append(self.buddy.allocate(num_blocks))
+        num_spares = self._num_ranges(group) - len(waiting)
         for seq in waiting:
             assert seq.seq_id not in self._seqs, f"seq {seq.seq_id} already has a range"
             start = self.buddy.allocate(num_blocks)
@@ -126,6 +125,8 @@ class ReservationManager(KVCacheManager):
             ranges.num_seq_ranges += 1
             self._num_filled_slots += seq.num_tokens
             seq.num_computed_tokens = 0
+        for _ in range(num_spares):
+            ranges.spare_starts.append(self.buddy.allocate(num_blocks))
 
     # ---- running -------------------------------------------------------------------------------
     def _fits(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -170,7 +171,7 @@ class ReservationManager(KVCacheManager):
         ranges = src.ranges
         if not ranges.spare_starts:
             raise MemoryError(f"no range reserved for a fork of seq {parent.seq_id}")
-        start = ranges.spare_starts.pop()
+        start = ranges.spare_starts.pop(0)
         table = list(range(start, start + len(src.block_table)))
         state = _SeqRange(
             start, table, src.num_filled_slots, ranges, list(zip(src.block_table, table, strict=True))

@@ -124,4 +124,5 @@ class SimExecutor:
             return SampledToken(
                 seq_id, tokens[0], logprobs[0], beam_candidates=list(zip(tokens, logprobs, strict=True))
             )
-        return SampledToken(seq_id, rng.randrange(MIN_TOKEN_ID, self.vocab_size), -rng.random())
+        token_id = MIN_TOKEN_ID + int(rng.random() * (self.vocab_size - MIN_TOKEN_ID))
+        return SampledToken(seq_id, token_id, -rng.random())

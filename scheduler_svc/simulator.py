@@ -7,7 +7,8 @@ on the memory state the step runs with, over the steps that compute at least one
 
     kv_utilization      mean of  slots holding (or about to hold) a token / slots allocated or reserved
     kv_occupancy        mean of  slots holding a token / all GPU KV slots
-    avg_running         mean number of sequences in running groups (avg_running_requests: groups)
+    avg_running         mean number of sequences in the step's batch (avg_running_requests: mean
+                        number of requests in the running queue, batched or not)
     sharing_saving      mean of  blocks saved by sharing / blocks needed without sharing (paper Fig. 15)
     prefix_hit_rate     prompt tokens found in the prefix cache / prompt tokens looked up
     throughput_tok_s    output tokens (n per request with parallel sampling) / simulated makespan
@@ -156,7 +157,7 @@ def simulate(config: SimConfig) -> dict:
         num_steps += 1
         sums["util"] += filled / allocated if allocated else 0.0
         sums["occupancy"] += filled / total_slots
-        sums["running"] += sum(len(g.seqs) for g in sched.running)
+        sums["running"] += work.num_seqs
         sums["running_requests"] += len(sched.running)
         if used:
             shared = kv.num_shared_block_refs
