@@ -133,9 +133,9 @@ def run(args: argparse.Namespace) -> int:
         public = f"{'localhost' if args.host in ('127.0.0.1', '0.0.0.0') else args.host}:{args.port}"
         wait_serving(public, procs, args.startup_timeout)
         print(f"pagedserve is serving {model} on {public} (gRPC: pagedserve.v1.Generation)", flush=True)
-        print(f"executors (pagedserve.v1.Executor): {', '.join(targets)}", flush=True)
         if args.metrics_port is not None:
             print(f"metrics: http://localhost:{args.metrics_port}/metrics", flush=True)
+        print(f"executors (pagedserve.v1.Executor): {', '.join(targets)}", flush=True)
         print(f"try: pagedserve generate --server {public} --prompt 'Hello'   (Ctrl-C stops)", flush=True)
         while not stop_requested:
             if any(p.poll() is not None for p in procs):

@@ -270,6 +270,12 @@ class Engine:
         delta.finished = delta.finished or self.scheduler.get_group(out.request_id) is None
         if delta.finished:
             del self._requests[out.request_id]
+        if self.metrics is not None:
+            num_tokens = 0 if out.beams else sum(len(o.token_ids) for o in delta.outputs)
+            self.metrics.inc("generation_tokens", num_tokens)
+            if delta.finished:
+                reason = delta.outputs[0].finish_reason if delta.outputs else "abort"
+                self.metrics.inc("requests_finished", reason=reason or "abort")
         request.queue.put_nowait(delta)
 
     def _finish_sequence(self, request_id: str, sample_index: int) -> None:

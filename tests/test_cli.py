@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -98,7 +99,7 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> list[s
 
 
 def test_serve_starts_both_processes_with_the_default_model_and_stops_on_sigterm(tmp_path):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path / "cache"))
     proc = subprocess.Popen(
         [
@@ -114,6 +115,8 @@ def test_serve_starts_both_processes_with_the_default_model_and_stops_on_sigterm
             "64",
             "--num-cpu-blocks",
             "16",
+            "--metrics-port",
+            str(metrics_port),
             "--preemption",
             "swap",
         ],
@@ -143,6 +146,11 @@ def test_serve_starts_both_processes_with_the_default_model_and_stops_on_sigterm
         with Client(f"localhost:{port}") as client:
             info = client.model_info()
         assert (info.num_gpu_blocks, info.num_cpu_blocks, info.preemption_mode) == (64, 16, "swap")
+        assert f"metrics: http://localhost:{metrics_port}/metrics" in "".join(lines)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+            scraped = reply.read().decode()
+        assert "pagedserve:gpu_blocks_total 64.0" in scraped
+        assert 'pagedserve:requests_finished_total{reason="length"} 1.0' in scraped
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=30)
