@@ -168,6 +168,7 @@ def _sampling_metadata(states: list[SequenceState], generator: torch.Generator) 
         max_num_logprobs=max([0, *num_logprobs.tolist()]),
         max_num_beam_candidates=max([0, *num_beams.tolist()]),
         all_greedy=not bool((temperature > 0).any()),
+        any_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
     )
 
 

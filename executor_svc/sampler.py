@@ -38,6 +38,7 @@ class SamplingMetadata:
     max_num_logprobs: int = 0
     max_num_beam_candidates: int = 0
     all_greedy: bool = False
+    any_top_k_top_p: bool = True  # False lets the sampler skip the sort
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +110,13 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     if meta.all_greedy:
         token_ids = logits.argmax(dim=-1)
     else:
-        mask = top_k_top_p_mask(scaled, meta.top_k, meta.top_p)
-        filtered = scaled.masked_fill(~mask, float("-inf")).log_softmax(dim=-1)
-        exp_noise = -torch.log(
-            uniform_noise(meta.seeds, meta.sample_index, meta.output_positions, logits.shape[-1])
-        )
-        random_choice = (filtered - exp_noise.log()).argmax(dim=-1)
+        if meta.any_top_k_top_p:
+            mask = top_k_top_p_mask(scaled, meta.top_k, meta.top_p)
+            scaled = scaled.masked_fill(~mask, float("-inf"))
+        noise = uniform_noise(meta.seeds, meta.sample_index, meta.output_positions, logits.shape[-1])
+        exp_noise = -torch.log(noise)  # [S, V] Exp(1)
+        # argmax(log p - log E) with p = softmax(scaled); the normalizer is constant per row.
+        random_choice = (scaled - exp_noise.log()).argmax(dim=-1)
         token_ids = torch.where(meta.temperature > 0, random_choice, logits.argmax(dim=-1))
     chosen_logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)  # [S]
     top_logprobs, top_token_ids = logprobs_all.topk(meta.max_num_logprobs, dim=-1)  # [S, N]

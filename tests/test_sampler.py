@@ -3,6 +3,7 @@ top-p masks against a straightforward reference, logprobs, beam candidates."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -158,3 +159,10 @@ def test_beam_candidates_are_top_2k_of_raw_log_softmax():
         assert out.beam_token_ids[r].tolist() == ref.indices.tolist()
         assert torch.allclose(out.beam_logprobs[r], ref.values, atol=1e-6)
         assert out.token_ids[r] == ref.indices[0]
+
+
+def test_skipping_the_filter_sort_changes_nothing_when_no_row_filters():
+    logits = torch.randn(50, V, generator=torch.Generator().manual_seed(9))
+    meta = make_meta(50, output_positions=list(range(50)), temperature=0.7)
+    fast = sample(logits, dataclasses.replace(meta, any_top_k_top_p=False))
+    assert torch.equal(fast.token_ids, sample(logits, meta).token_ids)

@@ -91,7 +91,7 @@ def prompts(seed, lengths):
     return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("num_gpu_blocks, mode", [(64, "recompute"), (14, "recompute"), (14, "swap")])
+@pytest.mark.parametrize("num_gpu_blocks, mode", [(14, "recompute"), (14, "swap")])
 def test_greedy_outputs_match_hf_under_chunking_and_preemption(
     num_gpu_blocks, mode, tiny_llama_dir, hf_llama
 ):
@@ -105,8 +105,7 @@ def test_greedy_outputs_match_hf_under_chunking_and_preemption(
     )
     for request_id, (prompt, _) in requests.items():
         assert tokens[request_id] == {0: hf_greedy_tokens(hf_llama, prompt, 12)}, request_id
-    if num_gpu_blocks == 14:
-        assert sched.num_preemptions > 0
+    assert sched.num_preemptions > 0
 
 
 def test_seeded_parallel_samples_are_distinct_and_batch_invariant(tiny_llama_dir):
