@@ -32,7 +32,11 @@ SPECIAL_TOKENS = {
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, MAX_POS = 64, 2, 4, 2, 128, 2048
 
 
-def make_tiny_model(model_dir: str | pathlib.Path, family: str = "llama", seed: int = 0) -> pathlib.Path:
+def make_tiny_model(
+    model_dir: str | pathlib.Path, family: str = "llama", seed: int = 0, **config_overrides
+) -> pathlib.Path:
+    """Writes the folder and returns its path. `config_overrides` replace config.json fields (e.g. an
+    OPT-350m-like `do_layer_norm_before=False, word_embed_proj_dim=32`); weights follow the config."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     folder = pathlib.Path(model_dir)
@@ -44,6 +48,7 @@ def make_tiny_model(model_dir: str | pathlib.Path, family: str = "llama", seed: 
         "bos_token_id": specials["bos"][1],
         "eos_token_id": specials["eos"][1],
     }
+    config |= config_overrides
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tiny_weights(config, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(folder, specials, add_bos=family in ("llama", "opt"))
@@ -168,11 +173,13 @@ def _llama_shapes(c: dict) -> dict[str, tuple[int, ...]]:
 
 
 def _opt_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    d, f = c["hidden_size"], c["ffn_dim"]
+    d, f, e = c["hidden_size"], c["ffn_dim"], c["word_embed_proj_dim"]
     shapes: dict[str, tuple[int, ...]] = {
-        "model.decoder.embed_tokens.weight": (c["vocab_size"], d),
+        "model.decoder.embed_tokens.weight": (c["vocab_size"], e),
         "model.decoder.embed_positions.weight": (c["max_position_embeddings"] + 2, d),
     }
+    if e != d:
+        shapes |= {"model.decoder.project_in.weight": (d, e), "model.decoder.project_out.weight": (e, d)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.decoder.layers.{i}."
         for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
@@ -185,7 +192,8 @@ def _opt_shapes(c: dict) -> dict[str, tuple[int, ...]]:
         }
         for norm in ("self_attn_layer_norm", "final_layer_norm"):
             shapes |= {p + f"{norm}.weight": (d,), p + f"{norm}.bias": (d,)}
-    shapes |= {"model.decoder.final_layer_norm.weight": (d,), "model.decoder.final_layer_norm.bias": (d,)}
+    if c["do_layer_norm_before"]:  # OPT-350m (post-LN) has no final norm
+        shapes |= {"model.decoder.final_layer_norm.weight": (d,), "model.decoder.final_layer_norm.bias": (d,)}
     return shapes
 
 

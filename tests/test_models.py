@@ -190,3 +190,38 @@ def test_prompt_served_partly_from_cached_blocks_matches_hf(family, tiny_model_d
         driver.step(active)
     assert_matches_hf(hf_models[family], driver.seqs[1], donor)
     assert_matches_hf(hf_models[family], driver.seqs[2], prompt)
+
+
+VARIANTS = {
+    # OPT-350m's shape: norms after the residual adds, no final norm, embeddings projected 32 <-> 64.
+    "opt-350m-like": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32)),
+    # Llama-2-like: MHA, plain rope; tied embeddings as in Llama 3.2 1B.
+    "llama-mha-tied": (
+        "llama",
+        dict(
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_architecture_variants_match_hf(variant, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from executor_svc.tiny_model import make_tiny_model
+
+    family, overrides = VARIANTS[variant]
+    folder = make_tiny_model(tmp_path / variant, family, seed=2, **overrides)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    rng = random.Random(11)
+    driver = Driver(make_worker(folder), rng)
+    prompts = {1: random_prompt(rng, 13), 2: random_prompt(rng, 4)}
+    driver.add(1, prompts[1], [6, 7])
+    driver.add(2, prompts[2], [4])
+    while active := driver.active():
+        driver.step(active)
+    for seq_id, prompt in prompts.items():
+        assert_matches_hf(hf_model, driver.seqs[seq_id], prompt)
