@@ -209,6 +209,40 @@ class BlockManager(KVCacheManager):
             table.append(self._new_block(min(bs, end - i * bs)).block_id)
         return copies
 
+    def append_decode_slots(self, groups: list[SequenceGroup]) -> tuple[int, dict[int, list[BlockPair]]]:
+        bs, blocks, states, pool = self.block_size, self.gpu.blocks, self._seqs, self.gpu
+        copies: dict[int, list[BlockPair]] = {}
+        for i, group in enumerate(groups):
+            seq = group.seqs[0]
+            table = states[seq.seq_id].block_table
+            pos = seq.num_computed_tokens
+            idx = pos // bs
+            if idx >= len(table):  # first token of a new block
+                if pool.num_free_blocks == 0:
+                    return i, copies
+                table.append(self._new_block(1).block_id)
+                continue
+            block = blocks[table[idx]]
+            if block.ref_cnt > 1:
+                if pool.num_free_blocks == 0:
+                    return i, copies
+                copies[i] = self.append_slots(seq, 1)
+                continue
+            filled = pos - idx * bs + 1
+            if filled > block.num_filled_slots:
+                self._num_filled_slots += filled - block.num_filled_slots
+                block.num_filled_slots = filled
+        return len(groups), copies
+
+    def mark_computed_many(self, seqs: list[Sequence]) -> None:
+        if not self.enable_prefix_caching:
+            return
+        bs, states = self.block_size, self._seqs
+        for seq in seqs:
+            state = states.get(seq.seq_id)
+            if state is not None and seq.num_computed_tokens // bs > state.num_published_blocks:
+                self.mark_computed(seq)
+
     def mark_computed(self, seq: Sequence) -> None:
         if not self.enable_prefix_caching:
             return

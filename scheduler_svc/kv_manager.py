@@ -71,6 +71,28 @@ class KVCacheManager(abc.ABC):
     def mark_computed(self, seq: Sequence) -> None:
         """The KV of the first `seq.num_computed_tokens` tokens is now computed (step finished)."""
 
+    def append_decode_slots(self, groups: list[SequenceGroup]) -> tuple[int, dict[int, list[BlockPair]]]:
+        """Fast path of the decode step: each group has one live sequence that computes one token.
+
+        Appends one slot to each group's sequence in order and stops at the first that does not
+        fit. Returns (number of groups served, {index in `groups`: copy-on-write pairs}). Policies
+        may override it with a tighter loop; this default uses can_append_slots / append_slots.
+        """
+        copies: dict[int, list[BlockPair]] = {}
+        for i, group in enumerate(groups):
+            seq = group.seqs[0]
+            if not self.can_append_slots(group, {seq.seq_id: 1}):
+                return i, copies
+            pairs = self.append_slots(seq, 1)
+            if pairs:
+                copies[i] = pairs
+        return len(groups), copies
+
+    def mark_computed_many(self, seqs: list[Sequence]) -> None:
+        """`mark_computed` for every sequence of a finished step (overridable for speed)."""
+        for seq in seqs:
+            self.mark_computed(seq)
+
     @abc.abstractmethod
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (the child's token ids equal the parent's)."""

@@ -79,6 +79,26 @@ def process_samples(
     return out
 
 
+def process_single_sample(
+    ops: SeqOps, group: SequenceGroup, seq: Sequence, sample: SampledToken
+) -> RequestOutput:
+    """The common case of `process_samples`: a sampling group with one live sequence."""
+    token_id, logprob = sample.token_id, sample.logprob
+    seq.token_ids.append(token_id)
+    seq.cumulative_logprob += logprob
+    seq.output_logprobs.append(logprob)
+    reason = None
+    if token_id in group.stop_token_ids:
+        reason = FinishReason.STOP
+    elif len(seq.token_ids) - seq.prompt_len >= group.sampling_params.max_tokens:
+        reason = FinishReason.LENGTH
+    top = [list(sample.top_logprobs)] if group.sampling_params.logprobs is not None else []
+    delta = SampleDelta(seq.sample_index, [token_id], [logprob], top, reason)
+    if reason is not None:
+        ops.finish_seq(group, seq, reason)
+    return RequestOutput(group.request_id, [delta], not group.seqs)
+
+
 def _process_beam(
     ops: SeqOps,
     group: SequenceGroup,

@@ -25,7 +25,12 @@ from collections.abc import Callable
 from scheduler_svc.beam_search import BeamState
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_manager import AllocStatus, KVCacheManager
-from scheduler_svc.output_processor import RequestOutput, process_samples, stop_token_ids_of
+from scheduler_svc.output_processor import (
+    RequestOutput,
+    process_samples,
+    process_single_sample,
+    stop_token_ids_of,
+)
 from scheduler_svc.scheduler_config import RequestRejectedError, SchedulerConfig
 from scheduler_svc.scheduling_pass import SchedulingPass
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
@@ -95,6 +100,10 @@ class Scheduler:
                 f"prompt ({seq.prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len {self.config.max_model_len}",
             )
+        width = max(params.n, params.beam_width)
+        if width > self.config.max_num_seqs:
+            name = "n" if params.n > 1 else "beam_width"
+            raise RequestRejectedError(name, f"{width} exceeds max_num_seqs {self.config.max_num_seqs}")
         seq.seq_id = self._new_seq_id()
         seq.status = SequenceStatus.WAITING
         if self.kv.can_allocate(group) is AllocStatus.NEVER:
@@ -203,30 +212,32 @@ class Scheduler:
     def process_result(self, result: StepResult) -> list[RequestOutput]:
         if self._in_flight is None or result.step_id != self._step_id:
             raise RuntimeError(f"result for step {result.step_id} does not answer the plan in flight")
-        mark_computed = self.kv.mark_computed
-        for seq in self._in_flight:
-            if seq.status is SequenceStatus.RUNNING:
-                mark_computed(seq)
+        running = SequenceStatus.RUNNING
+        self.kv.mark_computed_many([s for s in self._in_flight if s.status is running])
         self._in_flight = None
-        by_group: dict[int, tuple[SequenceGroup, list]] = {}
+        outputs, self._outputs = self._outputs, []
+        multi: dict[int, tuple[SequenceGroup, list]] = {}
         seqs = self._seqs
+        now = None
         for sample in result.samples:
             entry = seqs.get(sample.seq_id)
             if entry is None:
                 continue  # aborted or finished meanwhile
             seq, group = entry
-            if seq.num_computed_tokens != seq.num_tokens:
+            if seq.num_computed_tokens != len(seq.token_ids):
                 raise RuntimeError(f"seq {seq.seq_id} got a token before its prefill completed")
-            key = id(group)
-            if key in by_group:
-                by_group[key][1].append((seq, sample))
-            else:
-                by_group[key] = (group, [(seq, sample)])
-        outputs, self._outputs = self._outputs, []
-        now = None
-        for group, samples in by_group.values():
             if group.first_token_time is None:
                 group.first_token_time = now = now or self.clock()
+            if group.beam is None and len(group.seqs) == 1:
+                out = process_single_sample(self, group, seq, sample)
+                outputs.append(out)
+                if out.finished:
+                    self._finish_group(group)
+            elif id(group) in multi:
+                multi[id(group)][1].append((seq, sample))
+            else:
+                multi[id(group)] = (group, [(seq, sample)])
+        for group, samples in multi.values():
             out = process_samples(self, group, samples, group.stop_token_ids)
             if out is not None:
                 outputs.append(out)

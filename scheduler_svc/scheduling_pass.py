@@ -29,22 +29,73 @@ class SchedulingPass:
         self.preempted = False
 
     def run(self) -> list[Sequence]:
-        prefilling = []
-        for group in list(self.sched.running):
-            if not _is_running(group):
-                continue  # preempted or dropped earlier in this pass
-            if self._is_prefilling(group):
-                prefilling.append(group)
-            else:
-                self._schedule_running(group)
-        for group in prefilling:
-            if _is_running(group):
+        single_decodes, multi, prefilling = [], [], []
+        for group in self.sched.running:
+            seqs = group.seqs
+            if len(seqs) == 1 and (group.samples_forked or group.sampling_params.n == 1):
+                seq = seqs[0]
+                if len(seq.token_ids) - seq.num_computed_tokens == 1:
+                    single_decodes.append(group)
+                    continue
+            (prefilling if self._is_prefilling(group) else multi).append(group)
+        self._schedule_single_decodes(single_decodes)
+        for group in multi + prefilling:
+            if _is_running(group):  # not preempted or dropped earlier in this pass
                 self._schedule_running(group)
         if not self.preempted:
             self._resume_swapped()
         if not self.preempted:
             self._admit_waiting()
         return self.scheduled
+
+    def _schedule_single_decodes(self, groups: list[SequenceGroup]) -> None:
+        """The common case in a tight loop: one-sequence groups decoding one token each."""
+        max_num_seqs = self.sched.config.max_num_seqs
+        while groups:
+            batch = groups[: max(0, min(self.budget, max_num_seqs - self.num_seqs))]
+            if not batch:
+                return
+            num_served, copies = self.kv.append_decode_slots(batch)
+            self._commit_decodes(batch[:num_served], copies)
+            if num_served == len(batch):
+                groups = groups[num_served:]
+                continue
+            group = batch[num_served]  # needs a block and none is free
+            victim = self._pick_victim(group)
+            if victim is None and self.sched.running == [group]:
+                self.sched._drop_unservable(group, "the request outgrew the KV cache")
+            else:
+                self._preempt(victim or group)
+            groups = [g for g in groups[num_served:] if _is_running(g)]
+
+    def _commit_decodes(self, groups: list[SequenceGroup], copies: dict[int, list]) -> None:
+        plan, block_table = self.plan, self.kv.block_table
+        cont_append, scheduled_append = plan.cont_seqs.append, self.scheduled.append
+        scheduled_groups = self.scheduled_groups
+        block_size = self.kv.block_size
+        for i, group in enumerate(groups):
+            seq = group.seqs[0]
+            if copies and i in copies:
+                plan.copies.extend(copies[i])
+                seq.executor_num_blocks = min(seq.executor_num_blocks, seq.num_computed_tokens // block_size)
+            table = block_table(seq)
+            token_ids = seq.token_ids
+            if seq.executor_num_tokens < 0:
+                self._append_new(seq, 1, table, group)
+            else:
+                start = seq.executor_num_blocks
+                cont_append(
+                    ContinuingSequence(
+                        seq.seq_id, 1, token_ids[seq.executor_num_tokens :], start, table[start:]
+                    )
+                )
+            seq.executor_num_tokens = len(token_ids)
+            seq.executor_num_blocks = len(table)
+            seq.num_computed_tokens += 1
+            scheduled_append(seq)
+            scheduled_groups.add(id(group))
+        self.budget -= len(groups)
+        self.num_seqs += len(groups)
 
     # ---- what to compute -------------------------------------------------------------------------
     @staticmethod
@@ -81,16 +132,20 @@ class SchedulingPass:
             return []
         if total <= self.budget:
             return todo
-        if not self.sched.config.enable_chunked_prefill or self.budget <= 0:
-            return []
-        chunked = []
+        # Over budget: take sequences in order; the one that does not fit is chunked when chunked
+        # prefill is on, else it (and those after it) wait for a later step.
+        chunked_prefill = self.sched.config.enable_chunked_prefill
+        partial = []
         budget = self.budget
         for seq, num_new in todo:
-            if budget <= 0:
+            if num_new <= budget:
+                partial.append((seq, num_new))
+                budget -= num_new
+            else:
+                if chunked_prefill and budget > 0:
+                    partial.append((seq, budget))
                 break
-            chunked.append((seq, min(num_new, budget)))
-            budget -= num_new
-        return chunked
+        return partial
 
     # ---- running ---------------------------------------------------------------------------------
     def _schedule_running(self, group: SequenceGroup) -> None:
@@ -167,8 +222,8 @@ class SchedulingPass:
             if self.num_seqs + num_waiting > sched.config.max_num_seqs:
                 return
             if not sched.config.enable_chunked_prefill:
-                upper = sum(seq.num_tokens - seq.num_computed_tokens for seq in group.seqs)
-                if upper > self.budget:
+                upper = max(seq.num_tokens - seq.num_computed_tokens for seq in group.seqs)
+                if upper > self.budget:  # (before prefix-cache hits) its first sequence must fit whole
                     return
             status = self.kv.can_allocate(group)
             if status is AllocStatus.LATER and not sched.running and not sched.swapped and not self.scheduled:
@@ -186,14 +241,15 @@ class SchedulingPass:
                 group.first_scheduled_time = sched.clock()
             sched._insert_running(group)
             todo = self._tokens_to_compute(group)
-            if todo:
+            # n > 1 forks need copy-on-write blocks: if there are none now, the group waits in
+            # running for the next step (where it may preempt later arrivals).
+            if todo and self.kv.can_append_slots(group, {seq.seq_id: num_new for seq, num_new in todo}):
                 self._commit(group, todo)
 
     # ---- plan entries --------------------------------------------------------------------------------
     def _commit(self, group: SequenceGroup, todo: list[tuple[Sequence, int]]) -> None:
         kv, plan = self.kv, self.plan
         block_size = kv.block_size
-        params = group.sampling_params
         for seq, num_new in todo:
             copies = kv.append_slots(seq, num_new)
             if copies:
@@ -202,18 +258,7 @@ class SchedulingPass:
             table = kv.block_table(seq)
             token_ids = seq.token_ids
             if seq.executor_num_tokens < 0:
-                plan.new_seqs.append(
-                    NewSequence(
-                        seq.seq_id,
-                        list(token_ids),
-                        seq.num_computed_tokens,
-                        num_new,
-                        list(table),
-                        params,
-                        seq.sample_index,
-                        seq.prompt_len,
-                    )
-                )
+                self._append_new(seq, num_new, table, group)
             else:
                 start = seq.executor_num_blocks
                 plan.cont_seqs.append(
@@ -228,3 +273,17 @@ class SchedulingPass:
             self.budget -= num_new
         self.num_seqs += len(todo)
         self.scheduled_groups.add(id(group))
+
+    def _append_new(self, seq: Sequence, num_new: int, table: list[int], group: SequenceGroup) -> None:
+        self.plan.new_seqs.append(
+            NewSequence(
+                seq.seq_id,
+                list(seq.token_ids),
+                seq.num_computed_tokens,
+                num_new,
+                list(table),
+                group.sampling_params,
+                seq.sample_index,
+                seq.prompt_len,
+            )
+        )
