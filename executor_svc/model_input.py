@@ -7,9 +7,10 @@ slice its new token ids and read its block table).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from executor_svc.layers.attention import AttentionMetadata
 from executor_svc.sampler import SamplingMetadata
@@ -22,7 +23,12 @@ class PlanError(ValueError):
 
 @dataclass(slots=True)
 class SequenceState:
-    """What the executor remembers of one sequence between steps."""
+    """What the executor remembers of one sequence between steps.
+
+    Change `block_table` only through `set_blocks`: it keeps a tensor copy of the table, rebuilt only
+    when the table changes (about once per block_size tokens), so a step never converts every
+    sequence's whole table from Python.
+    """
 
     token_ids: list[int]
     num_computed_tokens: int
@@ -30,6 +36,17 @@ class SequenceState:
     sampling_params: SamplingParams
     sample_index: int = 0
     prompt_len: int = 0
+    _table_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def set_blocks(self, start: int, block_ids: list[int]) -> None:
+        """block_table[start:] = block_ids."""
+        self.block_table[start:] = block_ids
+        self._table_tensor = None
+
+    def block_table_tensor(self) -> torch.Tensor:
+        if self._table_tensor is None:
+            self._table_tensor = torch.tensor(self.block_table, dtype=torch.int64)  # [num_blocks]
+        return self._table_tensor
 
     def copy(self) -> SequenceState:
         return SequenceState(
@@ -39,6 +56,7 @@ class SequenceState:
             self.sampling_params,
             self.sample_index,
             self.prompt_len,
+            self._table_tensor,  # never written in place: safe to share
         )
 
 
@@ -92,16 +110,13 @@ def build_model_input(
         ),
         dtype=torch.int64,
     )  # [T]
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [T]
+    if num_tokens == num_seqs:  # all decoding: one token each
+        seq_of_token = torch.arange(num_seqs)  # [T]
+    else:
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [T]
     positions = torch.arange(num_tokens) - query_start_loc[seq_of_token] + starts[seq_of_token]  # [T]
 
-    table_lens = torch.tensor([len(s.state.block_table) for s in scheduled], dtype=torch.int64)  # [B]
-    max_blocks = max(1, int(table_lens.max())) if num_seqs else 1
-    block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)  # [B, M]
-    filled = torch.arange(max_blocks)[None, :] < table_lens[:, None]  # [B, M]
-    block_tables[filled] = torch.tensor(
-        list(itertools.chain.from_iterable(s.state.block_table for s in scheduled)), dtype=torch.int64
-    )
+    block_tables = pad_sequence([s.state.block_table_tensor() for s in scheduled], batch_first=True)  # [B, M]
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
 
     sampled = [

@@ -181,7 +181,7 @@ class Worker:
                     f"{len(state.block_table)} blocks"
                 )
             if cont.block_ids:  # no block ids: the table is unchanged (whatever block_table_start says)
-                state.block_table[cont.block_table_start :] = cont.block_ids
+                state.set_blocks(cont.block_table_start, cont.block_ids)
             scheduled.append(ScheduledSequence(cont.seq_id, state, cont.num_new_tokens))
         return scheduled
 
