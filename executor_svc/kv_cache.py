@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from executor_svc.errors import PlanError
 
 GIB = 1 << 30
 
@@ -101,7 +102,7 @@ class KVCache:
     def _check(pairs, num_src: int, num_dst: int, what: str) -> None:
         for src, dst in pairs:
             if not (0 <= src < num_src and 0 <= dst < num_dst):
-                raise IndexError(f"{what}: block pair ({src}, {dst}) outside [0, {num_src}) x [0, {num_dst})")
+                raise PlanError(f"{what}: block pair ({src}, {dst}) outside [0, {num_src}) x [0, {num_dst})")
 
 
 def _mapping(pairs: list[tuple[int, int]]) -> torch.Tensor:

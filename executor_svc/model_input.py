@@ -12,13 +12,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from executor_svc.errors import PlanError
 from executor_svc.layers.attention import AttentionMetadata
 from executor_svc.sampler import SamplingMetadata
 from scheduler_svc.sampling_params import SamplingParams
-
-
-class PlanError(ValueError):
-    """A step plan is inconsistent with the executor's state (unknown sequence, short block table...)."""
 
 
 @dataclass(slots=True)

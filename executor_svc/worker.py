@@ -5,6 +5,10 @@ Lifecycle: `Worker(...)` loads the model and measures how many KV blocks fit; `d
 it; `init_cache(num_gpu_blocks, num_cpu_blocks)` (optional) allocates the caches with the counts the
 scheduler settled on, otherwise they are allocated on first use with the counts that fit;
 `execute(plan)` runs a step; `reset()` drops all sequence state.
+
+Errors: StepOrderError (a plan that does not follow the last step), PlanError (a plan inconsistent
+with the state: unknown sequence or fork parent, block table too short, block id out of range);
+after either, the scheduler resets the worker. Finished ids the worker does not hold are ignored.
 """
 
 from __future__ import annotations
@@ -14,19 +18,16 @@ from dataclasses import replace
 
 import torch
 
+from executor_svc.errors import PlanError, StepOrderError
 from executor_svc.kv_cache import GIB, KVCache, blocks_from_profile, bytes_per_block
 from executor_svc.loader import load_model
 from executor_svc.model_config import DTYPES, ModelConfig
-from executor_svc.model_input import PlanError, ScheduledSequence, SequenceState, build_model_input
+from executor_svc.model_input import ScheduledSequence, SequenceState, build_model_input
 from executor_svc.model_runner import ModelRunner
 from executor_svc.worker_config import WorkerConfig, WorkerDescription
 from scheduler_svc.step_plan import SampledToken, StepPlan, StepResult
 
 __all__ = ["PlanError", "StepOrderError", "Worker", "WorkerConfig", "WorkerDescription"]
-
-
-class StepOrderError(RuntimeError):
-    """A plan's step_id does not follow the step this worker last ran (reset the worker to recover)."""
 
 
 class Worker:

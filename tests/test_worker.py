@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.model_input import PlanError
+from executor_svc.errors import PlanError
 from executor_svc.worker import StepOrderError, Worker
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.step_plan import ContinuingSequence, NewSequence, StepPlan
@@ -237,7 +237,7 @@ def test_inconsistent_plans_are_refused(tiny_llama_dir):
     worker.reset()
     with pytest.raises(PlanError, match="fork parent 4"):
         worker.execute(StepPlan(0, forks=[(5, 4)]))
-    with pytest.raises(IndexError, match="copies"):
+    with pytest.raises(PlanError, match="copies"):
         worker.execute(StepPlan(0, copies=[(1, 32)]))
 
 
