@@ -159,3 +159,48 @@ def test_serve_starts_both_processes_with_the_default_model_and_stops_on_sigterm
 
     assert health_status(f"127.0.0.1:{port}") == "UNAVAILABLE"
     assert health_status(executor_target) == "UNAVAILABLE"
+
+
+def test_serve_with_two_tensor_parallel_ranks_gives_the_same_tokens(tiny_llama_dir, stack):
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "clients.cli",
+            "serve",
+            "--model",
+            str(tiny_llama_dir),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--tensor-parallel-size",
+            "2",
+            "--num-gpu-blocks",
+            "64",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = _read_until(proc, "executors (pagedserve.v1.Executor):", timeout_s=150)
+        assert len(lines[-1].split(": ", 1)[1].split(", ")) == 2
+        prompts = [[5, 6, 7, 8], list(range(20, 61))]
+        with Client(f"localhost:{port}") as client:
+            assert client.model_info().world_size == 2
+            two_ranks = [
+                client.generate(p, max_tokens=12, temperature=0.0).outputs[0].token_ids for p in prompts
+            ]
+            seeded = client.generate(prompts[1], max_tokens=8, n=2, seed=4).outputs
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+    assert rc == 0
+    with Client(stack.target) as client:
+        one_rank = [client.generate(p, max_tokens=12, temperature=0.0).outputs[0].token_ids for p in prompts]
+        seeded_one = client.generate(prompts[1], max_tokens=8, n=2, seed=4).outputs
+    assert two_ranks == one_rank
+    assert [o.token_ids for o in seeded] == [o.token_ids for o in seeded_one]

@@ -178,3 +178,27 @@ def test_streamed_text_concatenates_to_the_full_decode_and_logprobs_come_with_to
     for lp in logprobs:  # greedy: the chosen token is the most likely one
         assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id
         assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_a_cancelled_call_frees_its_request_within_a_step_while_others_run(stack):
+    async def scenario():
+        async with AsyncClient(stack.target) as client:
+            busy = client.stream([3, 4, 5], max_tokens=600, ignore_eos=True, request_id="busy")
+            await busy.__anext__()
+            target = client.stream([6, 7, 8, 9], max_tokens=600, ignore_eos=True)
+            for _ in range(3):
+                await target.__anext__()
+            before = await client.stats()
+            await target.aclose()  # cancels the call
+            while (after := await client.stats()).num_running > 1:
+                await asyncio.sleep(0.001)
+            await client.abort("busy")
+            await busy.aclose()
+            return before, after
+
+    before, after = asyncio.run(scenario())
+    assert before.num_running == 2 and after.num_running == 1
+    assert after.num_steps - before.num_steps <= 2  # the step in flight, at most one more
+    with Client(stack.target) as client:
+        _, stats = _wait_idle(client)
+        assert stats.num_free_gpu_blocks == 48
