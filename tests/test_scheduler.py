@@ -206,3 +206,18 @@ def test_abort_frees_blocks_at_once_and_reports_the_seq_next_step():
     assert sorted(plan.finished_seq_ids) == ids
     ex.step(plan)
     assert ex.states == {}
+
+
+def test_prefix_cache_hit_is_sent_as_computed_tokens_of_a_new_sequence():
+    sched = make(block_size=4, num_gpu_blocks=8)
+    a = add(sched, "a", range(10), 0.0, max_tokens=1)
+    ex = FakeExecutor(sched)
+    ex.run_until_done(check=sched.kv.check_integrity)
+    assert a.is_finished and sched.kv.num_cached_free_blocks == 2
+    add(sched, "b", [*range(8), 40, 41], 1.0, max_tokens=1)
+    plan = sched.schedule()
+    (new,) = plan.new_seqs
+    assert (new.num_computed_tokens, new.num_new_tokens, new.block_table[:2]) == (8, 2, [0, 1])
+    assert sched.kv.num_prefix_hit_tokens == 8 and sched.kv.num_prefix_query_tokens == 20
+    sched.process_result(ex.step(plan))  # the fake executor checks the cached KV it attends to
+    ex.run_until_done(check=sched.kv.check_integrity)

@@ -83,11 +83,21 @@ def test_beam_search_stops_early_when_no_live_beam_can_beat_the_finished_ones():
 
 
 @pytest.mark.parametrize(
-    "beam_width,length_penalty,seed", [(2, 1.0, 0), (3, 1.0, 1), (4, 0.5, 2), (3, 2.0, 3)]
+    "beam_width,length_penalty,seed",
+    [(2, 1.0, 0), (3, 1.0, 1), (4, 0.5, 2), (3, 2.0, 3), (2, 0.0, 4), (5, 1.0, 5), (3, -1.0, 6), (2, 1.0, 7)],
 )
 def test_best_beam_matches_transformers_generate(beam_width, length_penalty, seed):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only contend on a shared CPU
+    try:
+        _compare_with_transformers(torch, transformers, beam_width, length_penalty, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_with_transformers(torch, transformers, beam_width, length_penalty, seed):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=48,
@@ -126,14 +136,15 @@ def test_best_beam_matches_transformers_generate(beam_width, length_penalty, see
     outputs = []
     while sched.has_unfinished():
         plan = sched.schedule()
+        seqs = [sched._seqs[e.seq_id][0] for e in (*plan.new_seqs, *plan.cont_seqs)]
         samples = []
-        for entry in (*plan.new_seqs, *plan.cont_seqs):
-            seq = sched._seqs[entry.seq_id][0]
+        if seqs:  # live beams have equal lengths: one batched forward
             with torch.no_grad():
-                logits = model(torch.tensor([seq.token_ids])).logits[0, -1].float()
+                logits = model(torch.tensor([s.token_ids for s in seqs])).logits[:, -1].float()
             top = torch.log_softmax(logits, dim=-1).topk(2 * beam_width)
-            cands = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-            samples.append(SampledToken(seq.seq_id, cands[0][0], cands[0][1], beam_candidates=cands))
+            for seq, ids, lps in zip(seqs, top.indices.tolist(), top.values.tolist(), strict=True):
+                cands = list(zip(ids, lps, strict=True))
+                samples.append(SampledToken(seq.seq_id, ids[0], lps[0], beam_candidates=cands))
         outputs += sched.process_result(StepResult(plan.step_id, samples))
         sched.kv.check_integrity()
     (out,) = outputs

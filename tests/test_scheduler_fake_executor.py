@@ -136,7 +136,7 @@ class FakeExecutor:
                 check()
         else:
             raise AssertionError("requests did not finish")
-        self.step(self.sched.schedule())  # delivers the last finished ids
+        self.sched.process_result(self.step(self.sched.schedule()))  # delivers the last finished ids
         return outputs
 
 
