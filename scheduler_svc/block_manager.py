@@ -1,41 +1,20 @@
 """The paged KV policy: block tables over a GPU pool and a CPU swap pool, with automatic prefix
-caching, copy-on-write and whole-group swapping (vLLM paper §4.2–4.5).
+caching (prefix_cache.py), copy-on-write and whole-group swapping (vLLM paper §4.2–4.5).
 
-Prefix caching. The hash of a full block is xxhash64(parent block hash, its token ids). A block is
-published in the pool's hash index only once it is full AND its KV is computed (`mark_computed`),
-so the last partial block is never shared by a lookup. A lookup hit must match the hash, the
-block's token ids, and the `serial` of the previous block of the prefix (each publication gets a
-fresh serial), so a hash collision never shares wrong data, not even through a collided parent.
+A sequence's blocks are all allocated when it is admitted (room for every known token); decoding
+appends one block at each block boundary. Writing into a block shared with another sequence
+(after a fork) first copies it (copy-on-write). Full blocks are published for prefix sharing
+once computed (`mark_computed`); freed ones stay findable until evicted in LRU order.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass
-
-import xxhash
 
 from scheduler_svc.block_pool import Block, BlockPool
 from scheduler_svc.kv_manager import AllocStatus, BlockPair, KVCacheManager
+from scheduler_svc.prefix_cache import ROOT_HASH, SeqBlocks, lookup_prefix, publish_computed_blocks
 from scheduler_svc.sequence import Sequence, SequenceGroup, SequenceStatus
-
-ROOT_HASH = 0x9E3779B97F4A7C15
-
-
-def hash_block_tokens(parent_hash: int, token_ids: list[int]) -> int:
-    """Prefix hash of one full block (tests monkeypatch this to force collisions)."""
-    return xxhash.xxh64_intdigest(array("q", token_ids).tobytes(), seed=parent_hash)
-
-
-@dataclass(slots=True)
-class _SeqBlocks:
-    block_table: list[int]  # GPU block ids, or CPU block ids while swapped out
-    on_cpu: bool = False
-    num_published_blocks: int = 0  # blocks [0, n) were offered to the prefix index
-    parent_hash: int = ROOT_HASH  # hash of block n-1 (ROOT_HASH for n == 0)
-    parent_serial: int = -1  # serial of the published block holding the same content as block n-1
-    chain_broken: bool = False  # a hash collision stopped publication for this sequence
 
 
 class BlockManager(KVCacheManager):
@@ -54,7 +33,7 @@ class BlockManager(KVCacheManager):
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = watermark_blocks
-        self._seqs: dict[int, _SeqBlocks] = {}
+        self._seqs: dict[int, SeqBlocks] = {}
         self._num_filled_slots = 0  # over GPU blocks with ref_cnt > 0
         self._num_prefix_query_tokens = 0
         self._num_prefix_hit_tokens = 0
@@ -120,18 +99,7 @@ class BlockManager(KVCacheManager):
         """Cached blocks holding the longest prefix of token_ids, leaving >= 1 token to compute."""
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
-        hits: list[Block] = []
-        parent_hash, parent_serial = ROOT_HASH, -1
-        for i in range((len(token_ids) - 1) // bs):
-            chunk = token_ids[i * bs : (i + 1) * bs]
-            block_hash = hash_block_tokens(parent_hash, chunk)
-            block = self.gpu.lookup(block_hash, tuple(chunk), parent_serial)
-            if block is None:
-                break
-            hits.append(block)
-            parent_hash, parent_serial = block_hash, block.serial
-        return hits
+        return lookup_prefix(self.gpu, self.block_size, token_ids)
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         waiting = group.seqs_with_status(SequenceStatus.WAITING)
@@ -157,7 +125,7 @@ class BlockManager(KVCacheManager):
             table = [b.block_id for b in hits]
             for i in range(len(hits), self._num_blocks(num_tokens)):
                 table.append(self._new_block(min(bs, num_tokens - i * bs)).block_id)
-            state = _SeqBlocks(table, num_published_blocks=len(hits))
+            state = SeqBlocks(table, num_published_blocks=len(hits))
             if hits:
                 state.parent_hash, state.parent_serial = hits[-1].block_hash, hits[-1].serial
             self._seqs[seq.seq_id] = state
@@ -247,28 +215,8 @@ class BlockManager(KVCacheManager):
         if not self.enable_prefix_caching:
             return
         state = self._seqs.get(seq.seq_id)
-        if state is None or state.on_cpu or state.chain_broken:
-            return
-        bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(state.block_table))
-        for i in range(state.num_published_blocks, num_full):
-            block = self.gpu.blocks[state.block_table[i]]
-            if block.block_hash is not None:  # a prefix hit, or published through a forked sibling
-                block_hash, serial = block.block_hash, block.serial
-            else:
-                chunk = seq.token_ids[i * bs : (i + 1) * bs]
-                block_hash = hash_block_tokens(state.parent_hash, chunk)
-                token_ids = tuple(chunk)
-                same = self.gpu.lookup(block_hash, token_ids, state.parent_serial)
-                if same is not None:  # identical content already published by another block
-                    serial = same.serial
-                elif self.gpu.cache(block, block_hash, token_ids, state.parent_serial):
-                    serial = block.serial
-                else:  # hash taken by different content: stop publishing this sequence
-                    state.chain_broken = True
-                    return
-            state.parent_hash, state.parent_serial = block_hash, serial
-            state.num_published_blocks = i + 1
+        if state is not None and not state.on_cpu and not state.chain_broken:
+            publish_computed_blocks(self.gpu, self.block_size, state, seq.token_ids, seq.num_computed_tokens)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         src = self._seqs[parent.seq_id]
@@ -279,7 +227,7 @@ class BlockManager(KVCacheManager):
                 pool.touch(pool.blocks[block_id])
             else:
                 self._share(pool.blocks[block_id])
-        self._seqs[child.seq_id] = _SeqBlocks(
+        self._seqs[child.seq_id] = SeqBlocks(
             list(src.block_table),
             on_cpu=src.on_cpu,
             num_published_blocks=src.num_published_blocks,

@@ -2,7 +2,7 @@
 
 import pytest
 
-import scheduler_svc.block_manager as bm_mod
+import scheduler_svc.prefix_cache as prefix_cache
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.kv_manager import AllocStatus
 from scheduler_svc.sampling_params import SamplingParams
@@ -72,7 +72,7 @@ def test_free_keeps_full_blocks_findable_until_evicted_in_lru_order():
 
 
 def test_hash_collision_never_shares_wrong_tokens(monkeypatch):
-    monkeypatch.setattr(bm_mod, "hash_block_tokens", lambda parent_hash, token_ids: 42)
+    monkeypatch.setattr(prefix_cache, "hash_block_tokens", lambda parent_hash, token_ids: 42)
     bm = BlockManager(block_size=2, num_gpu_blocks=8)
     a = admit(bm, [1, 2, 3, 4, 5])
     compute_all(bm, a)
@@ -87,7 +87,7 @@ def test_hash_collision_never_shares_wrong_tokens(monkeypatch):
 def test_a_collided_parent_does_not_let_a_child_block_hit(monkeypatch):
     # hash ignores the parent and only sums the tokens: [1, 2] and [2, 1] collide, and block
     # [5, 5] hashes the same after either parent. The parent serial must stop the second hit.
-    monkeypatch.setattr(bm_mod, "hash_block_tokens", lambda parent_hash, token_ids: sum(token_ids))
+    monkeypatch.setattr(prefix_cache, "hash_block_tokens", lambda parent_hash, token_ids: sum(token_ids))
     bm = BlockManager(block_size=2, num_gpu_blocks=8)
     a = admit(bm, [1, 2, 5, 5, 0])
     compute_all(bm, a)
