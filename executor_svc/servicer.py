@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from executor_svc.convert import describe_to_pb
-from executor_svc.worker import PlanError, StepOrderError
+from executor_svc.errors import PlanError, StepOrderError
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from scheduler_svc.convert import maps_errors, step_plan_from_pb, step_result_to_pb
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,7 +48,8 @@ class Tokenizer(Decoder, Protocol):
 class Executors(Protocol):
     async def step(self, plan: StepPlan) -> StepResult: ...
 
-    async def reset(self) -> None: ...
+    async def recover(self) -> None:
+        """Re-initialize every rank (cache and state) after a failure; raises while one is down."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,8 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._stopping = False
         self.num_steps = 0
+        self.healthy = True  # the executors answered the last step
+        self.on_health_change: Callable[[bool], None] | None = None
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -195,7 +198,11 @@ class Engine:
         while not self._stopping:
             if not self.scheduler.has_unfinished():
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                if self.healthy:
+                    await self._wakeup.wait()
+                else:  # probe the executors once a second until they are back
+                    await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=1.0)
+                    await self._try_recover()
                 continue
             start = time.perf_counter()
             plan = self.scheduler.schedule()
@@ -203,7 +210,7 @@ class Engine:
                 result = await self.executors.step(plan)  # an empty plan too: step ids stay contiguous
             except Exception as err:  # an executor failed: fail what was in flight, keep serving
                 _log.exception("step %d failed", plan.step_id)
-                await self._recover(plan, f"executor failure: {err}")
+                await self._recover(f"executor failure: {err}")
                 continue
             outputs = self.scheduler.process_result(result)
             self.num_steps += 1
@@ -215,17 +222,31 @@ class Engine:
                 self._wakeup.clear()
                 await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=0.05)
 
-    async def _recover(self, plan: StepPlan, error: str) -> None:
+    async def _recover(self, error: str) -> None:
+        """An executor failed: every request in flight ends with `error`; the scheduler starts
+        afresh (its prefix cache names KV the executors may have lost); the executors are
+        re-initialized as soon as they answer again. Health is NOT_SERVING meanwhile."""
         for request_id, request in list(self._requests.items()):
-            self.scheduler.abort(request_id)
             delta = RequestDelta(request_id, len(request.prompt_ids), finished=True, error=error)
             request.queue.put_nowait(delta)
         self._requests.clear()
-        self.scheduler.process_result(StepResult(plan.step_id))
+        self.scheduler = type(self.scheduler)(self.scheduler.config)
+        self._set_healthy(False)
+        await self._try_recover()
+
+    async def _try_recover(self) -> None:
         try:
-            await self.executors.reset()
-        except Exception:  # noqa: BLE001 - still down; the next step reports it again
-            _log.exception("executor reset failed")
+            await self.executors.recover()
+        except Exception as err:  # noqa: BLE001 - still down; retried while idle
+            _log.warning("executors not back yet: %s", err)
+            return
+        self._set_healthy(True)
+
+    def _set_healthy(self, healthy: bool) -> None:
+        if healthy != self.healthy:
+            self.healthy = healthy
+            if self.on_health_change is not None:
+                self.on_health_change(healthy)
 
     def _record_metrics(self, plan: StepPlan, step_time_s: float) -> None:
         m, stats, kv = self.metrics, self.stats(), self.scheduler.kv

@@ -17,7 +17,15 @@ from scheduler_svc.convert import describe_from_pb, step_plan_to_pb, step_result
 from scheduler_svc.step_plan import StepPlan, StepResult
 
 STEP_METHOD = "/pagedserve.v1.Executor/Step"
-GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", 256 << 20),
+    # Reconnect soon after an executor restarts (the default backoff grows to minutes).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+RECOVER_TIMEOUT_S = 5.0
 
 
 class ExecutorError(RuntimeError):
@@ -43,6 +51,7 @@ class ExecutorPool:
             for c in self._channels
         ]
         self.last_plan_bytes = 0
+        self._cache_request = executor_pb2.InitCacheRequest()
 
     @property
     def world_size(self) -> int:
@@ -64,6 +73,13 @@ class ExecutorPool:
     async def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         request = executor_pb2.InitCacheRequest(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
         await self._all(s.InitCache(request) for s in self._stubs)
+        self._cache_request = request
+
+    async def recover(self) -> None:
+        """After a failure: every rank gets the cache sizes again (a restarted rank has none) and
+        drops its sequence state. Raises ExecutorError while a rank is still unreachable."""
+        await self._all(s.InitCache(self._cache_request, timeout=RECOVER_TIMEOUT_S) for s in self._stubs)
+        await self.reset()
 
     async def step(self, plan: StepPlan) -> StepResult:
         data = step_plan_to_pb(plan).SerializeToString()

@@ -121,6 +121,7 @@ class SchedulerServer:
         self.server = server
         self.port = port
         self.health = health
+        self._health_tasks: set[asyncio.Task] = set()
         self.loop_task = asyncio.create_task(self._run_engine())
 
     async def _run_engine(self) -> None:
@@ -130,6 +131,12 @@ class SchedulerServer:
             _log.exception("engine loop died")
             await self.health.set_serving(False)
             raise
+
+    def on_health_change(self, healthy: bool) -> None:
+        """NOT_SERVING while the executors are down (accepted requests then fail with ABORTED)."""
+        task = asyncio.create_task(self.health.set_serving(healthy))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         await self.health.set_serving(False)
@@ -151,6 +158,7 @@ async def start_scheduler_server(engine: Engine, host: str = "127.0.0.1", port: 
     await server.start()
     running = SchedulerServer(engine, server, bound, health)
     await health.set_serving(True)
+    engine.on_health_change = running.on_health_change
     return running
 
 
