@@ -260,7 +260,9 @@ class BlockManager(KVCacheManager):
         return self._distinct_blocks(group) <= self.cpu.num_free_blocks
 
     def can_swap_in(self, group: SequenceGroup) -> bool:
-        return self._distinct_blocks(group) <= self.num_free_blocks - self.watermark_blocks
+        # One more block per sequence, so the group can also be scheduled in the swap-in step.
+        num_needed = self._distinct_blocks(group) + len(group.seqs)
+        return num_needed <= self.num_free_blocks - self.watermark_blocks
 
     def swap_out(self, group: SequenceGroup) -> list[BlockPair]:
         return self._move(group, to_cpu=True)

@@ -112,7 +112,8 @@ class KVCacheManager(abc.ABC):
 
     @abc.abstractmethod
     def can_swap_in(self, group: SequenceGroup) -> bool:
-        """Whether the GPU has room for the group's swapped blocks now."""
+        """Whether the GPU has room for the group's swapped blocks now, and for the group's next
+        step (the scheduler swaps a group in only in a step that also schedules it)."""
 
     @abc.abstractmethod
     def swap_in(self, group: SequenceGroup) -> list[BlockPair]:

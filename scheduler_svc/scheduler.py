@@ -1,13 +1,17 @@
 """FCFS scheduler over waiting / running / swapped groups (vLLM paper §4.5), producing one
 diff-based StepPlan per step and consuming the StepResult.
 
-Each `schedule()`: (1) running groups, decoding ones first, then those still prefilling; when a
-group needs a block and none is free, the latest-arrived running group not yet scheduled in this
-step is preempted (or the group itself if there is none); (2) if nothing was preempted, swapped
-groups resume in arrival order; (3) if nothing was preempted, waiting groups are admitted in
-arrival order (strict FCFS: the first one that does not fit stops admission) within
-`max_num_batched_tokens` and `max_num_seqs`. With chunked prefill a prompt takes whatever budget
-is left and continues in later steps.
+Each `schedule()`: (1) running groups in arrival order: one-sequence decodes first (a tight fast
+path), then multi-sequence decodes, then groups still prefilling; when a group needs a block and
+none is free, the latest-arrived running group not yet scheduled in this step is preempted (or
+the group itself if there is none); (2) if nothing was preempted, swapped groups resume in
+arrival order; (3) if nothing was preempted, waiting groups are admitted in arrival order (strict
+FCFS: the first one that does not fit stops admission), all within `max_num_batched_tokens` and
+`max_num_seqs`. With chunked prefill a prompt takes whatever budget is left and continues in
+later steps; without it, a group's sequences each run whole (a group may spread over steps).
+
+A request that can never make progress (alone in the cache and still short of blocks) is dropped
+with `RequestOutput.error` set instead of looping forever.
 
 Parallel sampling (n > 1): sequence 0 alone prefills the prompt except its last token; then n-1
 children are forked (sharing every prompt block) and all n compute the last prompt token in one
