@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from clients.types import (
+from clients.results import (
     FINISH_REASONS,
     GenerationDelta,
     GenerationResult,

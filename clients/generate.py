@@ -10,7 +10,7 @@ import time
 import grpc
 
 from clients.client import Client
-from clients.types import GenerationResult
+from clients.results import GenerationResult
 
 
 def _token_ids(text: str) -> list[int]:

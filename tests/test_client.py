@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from clients.client import AsyncClient, Client, _delta_from_pb, build_request
-from clients.types import GenerationResult
+from clients.results import GenerationResult
 from protos.pagedserve.v1 import generation_pb2
 from tests.test_grpc_stack import Stack
 
