@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+
+# Triton 3.6 chooses between compiled and interpreted kernels when `@triton.jit` decorates them, and
+# libraries imported by other tests (torch, transformers) decorate kernels of their own. Choosing the
+# interpreter once, before anything is imported, keeps the CPU kernel tests independent of test order.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 
