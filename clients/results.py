@@ -118,3 +118,5 @@ class ServerStats:
     num_steps: int
     num_preemptions: int
     num_running_seqs: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int

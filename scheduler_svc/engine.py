@@ -76,6 +76,8 @@ class EngineStats:
     num_steps: int
     num_preemptions: int
     num_running_seqs: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
 
 
 class RequestStream:
@@ -118,6 +120,8 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._stopping = False
         self.num_steps = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
         self.healthy = True  # the executors answered the last step
         self.on_health_change: Callable[[bool], None] | None = None
 
@@ -191,6 +195,8 @@ class Engine:
             num_steps=self.num_steps,
             num_preemptions=s.num_preemptions,
             num_running_seqs=sum(len(g.seqs) for g in s.running),
+            num_swapped_out_blocks=self.num_swapped_out_blocks,
+            num_swapped_in_blocks=self.num_swapped_in_blocks,
         )
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -214,6 +220,8 @@ class Engine:
                 continue
             outputs = self.scheduler.process_result(result)
             self.num_steps += 1
+            self.num_swapped_out_blocks += len(plan.swap_out)
+            self.num_swapped_in_blocks += len(plan.swap_in)
             for out in outputs:
                 self._emit(out)
             if self.metrics is not None:

@@ -105,4 +105,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_steps=stats.num_steps,
             num_preemptions=stats.num_preemptions,
             num_running_seqs=stats.num_running_seqs,
+            num_swapped_out_blocks=stats.num_swapped_out_blocks,
+            num_swapped_in_blocks=stats.num_swapped_in_blocks,
         )

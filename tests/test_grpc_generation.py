@@ -110,6 +110,8 @@ def test_same_outputs_when_a_tiny_cache_forces_preemption(
         stats = stack.engine.stats()
         _assert_all_blocks_free(stack)
     assert stats.num_preemptions > 0
+    if preemption == "swap":
+        assert stats.num_swapped_out_blocks > 0 and stats.num_swapped_in_blocks > 0
     assert greedy == hf_greedy
     assert seeded == reference[1]
 
