@@ -128,4 +128,4 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
-TestBlockManagerMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+TestBlockManagerMachine.settings = settings(max_examples=250, stateful_step_count=50, deadline=None)

@@ -45,7 +45,7 @@ request = st.tuples(
 )
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs(), requests=st.lists(request, min_size=2, max_size=10), seed=st.integers(0, 99))
 def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed):
     sched = Scheduler(cfg, clock=lambda: 0.0)
