@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler_svc.detokenizer import Decoder
+from scheduler_svc.engine_metrics import record_step
 from scheduler_svc.engine_outputs import RequestDelta, RequestState
 from scheduler_svc.output_processor import RequestOutput
 from scheduler_svc.sampling_params import SamplingParams
@@ -225,7 +226,7 @@ class Engine:
             for out in outputs:
                 self._emit(out)
             if self.metrics is not None:
-                self._record_metrics(plan, time.perf_counter() - start)
+                record_step(self.metrics, self, plan, time.perf_counter() - start)
             if plan.is_empty:  # nothing runnable now: wait for a new request or an abort
                 self._wakeup.clear()
                 await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=0.05)
@@ -255,29 +256,6 @@ class Engine:
             self.healthy = healthy
             if self.on_health_change is not None:
                 self.on_health_change(healthy)
-
-    def _record_metrics(self, plan: StepPlan, step_time_s: float) -> None:
-        m, stats, kv = self.metrics, self.stats(), self.scheduler.kv
-        m.set("gpu_blocks_total", self.limits.num_gpu_blocks)
-        m.set("gpu_blocks_free", stats.num_free_gpu_blocks)
-        m.set("gpu_blocks_used", self.limits.num_gpu_blocks - stats.num_free_gpu_blocks)
-        m.set("gpu_blocks_cached_free", kv.num_cached_free_blocks)
-        m.set("cpu_swap_blocks_total", self.limits.num_cpu_blocks)
-        m.set("cpu_swap_blocks_used", self.limits.num_cpu_blocks - stats.num_free_cpu_blocks)
-        m.set("kv_usage_ratio", 1 - stats.num_free_gpu_blocks / self.limits.num_gpu_blocks)
-        m.set("blocks_saved_by_sharing", kv.num_shared_block_refs)
-        m.set("num_requests_running", stats.num_running)
-        m.set("num_requests_waiting", stats.num_waiting)
-        m.set("num_requests_swapped", stats.num_swapped)
-        m.set_total("prefix_cache_queries_tokens", kv.num_prefix_query_tokens)
-        m.set_total("prefix_cache_hits_tokens", kv.num_prefix_hit_tokens)
-        m.set_total("preemptions", stats.num_preemptions, mode=self.scheduler.config.preemption_mode)
-        m.inc("swapped_out_blocks", len(plan.swap_out))
-        m.inc("swapped_in_blocks", len(plan.swap_in))
-        m.inc("cow_copies", len(plan.copies))
-        m.observe("step_time_seconds", step_time_s)
-        m.observe("batch_size", len(plan.new_seqs) + len(plan.cont_seqs))
-        m.observe("step_plan_bytes", getattr(self.executors, "last_plan_bytes", 0))
 
     def stop(self) -> None:
         self._stopping = True
