@@ -135,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedserve is serving {model} on {public} (gRPC: pagedserve.v1.Generation)", flush=True)
         if args.metrics_port is not None:
             print(f"metrics: http://localhost:{args.metrics_port}/metrics", flush=True)
+        else:
+            print("metrics: off (--metrics-port P serves Prometheus /metrics)", flush=True)
         print(f"executors (pagedserve.v1.Executor): {', '.join(targets)}", flush=True)
         print(f"try: pagedserve generate --server {public} --prompt 'Hello'   (Ctrl-C stops)", flush=True)
         while not stop_requested:

@@ -14,9 +14,6 @@ import pytest
 
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 
-HEALTH = pytest.importorskip("grpc_health.v1.health_pb2")
-HEALTH_GRPC = pytest.importorskip("grpc_health.v1.health_pb2_grpc")
-
 
 class Stack:
     """`with Stack(model_dir, num_gpu_blocks=...) as stack:` serves on `stack.target`."""
@@ -85,9 +82,13 @@ def stack(tiny_llama_dir):
 
 
 def _health(target: str, service: str) -> str:
+    health_pb2 = pytest.importorskip("grpc_health.v1.health_pb2")
+    health_pb2_grpc = pytest.importorskip("grpc_health.v1.health_pb2_grpc")
     with grpc.insecure_channel(target) as channel:
-        reply = HEALTH_GRPC.HealthStub(channel).Check(HEALTH.HealthCheckRequest(service=service), timeout=5)
-    return HEALTH.HealthCheckResponse.ServingStatus.Name(reply.status)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def test_health_is_serving_on_both_services(stack):
