@@ -6,9 +6,10 @@ path), then multi-sequence decodes, then groups still prefilling; when a group n
 none is free, the latest-arrived running group not yet scheduled in this step is preempted (or
 the group itself if there is none); (2) if nothing was preempted, swapped groups resume in
 arrival order; (3) if nothing was preempted, waiting groups are admitted in arrival order (strict
-FCFS: the first one that does not fit stops admission), all within `max_num_batched_tokens` and
-`max_num_seqs`. With chunked prefill a prompt takes whatever budget is left and continues in
-later steps; without it, a group's sequences each run whole (a group may spread over steps).
+FCFS: the first one that does not fit stops admission, and none passes an earlier swapped
+group), all within `max_num_batched_tokens` and `max_num_seqs`. With chunked prefill a prompt
+takes whatever budget is left and continues in later steps; without it, a group's sequences each
+run whole (a group may spread over steps).
 
 A request that can never make progress (alone in the cache and still short of blocks) is dropped
 with `RequestOutput.error` set instead of looping forever.
@@ -36,15 +37,11 @@ from scheduler_svc.output_processor import (
     stop_token_ids_of,
 )
 from scheduler_svc.scheduler_config import RequestRejectedError, SchedulerConfig
-from scheduler_svc.scheduling_pass import SchedulingPass
+from scheduler_svc.scheduling_pass import SchedulingPass, arrival_order
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from scheduler_svc.step_plan import StepPlan, StepResult
 
 __all__ = ["RequestRejectedError", "Scheduler", "SchedulerConfig"]
-
-
-def _order(group: SequenceGroup) -> tuple[float, int]:
-    return (group.arrival_time, group.arrival_index)
 
 
 class Scheduler:
@@ -251,10 +248,10 @@ class Scheduler:
 
     # ---- helpers for the scheduling pass -------------------------------------------------------------
     def _insert_running(self, group: SequenceGroup) -> None:
-        bisect.insort(self.running, group, key=_order)
+        bisect.insort(self.running, group, key=arrival_order)
 
     def _insert_swapped(self, group: SequenceGroup) -> None:
-        bisect.insort(self.swapped, group, key=_order)
+        bisect.insort(self.swapped, group, key=arrival_order)
 
     def _drop_unservable(self, group: SequenceGroup, error: str) -> None:
         self.abort(group.request_id)

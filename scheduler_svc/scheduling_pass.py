@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from scheduler_svc.scheduler import Scheduler
 
 
+def arrival_order(group: SequenceGroup) -> tuple[float, int]:
+    return (group.arrival_time, group.arrival_index)
+
+
 def _is_running(group: SequenceGroup) -> bool:
     return bool(group.seqs) and group.seqs[0].status is SequenceStatus.RUNNING
 
@@ -218,6 +222,8 @@ class SchedulingPass:
         sched = self.sched
         while sched.waiting and self.budget > 0:
             group = sched.waiting[0]
+            if sched.swapped and arrival_order(sched.swapped[0]) < arrival_order(group):
+                return  # FCFS: an earlier swapped group comes back first
             num_waiting = len(group.seqs) + (group.sampling_params.n - 1 if not group.samples_forked else 0)
             if self.num_seqs + num_waiting > sched.config.max_num_seqs:
                 return
