@@ -131,6 +131,8 @@ class Engine:
         self, prompt: str | list[int], params: SamplingParams, request_id: str = ""
     ) -> RequestStream:
         """Validate and queue a request; raises InvalidRequestError (with the field) for bad input."""
+        if self._stopping:
+            raise RequestFailedError("the server is stopping")
         prompt_ids = self._prompt_ids(prompt)
         vocab = self.limits.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
@@ -235,13 +237,17 @@ class Engine:
         """An executor failed: every request in flight ends with `error`; the scheduler starts
         afresh (its prefix cache names KV the executors may have lost); the executors are
         re-initialized as soon as they answer again. Health is NOT_SERVING meanwhile."""
+        self.fail_all(error)
+        self.scheduler = type(self.scheduler)(self.scheduler.config)
+        self._set_healthy(False)
+        await self._try_recover()
+
+    def fail_all(self, error: str) -> None:
+        """End every request's stream with `error` (the client sees ABORTED)."""
         for request_id, request in list(self._requests.items()):
             delta = RequestDelta(request_id, len(request.prompt_ids), finished=True, error=error)
             request.queue.put_nowait(delta)
         self._requests.clear()
-        self.scheduler = type(self.scheduler)(self.scheduler.config)
-        self._set_healthy(False)
-        await self._try_recover()
 
     async def _try_recover(self) -> None:
         try:

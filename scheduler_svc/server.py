@@ -127,8 +127,10 @@ class SchedulerServer:
     async def _run_engine(self) -> None:
         try:
             await self.engine.run()
-        except Exception:
+        except Exception as err:
             _log.exception("engine loop died")
+            self.engine.stop()
+            self.engine.fail_all(f"engine failure: {err}")
             await self.health.set_serving(False)
             raise
 

@@ -175,3 +175,23 @@ def test_an_executor_failure_aborts_in_flight_requests_and_the_server_recovers(t
         after = client.generate([5, 6, 7], max_tokens=8, temperature=0.0).outputs[0].token_ids
         assert after == before
         assert client.stats().num_free_gpu_blocks == 32
+
+
+def test_a_dead_engine_loop_fails_requests_instead_of_hanging(tiny_llama_dir):
+    from clients.client import Client
+
+    with Stack(tiny_llama_dir, num_gpu_blocks=16, num_cpu_blocks=0) as stack, Client(stack.target) as client:
+        stream = client.stream([5, 6, 7], max_tokens=200, ignore_eos=True)
+        next(stream)
+
+        def broken_schedule():
+            raise RuntimeError("scheduler bug")
+
+        stack.engine.scheduler.schedule = broken_schedule
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+        assert info.value.code() == grpc.StatusCode.ABORTED
+        assert "engine failure: scheduler bug" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate([1, 2, 3])
+        assert info.value.code() == grpc.StatusCode.ABORTED
