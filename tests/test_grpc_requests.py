@@ -202,3 +202,12 @@ def test_a_cancelled_call_frees_its_request_within_a_step_while_others_run(stack
     with Client(stack.target) as client:
         _, stats = _wait_idle(client)
         assert stats.num_free_gpu_blocks == 48
+
+
+def test_the_engine_takes_no_steps_when_idle(stack):
+    with Client(stack.target) as client:
+        client.generate([5, 6, 7], max_tokens=4)
+        _wait_idle(client)
+        steps = client.stats().num_steps
+        time.sleep(0.3)
+        assert client.stats().num_steps == steps
