@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--max-n", type=int, default=None, help="largest n a request may ask for")
+    parser.add_argument("--max-beam-width", type=int, default=None, help="largest beam width allowed")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -75,7 +77,8 @@ def scheduler_command(args: argparse.Namespace, model: str, executor_targets: li
            "--preemption", args.preemption, "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     for flag, value in (("--num-gpu-blocks", args.num_gpu_blocks), ("--num-cpu-blocks", args.num_cpu_blocks),
-                        ("--max-model-len", args.max_model_len), ("--metrics-port", args.metrics_port)):
+                        ("--max-model-len", args.max_model_len), ("--metrics-port", args.metrics_port),
+                        ("--max-n", args.max_n), ("--max-beam-width", args.max_beam_width)):
         if value is not None:
             cmd += [flag, str(value)]
     if args.no_prefix_caching:
