@@ -36,6 +36,7 @@ from scheduler_svc.output_processor import (
     process_single_sample,
     stop_token_ids_of,
 )
+from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler_config import RequestRejectedError, SchedulerConfig
 from scheduler_svc.scheduling_pass import SchedulingPass, arrival_order
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
@@ -79,7 +80,7 @@ class Scheduler:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params,
+        sampling_params: SamplingParams,
         arrival_time: float | None = None,
         expected_output_len: int | None = None,
     ) -> SequenceGroup:
