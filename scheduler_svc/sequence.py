@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler_svc.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler_svc.beam_search import BeamState
 
 
 class SequenceStatus(enum.Enum):
@@ -103,8 +107,7 @@ class SequenceGroup:
     finished_seqs: list[Sequence] = field(default_factory=list)
     # Parallel sampling: True once the n samples exist (forked after the shared prompt prefill).
     samples_forked: bool = False
-    # Beam search state (scheduler_svc.beam_search.BeamState) when sampling_params.beam_width > 1.
-    beam: object | None = None
+    beam: BeamState | None = None  # beam search state when sampling_params.beam_width > 1
 
     @property
     def prompt_len(self) -> int:
