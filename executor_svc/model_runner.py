@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.kv_cache import KVCache
 from executor_svc.layers.attention import AttentionMetadata
 from executor_svc.model_input import ModelInput
@@ -15,11 +16,21 @@ class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache):
         self.model = model
         self.kv_cache = kv_cache
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_model_len: int) -> None:
+        """From now on decode batches of up to DECODE_BUCKETS[-1] sequences replay CUDA graphs."""
+        graphs = DecodeGraphs(self.model, self.kv_cache, max_model_len)
+        graphs.capture()
+        self.decode_graphs = graphs
 
     @torch.inference_mode()
     def compute_logits(self, batch: ModelInput) -> torch.Tensor:
         """Runs the forward pass (writing this step's K/V) and returns the logits [S, V] (float32) of the
-        rows named by `logits_indices` (S may be 0: a step of prefill chunks only)."""
+        rows named by `logits_indices` (S may be 0: a step of prefill chunks only). A decode batch
+        replays a captured CUDA graph when there is one for its size."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs.run(batch)
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.device_cache, batch.attn
         )  # [T, D]

@@ -13,6 +13,7 @@ after either, the scheduler resets the worker. Finished ids the worker does not 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -66,6 +67,14 @@ class Worker:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.seqs: dict[int, SequenceState] = {}
         self.last_step_id: int | None = None
+        # Decode steps replay CUDA graphs on one GPU unless PAGEDSERVE_ENFORCE_EAGER=1.
+        eager = os.environ.get("PAGEDSERVE_ENFORCE_EAGER") == "1"
+        self.use_cuda_graphs = self.device.type == "cuda" and config.world_size == 1 and not eager
+        # PAGEDSERVE_STEP_TRACE=FILE: one line per step, "step_id t_start t_launch t_end num_seqs
+        # num_tokens" (time.perf_counter seconds; t_launch: the forward pass is launched; t_end: the
+        # GPU is done), read by `pagedserve bench` for the GPU idle time between steps.
+        trace_path = os.environ.get("PAGEDSERVE_STEP_TRACE")
+        self._trace = open(trace_path, "a", buffering=1) if trace_path else None  # noqa: SIM115
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -132,8 +141,10 @@ class Worker:
         runner.kv_cache.copy(plan.copies)
         scheduled = self._apply_sequences(plan)
         samples: list[SampledToken] = []
+        launch = start
         if scheduled:
             batch = build_model_input(scheduled, self.cache_config.block_size, self.device, self.generator)
+            launch = time.perf_counter()
             output = runner.execute(batch)
             for s in scheduled:
                 s.state.num_computed_tokens += s.num_new_tokens
@@ -142,7 +153,12 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_step_id = plan.step_id
-        return StepResult(plan.step_id, samples, time.perf_counter() - start)
+        end = time.perf_counter()
+        if self._trace is not None:
+            num_tokens = sum(s.num_new_tokens for s in scheduled)
+            times = f"{start:.6f} {launch:.6f} {end:.6f}"
+            self._trace.write(f"{plan.step_id} {times} {len(scheduled)} {num_tokens}\n")
+        return StepResult(plan.step_id, samples, end - start)
 
     def _apply_forks(self, forks: list[tuple[int, int]]) -> None:
         """child := copy of parent. Forks carry no sample index, so the k-th child forked from a parent
@@ -208,6 +224,8 @@ class Worker:
                 self.device,
             )
             self.runner = ModelRunner(self.model, cache)
+            if self.use_cuda_graphs:
+                self.runner.capture_decode_graphs(mc.max_model_len)
         return self.runner
 
     def _blocks_that_fit(self) -> tuple[int, int]:
