@@ -18,7 +18,7 @@ import grpc
 from tokenizers import Tokenizer
 
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from scheduler_svc.engine import Engine, ModelLimits
+from scheduler_svc.engine import Engine, InvalidRequestError, ModelLimits
 from scheduler_svc.executor_client import ExecutorPool
 from scheduler_svc.grpc_serving import Health, add_reflection
 from scheduler_svc.sampling_params import MAX_BEAM_WIDTH, MAX_N
@@ -85,7 +85,12 @@ async def build_engine(opts: ServeOptions) -> Engine:
         max_beam_width=opts.max_beam_width,
         world_size=len(ranks),
     )
-    tokenizer = Tokenizer.from_file(str(pathlib.Path(opts.model) / "tokenizer.json"))
+    tokenizer_file = pathlib.Path(opts.model) / "tokenizer.json"
+    if tokenizer_file.exists():
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    else:
+        _log.warning("%s not found: serving token-id prompts only, with empty output text", tokenizer_file)
+        tokenizer = TokenIdsOnly()
     metrics = None
     if opts.metrics_port is not None:
         from scheduler_svc.metrics import SchedulerMetrics
@@ -111,6 +116,18 @@ def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
         preemption_mode=config.preemption_mode,
         enable_prefix_caching=config.enable_prefix_caching,
     )
+
+
+class TokenIdsOnly:
+    """The tokenizer of a model folder without tokenizer.json (e.g. a benchmark shape with dummy
+    weights): prompts must be token ids (a text prompt is INVALID_ARGUMENT) and outputs carry token
+    ids with empty text."""
+
+    def encode(self, text: str):
+        raise InvalidRequestError("prompt", "this server has no tokenizer; send token_ids")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
 
 
 class SchedulerServer:

@@ -59,6 +59,22 @@ class ModelSpec:
     def num_gpu_blocks(self, kv_bytes: float, block_size: int) -> int:
         return int(kv_bytes // (self.kv_bytes_per_token * block_size))
 
+    def hf_config(self) -> dict:
+        """A Hugging Face config.json of this shape (bf16; Llama architecture, or OPT for the
+        non-gated shapes), enough for dummy weights in pagedserve and in transformers."""
+        common = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "torch_dtype": "bfloat16",
+                  "num_attention_heads": self.num_heads, "num_hidden_layers": self.num_layers,
+                  "max_position_embeddings": self.max_model_len, "bos_token_id": 1, "eos_token_id": 2,
+                  "pad_token_id": 0}
+        if not self.gated_mlp:
+            return common | {"architectures": ["OPTForCausalLM"], "model_type": "opt",
+                             "ffn_dim": self.ffn_size, "word_embed_proj_dim": self.hidden_size,
+                             "do_layer_norm_before": True, "activation_function": "relu", "enable_bias": True}
+        return common | {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                         "num_key_value_heads": self.num_kv_heads, "intermediate_size": self.ffn_size,
+                         "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                         "tie_word_embeddings": False}
+
 
 MODELS: dict[str, ModelSpec] = {
     # max_model_len 2048 is the paper's OPT-13B setting (Llama 2 itself allows 4096).
