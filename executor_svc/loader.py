@@ -1,8 +1,11 @@
 """Build a model and fill its weights from a Hugging Face folder (safetensors) or at random (dummy).
 
 Weights stream one tensor at a time from the memory-mapped safetensors files into the parameters
-(already on the target device, in the target dtype), through each parameter's `weight_loader`, which
-takes this rank's shard; no full copy of the model is ever made.
+(already on the target device, in the target dtype, at this rank's shard size), through each
+parameter's `weight_loader`. A checkpoint tensor reaches the loader as a `CheckpointTensor`, which
+reads nothing until the loader narrows it to this rank's rows or columns (safetensors `get_slice`), so
+a tensor-parallel rank reads only its own shard: no rank ever holds the whole model, nor even one
+whole sharded tensor.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import json
 import pathlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -70,19 +74,60 @@ def safetensors_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def iterate_checkpoint(model_dir: str | pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointTensor:
+    """One tensor of a safetensors file, not read yet. `narrow(dim, start, length)` reads only that
+    range (the weight loaders' only way in, the same call as on a torch.Tensor); `read()` reads it all.
+    Bytes read are added to `stats.num_bytes_read`."""
+
+    def __init__(self, handle, name: str, stats: LoadStats):
+        self._slice = handle.get_slice(name)
+        self.name = name
+        self.shape = torch.Size(self._slice.get_shape())
+        self._stats = stats
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise ValueError(
+                f"range {start}..{start + length} of dim {dim} exceeds the checkpoint shape {tuple(self.shape)}"
+            )
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        part = self._slice[tuple(index)]
+        self._stats.num_bytes_read += part.numel() * part.element_size()
+        return part
+
+    def read(self) -> torch.Tensor:
+        return self.narrow(0, 0, self.shape[0]) if self.shape else self._slice[()]
+
+
+@dataclass(slots=True)
+class LoadStats:
+    num_tensors: int = 0
+    num_bytes_read: int = 0
+
+
+def iterate_checkpoint(
+    model_dir: str | pathlib.Path, stats: LoadStats | None = None
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    stats = LoadStats() if stats is None else stats
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                stats.num_tensors += 1
+                yield name, CheckpointTensor(f, name, stats)
 
 
-def load_safetensors(model: nn.Module, model_dir: str | pathlib.Path) -> None:
+def load_safetensors(model: nn.Module, model_dir: str | pathlib.Path) -> LoadStats:
+    """Fills every parameter from the checkpoint; returns how many tensors and bytes were read."""
+    stats = LoadStats()
     params = dict(model.named_parameters())
     stacked = getattr(model, "STACKED_PARAMS", ())
     tied = model.config.tie_word_embeddings or model.config.family == "opt"
     loaded: set[str] = set()
-    for hf_name, tensor in iterate_checkpoint(model_dir):
+    for hf_name, tensor in iterate_checkpoint(model_dir, stats):
         if "rotary_emb.inv_freq" in hf_name or (tied and hf_name == "lm_head.weight"):
             continue
         name = hf_name if hf_name in params or hf_name.startswith("model.") else "model." + hf_name
@@ -102,15 +147,16 @@ def load_safetensors(model: nn.Module, model_dir: str | pathlib.Path) -> None:
     missing = sorted(set(params) - loaded)
     if missing:
         raise WeightLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    return stats
 
 
 @torch.no_grad()
-def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id) -> None:
+def _load_one(param: nn.Parameter, tensor: CheckpointTensor, shard_id) -> None:
     loader = getattr(param, "weight_loader", None)
-    if loader is None:
+    if loader is None:  # replicated on every rank (norms, OPT's positions): read whole
         if param.shape != tensor.shape:
             raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-        param.data.copy_(tensor)
+        param.data.copy_(tensor.read())
     elif shard_id is None:
         loader(param, tensor)
     else:

@@ -1,7 +1,9 @@
 """Tensor-parallel linear layers and the vocabulary embedding / LM head.
 
 Every parameter carries a `weight_loader(param, full_weight, shard_id=None)` that copies THIS rank's
-shard out of the full checkpoint tensor, so the loader never needs to know how a layer is split:
+shard out of the full checkpoint tensor, so the loader never needs to know how a layer is split.
+`full_weight` is a torch.Tensor or the loader's lazy `CheckpointTensor`; the weight loaders touch it
+only through `.shape` and `.narrow(dim, start, length)`, so a rank reads just its shard from disk:
 
     ColumnParallelLinear   W [out, in]  split along out (dim 0); output stays split
     RowParallelLinear      W [out, in]  split along in  (dim 1); partial outputs are all-reduced
@@ -40,6 +42,16 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
+def _check_full_shape(full, expected: tuple[int, ...], what: str) -> None:
+    """The whole checkpoint tensor must have the unsharded shape (a shard of a wrong-shaped tensor
+    could otherwise fit by accident)."""
+    if tuple(full.shape) != tuple(expected):
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {tuple(full.shape)}, expected {tuple(expected)} "
+            "(this rank's shard exceeds it or leaves part of it unread)"
+        )
+
+
 def _divide(n: int, tp_size: int, what: str) -> int:
     if n % tp_size:
         raise ValueError(f"{what} = {n} is not divisible by the tensor-parallel size {tp_size}")
@@ -72,6 +84,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def weight_loader(self, param, full, shard_id=None):
         rows = param.shape[0]
+        _check_full_shape(full, (rows * self.tp_size, *param.shape[1:]), "column-parallel")
         _copy_checked(param.data, full.narrow(0, self.tp_rank * rows, rows), "column-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +103,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, full, shard_id=None):
         size = self.out_sizes_per_rank[shard_id]
         offset = sum(self.out_sizes_per_rank[:shard_id])
+        _check_full_shape(full, (size * self.tp_size, *param.shape[1:]), f"merged shard {shard_id}")
         shard = full.narrow(0, self.tp_rank * size, size)
         _copy_checked(param.data.narrow(0, offset, size), shard, f"merged shard {shard_id}")
 
@@ -118,19 +132,22 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             self.num_kv_heads = 1
             self.kv_head_start = tp_rank * num_kv_heads // tp_size
+        self.total_heads = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         _ParallelLinear.__init__(self, hidden_size, out, bias, tp_rank, tp_size)
 
     def weight_loader(self, param, full, shard_id=None):
+        if shard_id not in self.total_heads:
+            raise ValueError(f"QKV shard id must be q, k or v, got {shard_id!r}")
+        expected = (self.total_heads[shard_id] * self.head_dim, *param.shape[1:])
+        _check_full_shape(full, expected, f"qkv shard {shard_id}")
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
             dst, src = param.data.narrow(0, 0, q_rows), full.narrow(0, self.tp_rank * q_rows, q_rows)
-        elif shard_id in ("k", "v"):
+        else:
             offset = q_rows + (kv_rows if shard_id == "v" else 0)
             dst = param.data.narrow(0, offset, kv_rows)
             src = full.narrow(0, self.kv_head_start * self.head_dim, kv_rows)
-        else:
-            raise ValueError(f"QKV shard id must be q, k or v, got {shard_id!r}")
         _copy_checked(dst, src, f"qkv shard {shard_id}")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,9 +163,10 @@ class RowParallelLinear(_ParallelLinear):
 
     def weight_loader(self, param, full, shard_id=None):
         if param.dim() == 1:  # the bias is added once, after the all-reduce
-            _copy_checked(param.data, full, "row-parallel bias")
+            _copy_checked(param.data, full.narrow(0, 0, full.shape[0]), "row-parallel bias")
             return
         cols = param.shape[1]
+        _check_full_shape(full, (param.shape[0], cols * self.tp_size), "row-parallel")
         _copy_checked(param.data, full.narrow(1, self.tp_rank * cols, cols), "row-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,6 +187,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, full, shard_id=None):
+        _check_full_shape(full, (self.vocab_size, param.shape[1]), "vocabulary table")
         rows = max(0, min(self.num_rows, full.shape[0] - self.vocab_start))
         param.data.zero_()
         _copy_checked(param.data.narrow(0, 0, rows), full.narrow(0, self.vocab_start, rows), "vocab shard")
