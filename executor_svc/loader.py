@@ -91,7 +91,7 @@ class CheckpointTensor:
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         if not 0 <= start <= start + length <= self.shape[dim]:
             raise ValueError(
-                f"range {start}..{start + length} of dim {dim} exceeds the checkpoint shape {tuple(self.shape)}"
+                f"range {start}..{start + length} of dim {dim} exceeds the shape {tuple(self.shape)}"
             )
         index = [slice(None)] * len(self.shape)
         index[dim] = slice(start, start + length)

@@ -80,8 +80,10 @@ def test_each_rank_reads_only_its_shard_through_get_slice(family, tiny_model_dir
         if family == "llama":  # only norms are replicated: well under 60 % of the checkpoint per rank
             assert own_bytes < 0.6 * checkpoint_bytes
 
-    attn = [m.model.layers[0].self_attn if family != "opt" else m.model.decoder.layers[0].self_attn
-            for m in shards]
+    attn = [
+        m.model.layers[0].self_attn if family != "opt" else m.model.decoder.layers[0].self_attn
+        for m in shards
+    ]
     prefix = "model.decoder.layers.0.self_attn." if family == "opt" else "model.layers.0.self_attn."
     q_rows = attn[0].qkv_proj.num_heads * attn[0].qkv_proj.head_dim
     kv_rows = attn[0].qkv_proj.num_kv_heads * attn[0].qkv_proj.head_dim
@@ -99,15 +101,23 @@ def test_each_rank_reads_only_its_shard_through_get_slice(family, tiny_model_dir
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_short_checkpoint_tensor_fails_on_every_rank_naming_it(rank, tiny_model_dirs, tmp_path, monkeypatch):
+def test_a_short_checkpoint_tensor_fails_on_every_rank_naming_it(
+    rank, tiny_model_dirs, tmp_path, monkeypatch
+):
     """A vocabulary table shorter than the config's vocabulary is refused by the rank whose rows
     exist (no silent zero padding) and by the rank whose rows do not."""
     src = tiny_model_dirs["llama"]
     weights = load_file(str(src / "model.safetensors"))
     weights["lm_head.weight"] = weights["lm_head.weight"][:300].clone()
-    with pytest.raises(loader_module.WeightLoadError, match=r"lm_head.weight: vocabulary table: checkpoint tensor has shape \(300, 64\)"):
+    with pytest.raises(
+        loader_module.WeightLoadError,
+        match=r"lm_head.weight: vocabulary table: checkpoint tensor has shape \(300, 64\)",
+    ):
         _load_rank(copy_with(tmp_path, src, weights), rank, 2, monkeypatch)
     wrong = weights | {"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 100)}
     wrong["lm_head.weight"] = load_file(str(src / "model.safetensors"))["lm_head.weight"]
-    with pytest.raises(loader_module.WeightLoadError, match=r"down_proj.weight: row-parallel: .* shape \(64, 100\), expected \(64, 128\)"):
+    with pytest.raises(
+        loader_module.WeightLoadError,
+        match=r"down_proj.weight: row-parallel: .* shape \(64, 100\), expected \(64, 128\)",
+    ):
         _load_rank(copy_with(tmp_path / "b", src, wrong), rank, 2, monkeypatch)
