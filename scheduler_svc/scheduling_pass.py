@@ -224,7 +224,9 @@ class SchedulingPass:
             group = sched.waiting[0]
             if sched.swapped and arrival_order(sched.swapped[0]) < arrival_order(group):
                 return  # FCFS: an earlier swapped group comes back first
-            num_waiting = len(group.seqs) + (group.sampling_params.n - 1 if not group.samples_forked else 0)
+            params = group.sampling_params  # room for every sample or beam the group will grow to
+            num_waiting = max(len(group.seqs) + (params.n - 1 if not group.samples_forked else 0),
+                              params.beam_width)
             if self.num_seqs + num_waiting > sched.config.max_num_seqs:
                 return
             if not sched.config.enable_chunked_prefill:

@@ -221,3 +221,13 @@ def test_prefix_cache_hit_is_sent_as_computed_tokens_of_a_new_sequence():
     assert sched.kv.num_prefix_hit_tokens == 8 and sched.kv.num_prefix_query_tokens == 20
     sched.process_result(ex.step(plan))  # the fake executor checks the cached KV it attends to
     ex.run_until_done(check=sched.kv.check_integrity)
+
+
+def test_a_beam_group_is_admitted_only_with_room_for_all_its_beams():
+    sched = make(num_gpu_blocks=64, max_num_seqs=4)
+    add(sched, "greedy", [1, 2, 3], 0.0, temperature=0.0)
+    add(sched, "beam", [4, 5, 6], 1.0, beam_width=4, temperature=0.0)
+    plan = sched.schedule()
+    # One sequence is running; the beam group will grow to 4, which would make 5 > max_num_seqs.
+    assert [s.seq_id for s in plan.new_seqs] == [sched.get_group("greedy").seqs[0].seq_id]
+    assert sched.get_group("beam") in sched.waiting
