@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("clients.launcher", "start the executor(s) and the scheduler; serve the Generation API"),
     "generate": ("clients.generate", "send one request to a server and stream its output"),
     "make-tiny-model": ("clients.make_tiny_model", "write a tiny random-weight model folder (tests, demos)"),
+    "bench": ("clients.bench", "throughput / latency benchmark through the gRPC services (and HF peers)"),
 }
 
 

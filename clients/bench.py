@@ -1,0 +1,322 @@
+"""`pagedserve bench`: throughput and latency of the real gRPC services on a synthetic workload.
+
+    pagedserve bench throughput --workload sharegpt --requests 400 --model llama3-8b \\
+        --prefixes 32,100 --compare hf-static,hf-cb --static-requests 32 --cb-requests 100
+    pagedserve bench serve --workload sharegpt --requests 200 --rates 1,2,4,8 --plot sweep.png
+
+`throughput` sends every request at t = 0 (offline); `serve` sends Poisson arrivals, one run per
+rate. Without --server the command launches the executor and the scheduler itself (the options of
+`pagedserve serve` apply) with prefix caching off, so repeating a request set is not a cache hit.
+`--model` is a model folder or a named shape of WORKLOADS.md (`llama3-8b`, `llama2-13b`, from
+scheduler_svc/sim_models.py): a folder with only config.json is written and served with dummy
+weights and no tokenizer (token-id prompts, empty text).
+
+`--compare` stops our servers, then runs the Hugging Face peers in this process on the same GPU,
+model and requests (`--static-requests` / `--cb-requests` take a prefix of the requests, since the
+peers are slow) and prints our throughput on the identical request set divided by theirs.
+On CUDA the offline run also prints measured / ideal (clients/bench_report.ideal_time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+from clients import launcher
+from clients.bench_load import run_load
+from clients.bench_report import gpu_idle, ideal_time, read_step_trace, summarize
+from scheduler_svc.sim_models import MODELS, ModelSpec
+from scheduler_svc.workloads import WORKLOADS, make_workload
+
+PEERS = ("hf-static", "hf-cb")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
+    for mode, help_text in (
+        ("throughput", "all requests at t=0"),
+        ("serve", "Poisson arrivals, a sweep of rates"),
+    ):
+        sub = modes.add_parser(mode, help=help_text)
+        launcher.add_arguments(sub)
+        sub.set_defaults(port=0)
+        sub.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt")
+        sub.add_argument("--requests", type=int, default=100)
+        sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument("--server", default=None, help="HOST:PORT of a running server (default: launch one)")
+        sub.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on")
+        sub.add_argument("--json", action="store_true", help="print the results as JSON")
+        sub.add_argument("--out", default=None, help="also write the JSON results to this file")
+        sub.add_argument("--no-progress", action="store_true")
+        if mode == "throughput":
+            sub.add_argument("--prefixes", default="", help="also run the first K requests, e.g. 32,100")
+            sub.add_argument("--compare", default="", help=f"peers to run after ours: {','.join(PEERS)}")
+            sub.add_argument("--static-requests", type=int, default=None, help="hf-static: first K requests")
+            sub.add_argument("--static-batch", type=int, default=32)
+            sub.add_argument("--cb-requests", type=int, default=None, help="hf-cb: first K requests")
+            sub.add_argument("--no-ideal", action="store_true", help="skip the ideal-time figure")
+        else:
+            sub.add_argument("--rates", default="1,2,4", help="requests per second, comma-separated")
+            sub.add_argument("--plot", default=None, help="PNG of the sweep (needs matplotlib)")
+
+
+# ---- model ---------------------------------------------------------------------------------------
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[str, ModelSpec]:
+    """The model folder to serve and its shape; a named shape becomes a config.json-only folder."""
+    if args.model in MODELS:
+        spec = MODELS[args.model]
+        folder = launcher.CACHE_DIR / "bench-models" / args.model
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(spec.hf_config(), indent=2) + "\n")
+        args.load_format = "dummy"
+        return str(folder), spec
+    folder = pathlib.Path(args.model) if args.model else launcher.ensure_default_model()
+    return str(folder.resolve()), spec_from_hf_config(json.loads((folder / "config.json").read_text()))
+
+
+def spec_from_hf_config(hf: dict) -> ModelSpec:
+    heads = hf["num_attention_heads"]
+    return ModelSpec(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        ffn_size=hf.get("intermediate_size") or hf["ffn_dim"],
+        vocab_size=hf["vocab_size"],
+        max_model_len=hf.get("max_position_embeddings", 2048),
+        gated_mlp=hf.get("model_type") != "opt",
+    )
+
+
+# ---- servers -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def servers(args: argparse.Namespace, model: str, trace_path: str):
+    """Launches the executor(s) and the scheduler (or uses --server); yields the public target."""
+    if args.server:
+        yield args.server
+        return
+    serve_args = argparse.Namespace(**vars(args))
+    serve_args.port = args.port or launcher.free_port()
+    serve_args.no_prefix_caching = not args.prefix_caching
+    os.environ["PAGEDSERVE_STEP_TRACE"] = trace_path
+    procs: list[subprocess.Popen] = []
+    try:
+        targets = []
+        dist_port = launcher.free_port()
+        for rank in range(args.tensor_parallel_size):
+            port = launcher.free_port()
+            procs.append(
+                subprocess.Popen(launcher.executor_command(serve_args, model, rank, port, dist_port))
+            )
+            targets.append(f"127.0.0.1:{port}")
+        for target in targets:
+            launcher.wait_serving(target, procs, args.startup_timeout)
+        procs.append(subprocess.Popen(launcher.scheduler_command(serve_args, model, targets)))
+        public = f"127.0.0.1:{serve_args.port}"
+        launcher.wait_serving(public, procs, args.startup_timeout)
+        yield public
+    finally:
+        os.environ.pop("PAGEDSERVE_STEP_TRACE", None)
+        launcher.stop_all(procs)
+
+
+def run_ours(args, target: str, requests, label: str, trace_path: str) -> dict:
+    run = asyncio.run(run_load(target, requests, label, show_progress=not args.no_progress))
+    summary = {"label": label, **summarize(run)}
+    if os.path.exists(trace_path) and not args.server:
+        steps = read_step_trace(trace_path, run.start_s, run.end_s)
+        summary["gpu_idle"] = gpu_idle(steps, args.max_num_seqs)
+    if summary["output_tokens"] != summary["expected_output_tokens"] or summary["num_failed"]:
+        print(
+            f"bench: {label}: {summary['num_failed']} requests failed: {summary['errors']}", file=sys.stderr
+        )
+    return summary
+
+
+# ---- peers and ideal -----------------------------------------------------------------------------
+
+
+def run_peers(args, model: str, requests, ours_by_size: dict[int, dict]) -> list[dict]:
+    import torch
+
+    from clients.hf_peers import load_peer_model, run_continuous, run_static
+
+    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    peer_model = load_peer_model(model, dtype, device, dummy=args.load_format == "dummy")
+    results = []
+    for peer in [p for p in args.compare.split(",") if p]:
+        size = peer_size(args, peer, len(requests))
+        subset = requests[:size]
+        prompts, max_tokens = [list(r.prompt_token_ids) for r in subset], [r.max_tokens for r in subset]
+        print(f"bench: running {peer} on the first {size} requests ...", file=sys.stderr, flush=True)
+        if peer == "hf-static":
+            result = run_static(peer_model, prompts, max_tokens, args.static_batch)
+        else:
+            result = run_continuous(peer_model, prompts, max_tokens, None if device == "cuda" else 256)
+        ours = ours_by_size[size]["output_tok_s"]
+        results.append(
+            {**result.as_dict(), "ours_output_tok_s": ours, "ratio": round(ours / result.output_tok_s, 2)}
+        )
+    return results
+
+
+def peer_size(args, peer: str, num_requests: int) -> int:
+    if peer not in PEERS:
+        raise SystemExit(f"pagedserve bench: unknown peer {peer!r}; choose from {PEERS}")
+    size = args.static_requests if peer == "hf-static" else args.cb_requests
+    return min(size or num_requests, num_requests)
+
+
+def add_ideal(spec: ModelSpec, requests_by_size: dict[int, list], runs: dict[int, dict]) -> dict:
+    from clients.bench_report import measure_device_rates
+
+    rates = measure_device_rates()
+    for size, summary in runs.items():
+        reqs = requests_by_size[size]
+        ideal = ideal_time(spec, [r.prompt_len for r in reqs], [r.max_tokens for r in reqs], rates)
+        ideal["measured_over_ideal"] = round(ideal["total_s"] / summary["wall_s"], 3)
+        summary["ideal"] = ideal
+    return {
+        "device": rates.device,
+        "copy_tb_s": round(rates.copy_bytes_per_s / 1e12, 3),
+        "matmul_tflop_s": round(rates.matmul_flops_per_s / 1e12, 1),
+    }
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    model, spec = resolve_model(args)
+    result: dict = {
+        "mode": args.mode,
+        "model": args.model or "tiny-llama",
+        "workload": args.workload,
+        "requests": args.requests,
+        "seed": args.seed,
+        "max_num_seqs": args.max_num_seqs,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path = os.path.join(tmp, "steps.trace")
+        if args.mode == "throughput":
+            requests = make_workload(args.workload, args.requests, vocab_size=spec.vocab_size, seed=args.seed)
+            sizes = {int(k) for k in args.prefixes.split(",") if k} | {args.requests}
+            sizes |= {peer_size(args, p, args.requests) for p in args.compare.split(",") if p}
+            with servers(args, model, trace_path) as target:
+                runs = {
+                    k: run_ours(args, target, requests[:k], f"ours[{k}]", trace_path) for k in sorted(sizes)
+                }
+            result["runs"] = list(runs.values())
+            gpu = _cuda_available() and not args.no_ideal and args.device != "cpu"
+            if gpu:
+                result["device_rates"] = add_ideal(spec, {k: requests[:k] for k in sizes}, runs)
+            ours_ok = all(r["output_tokens"] == r["expected_output_tokens"] for r in result["runs"])
+            if args.compare and ours_ok:
+                result["peers"] = run_peers(args, model, requests, runs)
+        else:
+            rates = [float(r) for r in args.rates.split(",") if r]
+            result["runs"] = []
+            with servers(args, model, trace_path) as target:
+                for rate in rates:
+                    reqs = make_workload(
+                        args.workload,
+                        args.requests,
+                        vocab_size=spec.vocab_size,
+                        seed=args.seed,
+                        rate_per_s=rate,
+                    )
+                    result["runs"].append(
+                        {"rate_per_s": rate, **run_ours(args, target, reqs, f"rate {rate}", trace_path)}
+                    )
+            if args.plot:
+                plot_sweep(result["runs"], args.plot)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        pathlib.Path(args.out).write_text(text + "\n")
+    print(text if args.json else format_table(result), flush=True)
+    failed = any(r["num_failed"] or r["output_tokens"] != r["expected_output_tokens"] for r in result["runs"])
+    return 1 if failed else 0
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def format_table(result: dict) -> str:
+    lines = [f"pagedserve bench {result['mode']}: {result['model']}, {result['workload']}"]
+    head = (
+        f"{'run':>12} {'reqs':>5} {'out tok/s':>10} {'req/s':>7} {'TTFT p50/p99 ms':>17} "
+        f"{'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'norm lat s/tok':>14} {'avg batch':>9} "
+        f"{'KV max':>6} {'preempt':>7} {'GPU idle':>8} {'ideal':>6}"
+    )
+    lines.append(head)
+    for r in result["runs"]:
+        label = r["label"] if "rate_per_s" not in r else f"{r['rate_per_s']:g}/s"
+        idle = r.get("gpu_idle", {}).get("idle_fraction", float("nan"))
+        ideal = r.get("ideal", {}).get("measured_over_ideal", float("nan"))
+        ttft, tpot, itl = r["ttft_ms"], r["tpot_ms"], r["itl_ms"]
+        lines.append(
+            f"{label:>12} {r['num_requests']:>5} {r['output_tok_s']:>10.1f} {r['request_per_s']:>7.2f} "
+            f"{ttft['p50']:>8.1f}/{ttft['p99']:<8.1f} {tpot['p50']:>7.2f}/{tpot['p99']:<8.2f} "
+            f"{itl['p50']:>6.2f}/{itl['p99']:<8.2f} {r['normalized_latency_s_per_token']:>14.4f} "
+            f"{r['avg_running_seqs']:>9.1f} {r['kv_usage']['max']:>6.1%} {r['preemptions']:>7} "
+            f"{idle:>8.1%} {ideal:>6.2f}"
+        )
+        full = r.get("gpu_idle", {})
+        if "full_decode_idle_fraction" in full:
+            lines.append(
+                f"{'':>12} decode steps of >= {full['full_decode_batch']} seqs: "
+                f"{full['num_full_decode_steps']}, GPU {full['full_decode_gpu_step_ms']:.2f} ms/step, "
+                f"gap {full['full_decode_gap_ms']:.2f} ms (executor prep "
+                f"{full['full_decode_executor_prep_ms']:.2f} ms): "
+                f"idle {full['full_decode_idle_fraction']:.1%}"
+            )
+    if "device_rates" in result:
+        d = result["device_rates"]
+        lines.append(
+            f"ideal on {d['device']}: copy {d['copy_tb_s']} TB/s, bf16 matmul {d['matmul_tflop_s']} TFLOP/s; "
+            "'ideal' column = ideal time / measured time"
+        )
+    for p in result.get("peers", []):
+        lines.append(
+            f"{p['peer']} on the first {p['num_requests']} requests: {p['output_tok_s']:.1f} out tok/s; "
+            f"ours on the same requests {p['ours_output_tok_s']:.1f}: ratio {p['ratio']:.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def plot_sweep(runs: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench: matplotlib is not installed; no plot", file=sys.stderr)
+        return
+    rates = [r["rate_per_s"] for r in runs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(rates, [r["normalized_latency_s_per_token"] for r in runs], "o-")
+    left.set_xlabel("request rate (req/s)")
+    left.set_ylabel("normalized latency (s/token)")
+    right.plot(rates, [r["output_tok_s"] for r in runs], "o-")
+    right.set_xlabel("request rate (req/s)")
+    right.set_ylabel("output tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
