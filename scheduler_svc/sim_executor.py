@@ -6,7 +6,8 @@ ignores EOS runs to max_tokens; beam search gets 2k distinct candidates with ran
 best first. With `verify_kv=True` it also keeps a simulated KV cache (every slot holds a key of the
 prefix that wrote it) and asserts that every position a sequence attends to holds that sequence's
 key — a wrong share, a missed copy or a bad swap fails loudly. That check costs O(context) per
-sequence per step, so it is for tests, not for 1000-request runs.
+sequence per step, so it is for tests, not for 1000-request runs. Tests subclass it and override
+`check_scheduled` to compare its state with the scheduler's.
 """
 
 from __future__ import annotations
@@ -44,11 +45,25 @@ class StepWork:
 
 
 class SimExecutor:
-    def __init__(self, vocab_size: int, block_size: int, seed: int = 0, verify_kv: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        seed: int = 0,
+        verify_kv: bool = False,
+        min_token_id: int = MIN_TOKEN_ID,
+        eos_token_id: int | None = None,
+        eos_prob: float = 0.0,
+    ):
+        """Sampled tokens are uniform in [min_token_id, vocab_size), or `eos_token_id` with
+        probability `eos_prob` (also planted among beam candidates)."""
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.rng = random.Random(f"{seed}/sim-executor")
         self.verify_kv = verify_kv
+        self.min_token_id = min_token_id
+        self.eos_token_id = eos_token_id
+        self.eos_prob = eos_prob
         self.states: dict[int, _SeqState] = {}
         self._gpu: dict[int, dict[int, int]] = {}  # block -> offset -> key (verify_kv only)
         self._cpu: dict[int, dict[int, int]] = {}
@@ -62,6 +77,8 @@ class SimExecutor:
         for seq_id in plan.finished_seq_ids:
             del states[seq_id]
         for child_id, parent_id in plan.forks:
+            if child_id in states:
+                raise ValueError(f"fork child {child_id} already exists")
             src = states[parent_id]
             states[child_id] = _SeqState(
                 list(src.token_ids),
@@ -89,11 +106,16 @@ class SimExecutor:
         for cont in plan.cont_seqs:
             state = states[cont.seq_id]
             state.token_ids.extend(cont.new_token_ids)
+            if cont.block_table_start > len(state.block_table):
+                raise ValueError(f"seq {cont.seq_id}: block_table_start past the end of its table")
             state.block_table[cont.block_table_start :] = cont.block_ids
             scheduled.append((cont.seq_id, state, cont.num_new_tokens))
+        if len({seq_id for seq_id, _, _ in scheduled}) != len(scheduled):
+            raise ValueError("a sequence is scheduled twice in one plan")
         result = StepResult(plan.step_id)
         work = StepWork(num_seqs=len(scheduled))
         for seq_id, state, num_new_tokens in scheduled:
+            self.check_scheduled(seq_id, state)
             end = state.num_computed_tokens + num_new_tokens
             if not (num_new_tokens > 0 and end <= len(state.token_ids)):
                 raise ValueError(f"seq {seq_id}: bad token count {num_new_tokens}")
@@ -108,6 +130,9 @@ class SimExecutor:
                 result.samples.append(self._sample(seq_id, state.params))
         return result, work
 
+    def check_scheduled(self, seq_id: int, state: _SeqState) -> None:
+        """Called for each scheduled sequence after the plan's updates, before its forward pass."""
+
     def _write_and_check(self, seq_id: int, state: _SeqState, end: int) -> None:
         bs, table, gpu = self.block_size, state.block_table, self._gpu
         for pos in range(state.num_computed_tokens, end):  # reshape_and_cache
@@ -116,13 +141,20 @@ class SimExecutor:
             if gpu.get(table[pos // bs], {}).get(pos % bs) != state.key(pos):
                 raise AssertionError(f"seq {seq_id}: wrong KV at position {pos}")
 
+    def _token(self) -> int:
+        rng = self.rng
+        if self.eos_token_id is not None and rng.random() < self.eos_prob:
+            return self.eos_token_id
+        return self.min_token_id + int(rng.random() * (self.vocab_size - self.min_token_id))
+
     def _sample(self, seq_id: int, params: SamplingParams) -> SampledToken:
         rng = self.rng
         if params.use_beam_search:
-            tokens = rng.sample(range(MIN_TOKEN_ID, self.vocab_size), params.num_beam_candidates)
+            tokens = rng.sample(range(self.min_token_id, self.vocab_size), params.num_beam_candidates)
+            if self.eos_token_id is not None and rng.random() < self.eos_prob:
+                tokens[rng.randrange(len(tokens))] = self.eos_token_id
             logprobs = sorted((-4.0 * rng.random() for _ in tokens), reverse=True)
             return SampledToken(
                 seq_id, tokens[0], logprobs[0], beam_candidates=list(zip(tokens, logprobs, strict=True))
             )
-        token_id = MIN_TOKEN_ID + int(rng.random() * (self.vocab_size - MIN_TOKEN_ID))
-        return SampledToken(seq_id, token_id, -rng.random())
+        return SampledToken(seq_id, self._token(), -rng.random())

@@ -83,7 +83,7 @@ def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed):
         raise AssertionError("requests did not finish in 1000 steps")
     assert finished == accepted
     event(f"preempted: {sched.num_preemptions > 0}")
-    event(f"swapped: {any(ex.cpu)}")
+    event(f"swapped: {any(ex._cpu)}")
     event(f"steps > 40: {step > 40}")
     event(f"accepted >= 2: {len(accepted) >= 2}")
     ex.step(sched.schedule())  # delivers the last finished ids
