@@ -14,71 +14,28 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Protocol
 
-from scheduler_svc.detokenizer import Decoder
-from scheduler_svc.engine_metrics import record_step
+from scheduler_svc.engine_api import (
+    EngineStats,
+    Executors,
+    InvalidRequestError,
+    ModelLimits,
+    RecoveryOptions,
+    RequestFailedError,
+    ServiceUnavailableError,
+    Tokenizer,
+)
+from scheduler_svc.engine_metrics import record_output, record_step
 from scheduler_svc.engine_outputs import RequestDelta, RequestState
 from scheduler_svc.output_processor import RequestOutput
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_config import RequestRejectedError
 from scheduler_svc.sequence import FinishReason
-from scheduler_svc.step_plan import StepPlan, StepResult
 
+__all__ = ["Engine", "EngineStats", "InvalidRequestError", "ModelLimits", "RequestFailedError",
+           "RequestStream", "ServiceUnavailableError"]
 _log = logging.getLogger(__name__)
-
-
-class InvalidRequestError(ValueError):
-    """Bad client input; `field` names it (the edge answers INVALID_ARGUMENT)."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-
-
-class RequestFailedError(RuntimeError):
-    """The server dropped an accepted request (e.g. it outgrew the KV cache, or an executor failed)."""
-
-
-class Tokenizer(Decoder, Protocol):
-    def encode(self, text: str): ...
-
-
-class Executors(Protocol):
-    async def step(self, plan: StepPlan) -> StepResult: ...
-
-    async def recover(self) -> None:
-        """Re-initialize every rank (cache and state) after a failure; raises while one is down."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelLimits:
-    model_name: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    eos_token_ids: tuple[int, ...] = ()
-    max_n: int = 16
-    max_beam_width: int = 16
-    world_size: int = 1
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_free_gpu_blocks: int
-    num_free_cpu_blocks: int
-    num_waiting: int
-    num_running: int
-    num_swapped: int
-    num_steps: int
-    num_preemptions: int
-    num_running_seqs: int
-    num_swapped_out_blocks: int
-    num_swapped_in_blocks: int
 
 
 class RequestStream:
@@ -94,7 +51,7 @@ class RequestStream:
         while True:
             delta = await self._request.queue.get()
             if delta.error is not None:
-                raise RequestFailedError(delta.error)
+                raise (ServiceUnavailableError if delta.unavailable else RequestFailedError)(delta.error)
             yield delta
             if delta.finished:
                 return
@@ -111,6 +68,7 @@ class Engine:
         tokenizer: Tokenizer,
         limits: ModelLimits,
         metrics=None,
+        recovery: RecoveryOptions | None = None,
     ):
         self.scheduler = scheduler
         self.executors = executors
@@ -123,7 +81,10 @@ class Engine:
         self.num_steps = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.recovery = recovery or RecoveryOptions()
         self.healthy = True  # the executors answered the last step
+        self.draining = False
+        self._down_since = 0.0
         self.on_health_change: Callable[[bool], None] | None = None
 
     # ---- requests ------------------------------------------------------------------------------
@@ -133,6 +94,10 @@ class Engine:
         """Validate and queue a request; raises InvalidRequestError (with the field) for bad input."""
         if self._stopping:
             raise RequestFailedError("the server is stopping")
+        if self.draining:
+            raise ServiceUnavailableError("the server is draining (shutting down); retry elsewhere")
+        if not self.healthy:
+            raise ServiceUnavailableError("the executors are down; the server is recovering, retry later")
         prompt_ids = self._prompt_ids(prompt)
         vocab = self.limits.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
@@ -156,7 +121,7 @@ class Engine:
             self.scheduler.add_request(group)
         except RequestRejectedError as err:
             raise InvalidRequestError(err.field, str(err).split(": ", 1)[-1]) from None
-        request = RequestState(request_id, prompt_ids, params, self.tokenizer)
+        request = RequestState(request_id, prompt_ids, params, self.tokenizer, group)
         self._requests[request_id] = request
         self._wakeup.set()
         return RequestStream(self, request)
@@ -205,21 +170,21 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
         while not self._stopping:
+            if not self.healthy:
+                await self._await_executors()
+                continue
             if not self.scheduler.has_unfinished():
                 self._wakeup.clear()
-                if self.healthy:
-                    await self._wakeup.wait()
-                else:  # probe the executors once a second until they are back
-                    await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=1.0)
-                    await self._try_recover()
+                await self._wakeup.wait()
                 continue
             start = time.perf_counter()
             plan = self.scheduler.schedule()
             try:
                 result = await self.executors.step(plan)  # an empty plan too: step ids stay contiguous
-            except Exception as err:  # an executor failed: fail what was in flight, keep serving
-                _log.exception("step %d failed", plan.step_id)
-                await self._recover(f"executor failure: {err}")
+            except Exception as err:  # noqa: BLE001 - a rank failed or missed the step deadline
+                _log.error("step %d failed (%s): recomputing every request once the executors are back",
+                           plan.step_id, err)
+                self._executors_failed()
                 continue
             outputs = self.scheduler.process_result(result)
             self.num_steps += 1
@@ -233,29 +198,51 @@ class Engine:
                 self._wakeup.clear()
                 await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=0.05)
 
-    async def _recover(self, error: str) -> None:
-        """An executor failed: every request in flight ends with `error`; the scheduler starts
-        afresh (its prefix cache names KV the executors may have lost); the executors are
-        re-initialized as soon as they answer again. Health is NOT_SERVING meanwhile."""
-        self.fail_all(error)
-        self.scheduler = type(self.scheduler)(self.scheduler.config)
+    # ---- executor failure and drain -----------------------------------------------------------
+    def _executors_failed(self) -> None:
+        """The executors lost their state: keep every request, preempted by recompute (prompt +
+        the tokens already streamed are prefilled again once they are back, so streams continue
+        with no token lost or repeated). NOT_SERVING (new requests refused) until then."""
+        self.scheduler.reset_for_recovery()
+        self._down_since = time.monotonic()
         self._set_healthy(False)
-        await self._try_recover()
 
-    def fail_all(self, error: str) -> None:
-        """End every request's stream with `error` (the client sees ABORTED)."""
-        for request_id, request in list(self._requests.items()):
-            delta = RequestDelta(request_id, len(request.prompt_ids), finished=True, error=error)
-            request.queue.put_nowait(delta)
-        self._requests.clear()
-
-    async def _try_recover(self) -> None:
+    async def _await_executors(self) -> None:
+        """One probe: InitCache + Reset on every rank; SERVING again when all answer. Requests
+        still waiting `recovery_timeout_s` after the failure end with UNAVAILABLE."""
+        waited_s = time.monotonic() - self._down_since
+        if self._requests and waited_s > self.recovery.recovery_timeout_s:
+            self.fail_all(f"the executors did not recover within {self.recovery.recovery_timeout_s:g} s",
+                          unavailable=True)
         try:
             await self.executors.recover()
-        except Exception as err:  # noqa: BLE001 - still down; retried while idle
-            _log.warning("executors not back yet: %s", err)
+        except Exception as err:  # noqa: BLE001 - still down: probe again
+            _log.warning("executors not back yet (%.0f s): %s", waited_s, err)
+            await asyncio.sleep(self.recovery.probe_interval_s)
             return
+        _log.info("executors are back after %.1f s: recomputing %d requests", waited_s, len(self._requests))
         self._set_healthy(True)
+
+    async def drain(self, grace_s: float) -> int:
+        """Refuse new requests (UNAVAILABLE), let accepted ones finish for up to `grace_s`, then end
+        the rest with UNAVAILABLE. Returns how many were cut off."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        num_cut = len(self._requests)
+        if num_cut:
+            self.fail_all(f"the server shut down (drain grace period {grace_s:g} s)", unavailable=True)
+        return num_cut
+
+    def fail_all(self, error: str, unavailable: bool = False) -> None:
+        """End every request's stream with `error` (ABORTED, or UNAVAILABLE) and free its blocks."""
+        for request_id, request in list(self._requests.items()):
+            delta = RequestDelta(request_id, len(request.prompt_ids), finished=True, error=error,
+                                 unavailable=unavailable)
+            request.queue.put_nowait(delta)
+            self.scheduler.abort(request_id)
+        self._requests.clear()
 
     def _set_healthy(self, healthy: bool) -> None:
         if healthy != self.healthy:
@@ -284,11 +271,7 @@ class Engine:
         if delta.finished:
             del self._requests[out.request_id]
         if self.metrics is not None:
-            num_tokens = 0 if out.beams else sum(len(o.token_ids) for o in delta.outputs)
-            self.metrics.inc("generation_tokens", num_tokens)
-            if delta.finished:
-                reason = delta.outputs[0].finish_reason if delta.outputs else "abort"
-                self.metrics.inc("requests_finished", reason=reason or "abort")
+            record_output(self.metrics, request, delta, is_beam=bool(out.beams))
         request.queue.put_nowait(delta)
 
     def _finish_sequence(self, request_id: str, sample_index: int) -> None:

@@ -1,14 +1,25 @@
-"""Feeds the scheduler's Prometheus metrics (scheduler_svc.metrics) after each engine step."""
+"""Feeds the scheduler's Prometheus metrics (scheduler_svc.metrics): block and queue gauges and
+step counters after each engine step (`record_step`), token and latency figures as outputs are
+streamed (`record_output`)."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from scheduler_svc.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from scheduler_svc.engine import Engine
+    from scheduler_svc.engine_outputs import RequestDelta, RequestState
     from scheduler_svc.metrics import SchedulerMetrics
+
+
+def prompt_tokens_of(plan: StepPlan) -> int:
+    """Tokens computed by prefill in this step: new sequences (first admission or recompute, less
+    prefix-cache hits) and continuing ones that brought no sampled token (later prefill chunks)."""
+    num_new = sum(s.num_new_tokens for s in plan.new_seqs)
+    return num_new + sum(s.num_new_tokens for s in plan.cont_seqs if not s.new_token_ids)
 
 
 def record_step(metrics: SchedulerMetrics, engine: Engine, plan: StepPlan, step_time_s: float) -> None:
@@ -30,6 +41,36 @@ def record_step(metrics: SchedulerMetrics, engine: Engine, plan: StepPlan, step_
     m.inc("swapped_out_blocks", len(plan.swap_out))
     m.inc("swapped_in_blocks", len(plan.swap_in))
     m.inc("cow_copies", len(plan.copies))
+    m.inc("prompt_tokens", prompt_tokens_of(plan))
     m.observe("step_time_seconds", step_time_s)
     m.observe("batch_size", len(plan.new_seqs) + len(plan.cont_seqs))
     m.observe("step_plan_bytes", getattr(engine.executors, "last_plan_bytes", 0))
+
+
+def record_output(
+    metrics: SchedulerMetrics, request: RequestState, delta: RequestDelta, is_beam: bool
+) -> None:
+    """Generated tokens, time to first token, queue time, inter-token latency (per output), and at
+    the end the end-to-end latency and finish reason. Beam search streams its hypotheses whole at the
+    end, so it counts neither generated tokens nor inter-token latency."""
+    m, now = metrics, time.monotonic()
+    num_tokens = 0
+    for out in delta.outputs:
+        if not out.token_ids or is_beam:
+            continue
+        num_tokens += len(out.token_ids)
+        last = request.last_token_s.get(out.index)
+        if last is not None:
+            m.observe("inter_token_latency_seconds", (now - last) / len(out.token_ids))
+        request.last_token_s[out.index] = now
+    if request.first_token_s is None and (num_tokens or (is_beam and delta.outputs)):
+        request.first_token_s = now
+        m.observe("time_to_first_token_seconds", now - request.arrival_s)
+        group = request.group
+        if group is not None and group.first_scheduled_time is not None:
+            m.observe("request_queue_time_seconds", group.first_scheduled_time - group.arrival_time)
+    m.inc("generation_tokens", num_tokens)
+    if delta.finished:
+        m.observe("e2e_request_latency_seconds", now - request.arrival_s)
+        reason = delta.outputs[0].finish_reason if delta.outputs else "abort"
+        m.inc("requests_finished", reason=reason or "abort")

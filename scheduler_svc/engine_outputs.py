@@ -4,12 +4,14 @@ streamed deltas with text (incremental detokenization, stop strings), counters a
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from scheduler_svc.beam_search import BeamHypothesis
 from scheduler_svc.detokenizer import Decoder, IncrementalDetokenizer, OutputText
 from scheduler_svc.output_processor import SampleDelta
 from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.sequence import SequenceGroup
 
 
 @dataclass(slots=True)
@@ -33,6 +35,7 @@ class RequestDelta:
     outputs: list[OutputDelta] = field(default_factory=list)
     finished: bool = False
     error: str | None = None  # the server dropped the request (the stream ends with an error)
+    unavailable: bool = False  # with `error`: cut off by a drain or an executor outage (UNAVAILABLE)
 
 
 class OutputState:
@@ -48,13 +51,24 @@ class OutputState:
 
 
 class RequestState:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Decoder):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Decoder,
+        group: SequenceGroup | None = None,
+    ):
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
         self.tokenizer = tokenizer
+        self.group = group  # the scheduler's group (its scheduling timestamps feed the metrics)
         self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self.outputs: dict[int, OutputState] = {}
+        self.arrival_s = time.monotonic()
+        self.first_token_s: float | None = None
+        self.last_token_s: dict[int, float] = {}  # output index -> when its last token was streamed
 
     def output(self, index: int) -> OutputState:
         if index not in self.outputs:

@@ -17,9 +17,8 @@ from scheduler_svc.convert import describe_from_pb, step_plan_to_pb, step_result
 from scheduler_svc.step_plan import StepPlan, StepResult
 
 STEP_METHOD = "/pagedserve.v1.Executor/Step"
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 256 << 20),
-    ("grpc.max_receive_message_length", 256 << 20),
+MAX_MESSAGE_BYTES = 256 << 20
+RECONNECT_OPTIONS = [
     # Reconnect soon after an executor restarts (the default backoff grows to minutes).
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
@@ -38,11 +37,21 @@ class ExecutorError(RuntimeError):
 
 
 class ExecutorPool:
-    def __init__(self, targets: list[str]):
+    def __init__(
+        self,
+        targets: list[str],
+        step_timeout_s: float | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ):
+        """`step_timeout_s`: a rank that does not answer a step within it counts as failed (None:
+        wait forever). `max_message_bytes` bounds plans and results both ways."""
         if not targets:
             raise ValueError("at least one executor target is needed")
         self.targets = list(targets)
-        self._channels = [grpc.aio.insecure_channel(t, options=GRPC_OPTIONS) for t in self.targets]
+        self.step_timeout_s = step_timeout_s
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes), *RECONNECT_OPTIONS]
+        self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self.targets]
         self._stubs = [executor_pb2_grpc.ExecutorStub(c) for c in self._channels]
         # Step takes pre-serialized bytes so a plan is serialized once for all ranks.
         self._step_calls = [
@@ -84,7 +93,7 @@ class ExecutorPool:
     async def step(self, plan: StepPlan) -> StepResult:
         data = step_plan_to_pb(plan).SerializeToString()
         self.last_plan_bytes = len(data)
-        replies = await self._all(call(data) for call in self._step_calls)
+        replies = await self._all(call(data, timeout=self.step_timeout_s) for call in self._step_calls)
         return step_result_from_pb(replies[0])
 
     async def reset(self) -> None:

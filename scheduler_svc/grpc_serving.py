@@ -1,4 +1,5 @@
-"""Server plumbing both services share: health checking and reflection, each optional at import.
+"""Server plumbing both services share: health checking and reflection (each optional at import),
+TLS credentials, the bearer-token check, message size limits, and `--config FILE`.
 
 `grpcio-health-checking` and `grpcio-reflection` are dependencies of the project, but a bare
 environment (e.g. a GPU box with only grpcio and protobuf) may lack them: then the server runs
@@ -7,7 +8,12 @@ without that service and logs a warning once, rather than failing to start.
 
 from __future__ import annotations
 
+import argparse
+import hmac
+import json
 import logging
+import os
+import pathlib
 
 import grpc
 
@@ -16,6 +22,8 @@ _log = logging.getLogger(__name__)
 
 class Health:
     """The standard `grpc.health.v1.Health` service, or nothing when grpcio-health-checking is absent."""
+
+    LIVENESS = "liveness"  # SERVING while the process works (k8s livenessProbe), even when not ready
 
     def __init__(self, server: grpc.aio.Server, service_names: list[str]):
         self._service_names = ["", *service_names]  # "" is the whole server
@@ -44,6 +52,11 @@ class Health:
         status = response.SERVING if serving else response.NOT_SERVING
         for name in self._service_names:
             await self._servicer.set(name, status)
+
+    async def set_alive(self, alive: bool) -> None:
+        if self._servicer is not None:
+            response = self._pb2.HealthCheckResponse
+            await self._servicer.set(self.LIVENESS, response.SERVING if alive else response.NOT_SERVING)
 
 
 def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> bool:
@@ -79,3 +92,95 @@ def health_status(target: str, service: str = "", timeout_s: float = 1.0) -> str
         except grpc.RpcError as err:
             return err.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+# ---- limits, TLS, authentication -------------------------------------------------------------
+def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Server/channel options bounding every message both ways (a larger one fails RESOURCE_EXHAUSTED)."""
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+def server_credentials(cert_file: str | None, key_file: str | None) -> grpc.ServerCredentials | None:
+    """TLS from a PEM certificate chain and key; None (plaintext) when neither is given."""
+    if not cert_file and not key_file:
+        return None
+    if not (cert_file and key_file):
+        raise ValueError("TLS needs both --tls-cert-file and --tls-key-file")
+    chain = pathlib.Path(cert_file).read_bytes()
+    key = pathlib.Path(key_file).read_bytes()
+    return grpc.ssl_server_credentials([(key, chain)])
+
+
+AUTH_TOKEN_ENV = "PAGEDSERVE_AUTH_TOKEN"
+
+
+def read_auth_token(token_file: str | None) -> str | None:
+    """The bearer token from a file (surrounding whitespace dropped) or from $PAGEDSERVE_AUTH_TOKEN."""
+    token = pathlib.Path(token_file).read_text().strip() if token_file else os.environ.get(AUTH_TOKEN_ENV)
+    if token_file and not token:
+        raise ValueError(f"--auth-token-file {token_file} is empty")
+    return token or None
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Calls must carry `authorization: Bearer <token>`, else UNAUTHENTICATED. Health checks and
+    reflection stay open (probes and load balancers carry no token)."""
+
+    OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self.OPEN_PREFIXES):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        given = metadata.get("authorization", "")
+        given = given.encode() if isinstance(given, str) else given
+        if hmac.compare_digest(given, self._expected):
+            return handler
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}
+        kind = (handler.request_streaming, handler.response_streaming)
+        return make[kind](deny, request_deserializer=handler.request_deserializer,
+                          response_serializer=handler.response_serializer)
+
+
+# ---- --config FILE -----------------------------------------------------------------------------
+def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse `argv`, with `--config FILE` (JSON whose keys are the parser's long flags with
+    underscores: `max_num_seqs` for `--max-num-seqs`) supplying defaults; flags on the command line
+    override it. An unknown key is an error naming it. A list value (e.g. `executors`) becomes a
+    comma-separated string; a switch (`store_true`) takes true/false."""
+    parser.add_argument("--config", default=None, metavar="FILE", help="JSON file of flag values")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    path = pre.parse_known_args(argv)[0].config
+    if path:
+        try:
+            values = json.loads(pathlib.Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            parser.error(f"--config {path}: {err}")
+        if not isinstance(values, dict):
+            parser.error(f"--config {path}: expected a JSON object of flag values")
+        by_key = {opt[2:].replace("-", "_"): action for action in parser._actions
+                  for opt in action.option_strings if opt.startswith("--")}
+        for key, value in values.items():
+            action = by_key.get(key)
+            if action is None or key in ("config", "help"):
+                parser.error(f"--config {path}: unknown key {key!r} (keys are the flags, e.g. max_num_seqs)")
+            if action.nargs == 0 and not isinstance(value, bool):
+                parser.error(f"--config {path}: {key} must be true or false")
+            if isinstance(value, list):
+                value = ",".join(str(v) for v in value)
+            action.required = False
+            parser.set_defaults(**{action.dest: value})
+    return parser.parse_args(argv)

@@ -38,7 +38,7 @@ from scheduler_svc.output_processor import (
 )
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler_config import RequestRejectedError, SchedulerConfig
-from scheduler_svc.scheduling_pass import SchedulingPass, arrival_order
+from scheduler_svc.scheduling_pass import SchedulingPass, arrival_order, preempt_by_recompute
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from scheduler_svc.step_plan import StepPlan, StepResult
 
@@ -149,6 +149,25 @@ class Scheduler:
 
     def get_group(self, request_id: str) -> SequenceGroup | None:
         return self._groups.get(request_id)
+
+    def reset_for_recovery(self) -> None:
+        """The executors lost their KV and sequence state (a rank failed; they will be Reset):
+        every group is preempted by recompute (all GPU and CPU blocks freed; prompt + generated
+        tokens are prefilled again, so no output is lost) and waits at the front in arrival order.
+        The step in flight is forgotten and the prefix cache emptied (it names lost KV)."""
+        groups = sorted([*self.running, *self.swapped, *self.waiting], key=arrival_order)
+        self.running.clear()
+        self.swapped.clear()
+        self.waiting.clear()
+        for group in groups:
+            preempt_by_recompute(self, group)
+            self.waiting.append(group)
+        self._in_flight = None
+        self._finished_ids.clear()  # the reset executors hold no state to drop
+        self._pending_forks.clear()
+        for pool in (getattr(self.kv, "gpu", None), getattr(self.kv, "cpu", None)):  # paged policy
+            for block in list(pool.cached.values()) if pool is not None else ():
+                pool.uncache(block)
 
     # ---- sequence operations (also used by the output processor) -------------------------------
     def _new_seq_id(self) -> int:

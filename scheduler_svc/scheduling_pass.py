@@ -17,6 +17,18 @@ def arrival_order(group: SequenceGroup) -> tuple[float, int]:
     return (group.arrival_time, group.arrival_index)
 
 
+def preempt_by_recompute(sched: Scheduler, group: SequenceGroup) -> None:
+    """Recompute preemption: free the group's blocks (GPU or CPU) and forget its executor state;
+    prompt + outputs become the prompt to prefill again. The caller requeues it in `waiting`."""
+    for seq in group.seqs:
+        sched.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        sched._forget_executor_state(seq)
+    if group.beam is not None:
+        group.beam.pending.clear()
+
+
 def _is_running(group: SequenceGroup) -> bool:
     return bool(group.seqs) and group.seqs[0].status is SequenceStatus.RUNNING
 
@@ -187,13 +199,7 @@ class SchedulingPass:
                 seq.executor_num_blocks = 0  # swap-in resends the whole table
             sched._insert_swapped(group)
             return
-        for seq in group.seqs:  # recompute: prompt + outputs become the prompt to prefill again
-            kv.free(seq)
-            seq.num_computed_tokens = 0
-            seq.status = SequenceStatus.WAITING
-            sched._forget_executor_state(seq)
-        if group.beam is not None:
-            group.beam.pending.clear()
+        preempt_by_recompute(sched, group)
         sched.waiting.appendleft(group)
 
     # ---- swapped and waiting -----------------------------------------------------------------------

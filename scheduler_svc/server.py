@@ -12,15 +12,24 @@ import asyncio
 import logging
 import pathlib
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from tokenizers import Tokenizer
 
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine import Engine, InvalidRequestError, ModelLimits
-from scheduler_svc.executor_client import ExecutorPool
-from scheduler_svc.grpc_serving import Health, add_reflection
+from scheduler_svc.engine_api import RecoveryOptions
+from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorPool
+from scheduler_svc.grpc_serving import (
+    BearerTokenInterceptor,
+    Health,
+    add_reflection,
+    message_size_options,
+    parse_args_with_config,
+    read_auth_token,
+    server_credentials,
+)
 from scheduler_svc.sampling_params import MAX_BEAM_WIDTH, MAX_N
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.servicer import GenerationServicer
@@ -46,10 +55,29 @@ class ServeOptions:
     max_beam_width: int = MAX_BEAM_WIDTH
     metrics_port: int | None = None
     connect_timeout_s: float = 60.0
+    drain_grace_period_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    recovery_timeout_s: float = 120.0  # executor failure: requests wait this long for it to come back
+    step_timeout_s: float | None = 120.0  # a rank that takes longer over one step counts as failed
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    auth_token: str | None = field(default=None, repr=False)  # bearer token the public API requires
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # both ways, public API and executor channels
+
+    def __post_init__(self) -> None:
+        if not self.executors:
+            raise ValueError("executors: at least one HOST:PORT is needed")
+        if self.drain_grace_period_s < 0 or self.recovery_timeout_s < 0:
+            raise ValueError("drain_grace_period_s and recovery_timeout_s must be >= 0")
+        if self.step_timeout_s is not None and self.step_timeout_s <= 0:
+            raise ValueError("step_timeout_s must be > 0")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+        if self.max_message_bytes < 1 << 16:
+            raise ValueError("max_message_bytes must be >= 65536")
 
 
 async def build_engine(opts: ServeOptions) -> Engine:
-    pool = ExecutorPool(list(opts.executors))
+    pool = ExecutorPool(list(opts.executors), opts.step_timeout_s, opts.max_message_bytes)
     await pool.wait_ready(opts.connect_timeout_s)
     ranks = await pool.describe()
     first = ranks[0]
@@ -96,8 +124,9 @@ async def build_engine(opts: ServeOptions) -> Engine:
         from scheduler_svc.metrics import SchedulerMetrics
 
         metrics = SchedulerMetrics(limits.model_name)
-        metrics.serve(opts.metrics_port)
-    return Engine(Scheduler(config), pool, tokenizer, limits, metrics)
+        metrics.serve(opts.metrics_port, addr=opts.host)
+    recovery = RecoveryOptions(recovery_timeout_s=opts.recovery_timeout_s)
+    return Engine(Scheduler(config), pool, tokenizer, limits, metrics, recovery)
 
 
 def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
@@ -149,6 +178,7 @@ class SchedulerServer:
             self.engine.stop()
             self.engine.fail_all(f"engine failure: {err}")
             await self.health.set_serving(False)
+            await self.health.set_alive(False)
             raise
 
     def on_health_change(self, healthy: bool) -> None:
@@ -156,6 +186,15 @@ class SchedulerServer:
         task = asyncio.create_task(self.health.set_serving(healthy))
         self._health_tasks.add(task)
         task.add_done_callback(self._health_tasks.discard)
+
+    async def drain_and_stop(self, grace_s: float) -> int:
+        """Graceful drain (SIGTERM): NOT_SERVING and new requests refused with UNAVAILABLE at once;
+        accepted requests get `grace_s` to finish, the rest end with UNAVAILABLE; then stop.
+        Returns how many requests were cut off."""
+        await self.health.set_serving(False)
+        num_cut = await self.engine.drain(grace_s)
+        await self.stop()
+        return num_cut
 
     async def stop(self, grace_s: float = 1.0) -> None:
         await self.health.set_serving(False)
@@ -167,15 +206,26 @@ class SchedulerServer:
             await close()
 
 
-async def start_scheduler_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> SchedulerServer:
-    server = grpc.aio.server()
+async def start_scheduler_server(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    credentials: grpc.ServerCredentials | None = None,
+    auth_token: str | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> SchedulerServer:
+    """Serve the Generation API (TLS with `credentials`; a bearer-token check with `auth_token`)."""
+    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=message_size_options(max_message_bytes))
     servicer = GenerationServicer(engine, model_info_pb(engine))
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = Health(server, [SERVICE_NAME])
     add_reflection(server, [SERVICE_NAME, *health.reflection_names])
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
     running = SchedulerServer(engine, server, bound, health)
+    await health.set_alive(True)
     await health.set_serving(True)
     engine.on_health_change = running.on_health_change
     return running
@@ -185,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> ServeOptions:
     p = argparse.ArgumentParser(prog="python -m scheduler_svc.server", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="model folder (its tokenizer.json is used)")
     p.add_argument("--executors", required=True, help="comma-separated HOST:PORT of every rank, rank 0 first")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="where the public API and /metrics listen")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     p.add_argument("--num-gpu-blocks", type=int, default=None)
@@ -197,26 +247,43 @@ def parse_args(argv: list[str] | None = None) -> ServeOptions:
     p.add_argument("--max-n", type=int, default=MAX_N)
     p.add_argument("--max-beam-width", type=int, default=MAX_BEAM_WIDTH)
     p.add_argument("--metrics-port", type=int, default=None)
-    a = p.parse_args(argv)
+    p.add_argument("--drain-grace-period-s", type=float, default=30.0, help="SIGTERM: grace to finish")
+    p.add_argument("--recovery-timeout-s", type=float, default=120.0,
+                   help="executor failure: how long requests wait for the executors to come back")
+    p.add_argument("--step-timeout-s", type=float, default=120.0, help="per-step deadline of an executor")
+    p.add_argument("--tls-cert-file", default=None, help="PEM cert chain: TLS for the API")
+    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    p.add_argument("--auth-token-file", default=None,
+                   help="require `authorization: Bearer <token>` (default: $PAGEDSERVE_AUTH_TOKEN if set)")
+    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
+    a = parse_args_with_config(p, argv)
     return ServeOptions(
         model=a.model, executors=tuple(t for t in a.executors.split(",") if t), host=a.host, port=a.port,
         preemption=a.preemption, num_gpu_blocks=a.num_gpu_blocks, num_cpu_blocks=a.num_cpu_blocks,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching, max_n=a.max_n,
         max_beam_width=a.max_beam_width, metrics_port=a.metrics_port,
+        drain_grace_period_s=a.drain_grace_period_s, recovery_timeout_s=a.recovery_timeout_s,
+        step_timeout_s=a.step_timeout_s, tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file,
+        auth_token=read_auth_token(a.auth_token_file), max_message_bytes=a.max_message_bytes,
     )
 
 
 async def serve(opts: ServeOptions) -> None:
     engine = await build_engine(opts)
-    running = await start_scheduler_server(engine, opts.host, opts.port)
+    credentials = server_credentials(opts.tls_cert_file, opts.tls_key_file)
+    running = await start_scheduler_server(
+        engine, opts.host, opts.port, credentials, opts.auth_token, opts.max_message_bytes
+    )
     print(f"pagedserve scheduler listening on {opts.host}:{running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await running.stop()
+    _log.info("stopping: draining for up to %g s", opts.drain_grace_period_s)
+    num_cut = await running.drain_and_stop(opts.drain_grace_period_s)
+    _log.info("stopped (%d requests cut off by the grace period)", num_cut)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ import grpc
 
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.convert import maps_errors, sampling_params_from_pb
-from scheduler_svc.engine import Engine, InvalidRequestError, RequestFailedError
+from scheduler_svc.engine import Engine, InvalidRequestError, RequestFailedError, ServiceUnavailableError
 from scheduler_svc.engine_outputs import OutputDelta, RequestDelta
 from scheduler_svc.sampling_params import SamplingParamsError
 
@@ -19,6 +19,7 @@ ERROR_CODES = {
     InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
     SamplingParamsError: grpc.StatusCode.INVALID_ARGUMENT,
     RequestFailedError: grpc.StatusCode.ABORTED,
+    ServiceUnavailableError: grpc.StatusCode.UNAVAILABLE,  # draining, or the executors are down
 }
 FINISH_REASONS = {
     None: generation_pb2.FINISH_REASON_UNSPECIFIED,
