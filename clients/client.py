@@ -8,11 +8,17 @@
 
 Errors are the gRPC ones (`grpc.RpcError`; `.code()` is INVALID_ARGUMENT for bad input). Leaving a
 stream early cancels the call, which aborts the request on the server.
+
+A server with TLS: `Client(target, tls_ca_file="ca.pem")` (the CA that signed its certificate;
+"" uses the system roots). A server that checks a bearer token: `auth_token="..."` (default:
+$PAGEDSERVE_AUTH_TOKEN when set).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
@@ -29,6 +35,19 @@ from clients.results import (
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 
 Prompt = str | Sequence[int]
+AUTH_TOKEN_ENV = "PAGEDSERVE_AUTH_TOKEN"
+
+
+def _channel_credentials(tls_ca_file: str | None) -> grpc.ChannelCredentials | None:
+    if tls_ca_file is None:
+        return None
+    roots = pathlib.Path(tls_ca_file).read_bytes() if tls_ca_file else None
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
+def _call_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...] | None:
+    token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV)
+    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 def build_request(
@@ -112,13 +131,22 @@ def _stats_from_pb(msg: generation_pb2.GetServerStatsResponse) -> ServerStats:
 
 
 class Client:
-    def __init__(self, target: str = "localhost:50051", timeout_s: float | None = None):
-        self._channel = grpc.insecure_channel(target)
+    def __init__(
+        self,
+        target: str = "localhost:50051",
+        timeout_s: float | None = None,
+        tls_ca_file: str | None = None,
+        auth_token: str | None = None,
+    ):
+        credentials = _channel_credentials(tls_ca_file)
+        self._channel = (
+            grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+        )
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
-        self._timeout_s = timeout_s
+        self._call_options = dict(timeout=timeout_s, metadata=_call_metadata(auth_token))
 
     def stream(self, prompt: Prompt, **params) -> Iterator[GenerationDelta]:
-        call = self._stub.Generate(build_request(prompt, **params), timeout=self._timeout_s)
+        call = self._stub.Generate(build_request(prompt, **params), **self._call_options)
         try:
             for msg in call:
                 yield _delta_from_pb(msg)
@@ -133,17 +161,17 @@ class Client:
 
     def model_info(self) -> ModelInfo:
         return _model_info_from_pb(
-            self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=self._timeout_s)
+            self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), **self._call_options)
         )
 
     def stats(self) -> ServerStats:
         return _stats_from_pb(
-            self._stub.GetServerStats(generation_pb2.GetServerStatsRequest(), timeout=self._timeout_s)
+            self._stub.GetServerStats(generation_pb2.GetServerStatsRequest(), **self._call_options)
         )
 
     def abort(self, request_id: str) -> bool:
         return self._stub.Abort(
-            generation_pb2.AbortRequest(request_id=request_id), timeout=self._timeout_s
+            generation_pb2.AbortRequest(request_id=request_id), **self._call_options
         ).found
 
     def close(self) -> None:
@@ -157,13 +185,22 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, target: str = "localhost:50051", timeout_s: float | None = None):
-        self._channel = grpc.aio.insecure_channel(target)
+    def __init__(
+        self,
+        target: str = "localhost:50051",
+        timeout_s: float | None = None,
+        tls_ca_file: str | None = None,
+        auth_token: str | None = None,
+    ):
+        credentials = _channel_credentials(tls_ca_file)
+        self._channel = (
+            grpc.aio.secure_channel(target, credentials) if credentials else grpc.aio.insecure_channel(target)
+        )
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
-        self._timeout_s = timeout_s
+        self._call_options = dict(timeout=timeout_s, metadata=_call_metadata(auth_token))
 
     async def stream(self, prompt: Prompt, **params) -> AsyncIterator[GenerationDelta]:
-        call = self._stub.Generate(build_request(prompt, **params), timeout=self._timeout_s)
+        call = self._stub.Generate(build_request(prompt, **params), **self._call_options)
         try:
             async for msg in call:
                 yield _delta_from_pb(msg)
@@ -178,18 +215,18 @@ class AsyncClient:
 
     async def model_info(self) -> ModelInfo:
         return _model_info_from_pb(
-            await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=self._timeout_s)
+            await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), **self._call_options)
         )
 
     async def stats(self) -> ServerStats:
         return _stats_from_pb(
-            await self._stub.GetServerStats(generation_pb2.GetServerStatsRequest(), timeout=self._timeout_s)
+            await self._stub.GetServerStats(generation_pb2.GetServerStatsRequest(), **self._call_options)
         )
 
     async def abort(self, request_id: str) -> bool:
         return (
             await self._stub.Abort(
-                generation_pb2.AbortRequest(request_id=request_id), timeout=self._timeout_s
+                generation_pb2.AbortRequest(request_id=request_id), **self._call_options
             )
         ).found
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 import time
 
@@ -25,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, e.g. 1,2,3")
     parser.add_argument("--server", default="localhost:50051", help="HOST:PORT of the Generation API")
+    parser.add_argument("--tls-ca-file", default=None,
+                        help="connect over TLS, trusting this CA certificate (PEM; '' = system roots)")
+    parser.add_argument("--auth-token-file", default=None,
+                        help="bearer token for a server that requires one (default: $PAGEDSERVE_AUTH_TOKEN)")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--n", type=int, default=None, help="parallel samples")
     parser.add_argument("--beam-width", type=int, default=None)
@@ -49,11 +54,12 @@ def run(args: argparse.Namespace) -> int:
     )
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     result = GenerationResult()
-    if args.wait > 0 and not wait_ready(args.server, args.wait):
+    connection = dict(tls_ca_file=args.tls_ca_file, auth_token=_read_token(args.auth_token_file))
+    if args.wait > 0 and not wait_ready(args.server, args.wait, **connection):
         print(f"pagedserve generate: {args.server} not ready after {args.wait:.0f} s", file=sys.stderr)
         return 1
     try:
-        with Client(args.server) as client:
+        with Client(args.server, **connection) as client:
             for delta in client.stream(prompt, **params):
                 result.add(delta)
                 if not args.json:
@@ -71,12 +77,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_ready(target: str, timeout_s: float) -> bool:
+def _read_token(path: str | None) -> str | None:
+    return pathlib.Path(path).read_text().strip() if path else None
+
+
+def wait_ready(target: str, timeout_s: float, **connection) -> bool:
     """True once the server answers GetModelInfo (it does so only after startup completed)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with Client(target, timeout_s=2.0) as client:
+            with Client(target, timeout_s=2.0, **connection) as client:
                 client.model_info()
             return True
         except grpc.RpcError:

@@ -111,6 +111,11 @@ class SchedulerMetrics:
         self._http_server = server
         return server.server_address[1]
 
+    @property
+    def port(self) -> int | None:
+        """The /metrics HTTP port, once `serve` ran."""
+        return self._http_server.server_address[1] if self._http_server is not None else None
+
     def close(self) -> None:
         if self._http_server is not None:
             self._http_server.shutdown()

@@ -191,6 +191,7 @@ class SchedulerServer:
         """Graceful drain (SIGTERM): NOT_SERVING and new requests refused with UNAVAILABLE at once;
         accepted requests get `grace_s` to finish, the rest end with UNAVAILABLE; then stop.
         Returns how many requests were cut off."""
+        self.engine.draining = True  # before health says so: a client that saw NOT_SERVING is refused
         await self.health.set_serving(False)
         num_cut = await self.engine.drain(grace_s)
         await self.stop()

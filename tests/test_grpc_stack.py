@@ -21,6 +21,7 @@ class Stack:
         self.model_dir = str(model_dir)
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
+        self.serve_kwargs = options.pop("serve_kwargs", {})  # start_scheduler_server's (TLS, auth)
         self.options = options
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -45,7 +46,7 @@ class Stack:
         self.executor_target = f"127.0.0.1:{port}"
         opts = ServeOptions(model=self.model_dir, executors=(self.executor_target,), port=0)
         self.engine = await build_engine(replace(opts, **self.options))
-        self.scheduler = await start_scheduler_server(self.engine, "127.0.0.1", 0)
+        self.scheduler = await start_scheduler_server(self.engine, "127.0.0.1", 0, **self.serve_kwargs)
         self.target = f"127.0.0.1:{self.scheduler.port}"
 
     async def _stop(self) -> None:
