@@ -67,7 +67,7 @@ def executor_command(args: argparse.Namespace, model: str, rank: int, port: int,
     if args.device:
         cmd += ["--device", args.device]
     if args.tensor_parallel_size > 1:
-        cmd += ["--dist-init", f"tcp://127.0.0.1:{dist_port}"]
+        cmd += ["--dist-init-addr", f"127.0.0.1:{dist_port}"]
     return cmd
 
 

@@ -1,6 +1,10 @@
 """One executor rank as a gRPC server: `python -m executor_svc.server --model DIR --port P ...`.
 
 Prints `pagedserve executor listening on HOST:PORT` once it serves (port 0 picks a free one).
+With a world size over 1 the ranks first join one torch.distributed process group (rank, world size
+and rendezvous from flags or the environment: executor_svc/distributed.py). A rank whose collective
+fails (another rank died) turns NOT_SERVING and exits with status 1: the group cannot be repaired in
+place, so its supervisor restarts the set and the scheduler re-initializes it.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from typing import Any
 
 import grpc
@@ -20,12 +25,13 @@ SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 
 
-async def start_executor_server(worker: Any, host: str = "127.0.0.1", port: int = 0):
-    """Starts serving `worker`; returns (server, bound port). Health is SERVING once started."""
+async def start_executor_server(worker: Any, host: str = "127.0.0.1", port: int = 0, on_fatal=None):
+    """Starts serving `worker`; returns (server, bound port). Health is SERVING once started.
+    `on_fatal(exc)` is called when a call fails with an error that is not the plan's fault."""
     from executor_svc.servicer import ExecutorServicer
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(worker), server)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(worker, on_fatal), server)
     health = Health(server, [SERVICE_NAME])
     add_reflection(server, [SERVICE_NAME, *health.reflection_names])
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -42,34 +48,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=None, help="default: see executor_svc/distributed.py")
+    parser.add_argument("--world-size", "--tensor-parallel-size", dest="world_size", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--swap-space-gib", type=float, default=0.25, help="CPU swap space per rank")
     parser.add_argument("--cpu-kv-gib", type=float, default=0.25, help="KV cache size when on CPU")
-    parser.add_argument("--dist-init", default=None, help="torch.distributed init method (world size > 1)")
+    parser.add_argument("--dist-init-addr", default=None, help="HOST:PORT of rank 0's rendezvous")
+    parser.add_argument("--dist-timeout-s", type=float, default=300.0, help="collective timeout")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def build_worker(args: argparse.Namespace) -> Any:
+    from executor_svc.distributed import init_process_group, rank_device, resolve_distributed
     from executor_svc.worker import Worker, WorkerConfig
 
-    if args.world_size > 1:
-        import torch
-
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        backend = "nccl" if device == "cuda" else "gloo"
-        torch.distributed.init_process_group(
-            backend, init_method=args.dist_init, rank=args.rank, world_size=args.world_size
-        )
+    dist = resolve_distributed(args.rank, args.world_size, args.dist_init_addr, args.dist_timeout_s)
+    device = rank_device(args.device, dist.rank)
+    init_process_group(dist, device)
     config = WorkerConfig(
         model_dir=args.model,
-        device=args.device,
+        device=device,
         dtype=args.dtype,
         load_format=args.load_format,
         block_size=args.block_size,
-        rank=args.rank,
-        world_size=args.world_size,
+        rank=dist.rank,
+        world_size=dist.world_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space_gib=args.swap_space_gib,
         cpu_kv_gib=args.cpu_kv_gib,
@@ -78,23 +81,32 @@ def build_worker(args: argparse.Namespace) -> Any:
     return Worker(config)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace) -> int:
+    """Serves until SIGINT/SIGTERM (returns 0) or a fatal error in a multi-rank set (returns 1)."""
     worker = build_worker(args)
-    server, port = await start_executor_server(worker, args.host, args.port)
+    stop, fatal = asyncio.Event(), []
+
+    def on_fatal(exc: BaseException) -> None:
+        if worker.config.world_size > 1:
+            logging.error("rank %d: %s; the process group is broken, exiting", worker.config.rank, exc)
+            fatal.append(exc)
+            stop.set()
+
+    server, port = await start_executor_server(worker, args.host, args.port, on_fatal)
     print(f"pagedserve executor listening on {args.host}:{port}", flush=True)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=1.0)
+    return 1 if fatal else 0
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s executor %(levelname)s %(message)s")
     parser = argparse.ArgumentParser(prog="python -m executor_svc.server", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    asyncio.run(serve(parser.parse_args(argv)))
+    sys.exit(asyncio.run(serve(parser.parse_args(argv))))
 
 
 if __name__ == "__main__":

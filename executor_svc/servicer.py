@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -21,15 +22,22 @@ ERROR_CODES = {
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     """One rank. Calls run in a worker thread, one at a time, so the event loop keeps answering
-    health checks while the model runs."""
+    health checks while the model runs. An error that is not the plan's fault (not in ERROR_CODES:
+    e.g. a collective that failed because another rank died) is passed to `on_fatal` too."""
 
-    def __init__(self, worker: Any):
+    def __init__(self, worker: Any, on_fatal: Callable[[BaseException], None] | None = None):
         self._worker = worker
         self._lock = asyncio.Lock()
+        self._on_fatal = on_fatal
 
     async def _call(self, fn, *args):
         async with self._lock:
-            return await asyncio.to_thread(fn, *args)
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except Exception as exc:
+                if self._on_fatal is not None and not isinstance(exc, tuple(ERROR_CODES)):
+                    self._on_fatal(exc)
+                raise
 
     @maps_errors(ERROR_CODES)
     async def Describe(self, request, context):

@@ -113,6 +113,10 @@ class Worker:
         self.runner = None
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         self._ensure_cache()
+        if self.config.world_size > 1:
+            # Every rank of the set must be there: after a rank died, the survivors fail here (and
+            # exit, see executor_svc/server.py) instead of waiting for a step that never comes.
+            torch.distributed.barrier()
 
     def reset(self) -> None:
         """Drops every sequence's state and the step count; the next plan may carry any step_id."""

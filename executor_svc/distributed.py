@@ -1,0 +1,99 @@
+"""The torch.distributed process group of one executor set (the tensor-parallel ranks of a model).
+
+Where a rank learns its place, first match wins:
+
+    rank        --rank | POD_NAME's ordinal when PAGEDSERVE_RANK_FROM_POD_NAME=1 | RANK | 0
+    world size  --world-size (alias --tensor-parallel-size) | WORLD_SIZE | 1
+    rendezvous  --dist-init-addr HOST:PORT | MASTER_ADDR:MASTER_PORT   (rank 0 listens there)
+
+A StatefulSet pod `pagedserve-executor-3` is rank 3. The backend is NCCL on GPU, gloo on CPU. On
+GPU a rank uses device LOCAL_RANK (when set) or rank % visible GPUs, so ranks on one machine take
+one GPU each and a pod that sees one GPU uses it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+RANK_FROM_POD_NAME = "PAGEDSERVE_RANK_FROM_POD_NAME"
+_ORDINAL = re.compile(r"-(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class DistributedConfig:
+    rank: int
+    world_size: int
+    init_addr: str | None  # HOST:PORT of rank 0's rendezvous store; None when world_size == 1
+    timeout_s: float = 300.0  # a collective waiting longer than this fails (a rank died)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        if self.world_size > 1 and not self.init_addr:
+            raise ValueError(
+                "a world size over 1 needs a rendezvous: --dist-init-addr HOST:PORT, or MASTER_ADDR and "
+                "MASTER_PORT"
+            )
+        if self.init_addr and not re.fullmatch(r".+:\d+", self.init_addr):
+            raise ValueError(f"rendezvous address must be HOST:PORT, got {self.init_addr!r}")
+
+
+def rank_from_pod_name(pod_name: str) -> int:
+    """The StatefulSet ordinal: `pagedserve-executor-3` -> 3."""
+    match = _ORDINAL.search(pod_name)
+    if match is None:
+        raise ValueError(f"{RANK_FROM_POD_NAME}=1 but POD_NAME {pod_name!r} does not end in -<ordinal>")
+    return int(match.group(1))
+
+
+def resolve_distributed(
+    rank: int | None,
+    world_size: int | None,
+    init_addr: str | None,
+    timeout_s: float = 300.0,
+    environ: Mapping[str, str] = os.environ,
+) -> DistributedConfig:
+    """Flags (None: not given) completed from the environment, in the order of the module docstring."""
+    if rank is None:
+        if environ.get(RANK_FROM_POD_NAME) == "1":
+            rank = rank_from_pod_name(environ.get("POD_NAME", ""))
+        else:
+            rank = int(environ.get("RANK", 0))
+    if world_size is None:
+        world_size = int(environ.get("WORLD_SIZE", 1))
+    if init_addr is None and world_size > 1 and environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):
+        init_addr = f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+    return DistributedConfig(rank, world_size, init_addr if world_size > 1 else None, timeout_s)
+
+
+def rank_device(device: str | None, rank: int, environ: Mapping[str, str] = os.environ) -> str:
+    """The device string this rank runs on ("cpu", "cuda:N"); selects the GPU as current device."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cuda":
+        return device
+    index = int(environ["LOCAL_RANK"]) if "LOCAL_RANK" in environ else rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)  # Triton launches on the current device
+    return f"cuda:{index}"
+
+
+def init_process_group(config: DistributedConfig, device: str) -> None:
+    """Joins the executor set's process group (blocks until every rank has joined)."""
+    if config.world_size == 1:
+        return
+    kwargs = {}
+    if device.startswith("cuda"):
+        kwargs["device_id"] = torch.device(device)
+    torch.distributed.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        init_method=f"tcp://{config.init_addr}",
+        rank=config.rank,
+        world_size=config.world_size,
+        timeout=datetime.timedelta(seconds=config.timeout_s),
+        **kwargs,
+    )

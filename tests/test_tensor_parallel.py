@@ -1,0 +1,171 @@
+"""Tensor parallelism on CPU (gloo): two executor processes of one process group behind one
+scheduler give token for token what one executor gives, greedy and seeded, for every family; a rank
+that dies takes its set down (the other rank exits too) and the scheduler turns NOT_SERVING; the
+rank and rendezvous come from flags, the environment or the StatefulSet pod name."""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from clients.client import Client
+from clients.launcher import free_port
+from executor_svc.distributed import DistributedConfig, rank_from_pod_name, resolve_distributed
+from executor_svc.tiny_model import FAMILIES
+from tests.test_grpc_stack import Stack
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NUM_GPU_BLOCKS = 64
+GREEDY_PROMPTS = [[5, 6, 7, 8], list(range(20, 61)), [300, 17, 17, 42, 9, 250, 101]]
+
+
+class TensorParallelStack(Stack):
+    """`world_size` executor processes (`python -m executor_svc.server`, gloo) and an in-process
+    scheduler in front of them."""
+
+    def __init__(self, model_dir, world_size: int = 2, **options):
+        super().__init__(model_dir, num_gpu_blocks=NUM_GPU_BLOCKS, **options)
+        self.world_size = world_size
+        self.procs: list[subprocess.Popen] = []
+
+    def start_executors(self) -> list[str]:
+        dist_addr = f"127.0.0.1:{free_port()}"
+        for rank in range(self.world_size):
+            cmd = [sys.executable, "-m", "executor_svc.server", "--model", self.model_dir, "--device", "cpu",
+                   "--rank", str(rank), "--world-size", str(self.world_size), "--dist-init-addr", dist_addr,
+                   "--cpu-kv-gib", "0.01", "--swap-space-gib", "0.01", "--dist-timeout-s", "60"]
+            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True))
+        targets = []
+        for proc in self.procs:
+            line = proc.stdout.readline()  # blocks until the rank has joined the group and serves
+            assert "listening on" in line, f"executor exited with {proc.poll()}: {line!r}"
+            targets.append(line.rsplit(" ", 1)[1].strip())
+        return targets
+
+    async def _start(self) -> None:
+        from scheduler_svc.server import ServeOptions, build_engine, start_scheduler_server
+
+        self.executor_targets = self.start_executors()
+        targets = tuple(self.executor_targets)
+        opts = ServeOptions(model=self.model_dir, executors=targets, port=0, num_gpu_blocks=NUM_GPU_BLOCKS)
+        self.engine = await build_engine(replace(opts, **self.options))
+        self.scheduler = await start_scheduler_server(self.engine, "127.0.0.1", 0)
+        self.target = f"127.0.0.1:{self.scheduler.port}"
+
+    async def _stop(self) -> None:
+        await self.scheduler.stop(0.5)
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.terminate()
+                proc.wait(timeout=30)
+
+
+def _generations(target: str) -> dict[str, list[list[int]]]:
+    """Greedy and seeded requests of every kind the executor samples differently, all in flight at
+    once (so they share batches), returned by name."""
+    import asyncio
+
+    from clients.client import AsyncClient
+
+    async def run() -> dict[str, list[list[int]]]:
+        async with AsyncClient(target) as client:
+            generate = functools.partial(client.generate, ignore_eos=True)
+            calls = {
+                f"greedy{i}": generate(p, max_tokens=12, temperature=0) for i, p in enumerate(GREEDY_PROMPTS)
+            }
+            # a high temperature: the tiny random models' distributions are peaked
+            calls["seeded_n2"] = generate(GREEDY_PROMPTS[1], max_tokens=10, n=2, temperature=3.0, seed=4)
+            calls["seeded_topk_topp"] = generate(
+                GREEDY_PROMPTS[2], max_tokens=10, temperature=2.0, top_k=20, top_p=0.9, seed=11
+            )
+            calls["beam"] = generate(GREEDY_PROMPTS[0], max_tokens=6, beam_width=3)
+            results = await asyncio.gather(*calls.values())
+            return {name: [o.token_ids for o in r.outputs] for name, r in zip(calls, results, strict=True)}
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served_family(request, tiny_model_dirs):
+    """(family, outputs with one executor, outputs with two tensor-parallel executors)."""
+    model_dir = tiny_model_dirs[request.param]
+    with Stack(model_dir, num_gpu_blocks=NUM_GPU_BLOCKS) as one:
+        expected = _generations(one.target)
+    with TensorParallelStack(model_dir) as two:
+        with Client(two.target) as client:
+            info = client.model_info()
+        got = _generations(two.target)
+    return request.param, info, expected, got
+
+
+def test_two_ranks_give_the_tokens_of_one(served_family):
+    family, info, expected, got = served_family
+    assert info.world_size == 2
+    assert all(len(outs[0]) for outs in expected.values())
+    assert len(expected["seeded_n2"]) == 2 and expected["seeded_n2"][0] != expected["seeded_n2"][1]
+    assert len(expected["beam"]) == 3
+    for name in expected:
+        assert got[name] == expected[name], (family, name)
+
+
+def test_a_dead_rank_takes_down_its_set_and_the_scheduler_reports_it(tiny_llama_dir):
+    import threading
+
+    from scheduler_svc.grpc_serving import health_status
+
+    with TensorParallelStack(tiny_llama_dir) as two:
+        outcome: list[object] = []
+
+        def long_generation() -> None:
+            with Client(two.target, timeout_s=8) as client:
+                try:
+                    outcome.append(client.generate([5, 6], max_tokens=1000, temperature=0.0, ignore_eos=True))
+                except Exception as err:  # noqa: BLE001 - the outcome is asserted below
+                    outcome.append(err)
+
+        with Client(two.target) as client:
+            assert client.generate([5, 6, 7], max_tokens=3, temperature=0.0).outputs[0].token_ids
+        thread = threading.Thread(target=long_generation)
+        thread.start()
+        time.sleep(1.0)
+        two.procs[1].kill()
+        # rank 0's collective fails when its peer's connection closes: it exits with status 1
+        assert two.procs[0].wait(timeout=30) == 1
+        deadline = time.monotonic() + 10
+        while health_status(two.target) != "NOT_SERVING" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert health_status(two.target) == "NOT_SERVING"
+        thread.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], Exception), outcome
+
+
+def test_rank_and_rendezvous_from_flags_environment_and_pod_name():
+    env = {"POD_NAME": "pagedserve-executor-3", "PAGEDSERVE_RANK_FROM_POD_NAME": "1",
+           "MASTER_ADDR": "pagedserve-executor-0.pagedserve-executor", "MASTER_PORT": "29500", "RANK": "1"}
+    assert resolve_distributed(None, 4, None, environ=env) == DistributedConfig(
+        3, 4, "pagedserve-executor-0.pagedserve-executor:29500"
+    )
+    assert resolve_distributed(2, 4, "10.0.0.5:1234", environ=env).init_addr == "10.0.0.5:1234"
+    assert resolve_distributed(2, 4, "10.0.0.5:1234", environ=env).rank == 2  # the flag wins
+    no_pod = {k: v for k, v in env.items() if k != "PAGEDSERVE_RANK_FROM_POD_NAME"}
+    assert resolve_distributed(None, None, None, environ=no_pod | {"WORLD_SIZE": "2"}).rank == 1  # RANK
+    assert resolve_distributed(None, None, None, environ={}) == DistributedConfig(0, 1, None)
+    assert resolve_distributed(None, 1, None, environ=env | {"POD_NAME": "x-0"}).init_addr is None
+    assert rank_from_pod_name("pagedserve-executor-12") == 12
+    with pytest.raises(ValueError, match="ordinal"):
+        resolve_distributed(None, 2, None, environ=env | {"POD_NAME": "pagedserve-executor"})
+    with pytest.raises(ValueError, match="outside world size"):
+        resolve_distributed(None, 2, None, environ=env)  # pod 3 of a set of 2
+    with pytest.raises(ValueError, match="rendezvous"):
+        resolve_distributed(1, 2, None, environ={})
