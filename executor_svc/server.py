@@ -5,6 +5,8 @@ With a world size over 1 the ranks first join one torch.distributed process grou
 and rendezvous from flags or the environment: executor_svc/distributed.py). A rank whose collective
 fails (another rank died) turns NOT_SERVING and exits with status 1: the group cannot be repaired in
 place, so its supervisor restarts the set and the scheduler re-initializes it.
+`--metrics-port` serves Prometheus /metrics (executor_svc/metrics.py); `--config FILE` takes the
+flags as JSON (keys with underscores; flags on the command line override it).
 """
 
 from __future__ import annotations
@@ -19,30 +21,40 @@ from typing import Any
 import grpc
 
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
-from scheduler_svc.grpc_serving import Health, add_reflection
+from scheduler_svc.grpc_serving import Health, add_reflection, message_size_options, parse_args_with_config
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
-GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+MAX_MESSAGE_BYTES = 256 << 20
 
 
-async def start_executor_server(worker: Any, host: str = "127.0.0.1", port: int = 0, on_fatal=None):
+async def start_executor_server(
+    worker: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    on_fatal=None,
+    metrics=None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+):
     """Starts serving `worker`; returns (server, bound port). Health is SERVING once started.
-    `on_fatal(exc)` is called when a call fails with an error that is not the plan's fault."""
+    `on_fatal(exc)` is called when a call fails with an error that is not the plan's fault;
+    `metrics` (executor_svc.metrics.ExecutorMetrics) gets each step's time."""
     from executor_svc.servicer import ExecutorServicer
 
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(worker, on_fatal), server)
+    server = grpc.aio.server(options=message_size_options(max_message_bytes))
+    servicer = ExecutorServicer(worker, on_fatal, metrics)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
     health = Health(server, [SERVICE_NAME])
     add_reflection(server, [SERVICE_NAME, *health.reflection_names])
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
+    await health.set_alive(True)
     await health.set_serving(True)
     return server, bound
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face model folder")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="where gRPC and /metrics listen (0.0.0.0: all)")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--dtype", default="auto")
@@ -56,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dist-init-addr", default=None, help="HOST:PORT of rank 0's rendezvous")
     parser.add_argument("--dist-timeout-s", type=float, default=300.0, help="collective timeout")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
 
 
 def build_worker(args: argparse.Namespace) -> Any:
@@ -92,7 +106,15 @@ async def serve(args: argparse.Namespace) -> int:
             fatal.append(exc)
             stop.set()
 
-    server, port = await start_executor_server(worker, args.host, args.port, on_fatal)
+    metrics = None
+    if args.metrics_port is not None:
+        from executor_svc.metrics import ExecutorMetrics
+
+        metrics = ExecutorMetrics(worker)
+        metrics.serve(args.metrics_port, addr=args.host)
+    server, port = await start_executor_server(
+        worker, args.host, args.port, on_fatal, metrics, args.max_message_bytes
+    )
     print(f"pagedserve executor listening on {args.host}:{port}", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -106,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s executor %(levelname)s %(message)s")
     parser = argparse.ArgumentParser(prog="python -m executor_svc.server", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    sys.exit(asyncio.run(serve(parser.parse_args(argv))))
+    sys.exit(asyncio.run(serve(parse_args_with_config(parser, argv))))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +26,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     health checks while the model runs. An error that is not the plan's fault (not in ERROR_CODES:
     e.g. a collective that failed because another rank died) is passed to `on_fatal` too."""
 
-    def __init__(self, worker: Any, on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self, worker: Any, on_fatal: Callable[[BaseException], None] | None = None, metrics: Any = None
+    ):
         self._worker = worker
         self._lock = asyncio.Lock()
         self._on_fatal = on_fatal
+        self._metrics = metrics  # executor_svc.metrics.ExecutorMetrics, fed with each step's time
 
     async def _call(self, fn, *args):
         async with self._lock:
@@ -50,8 +54,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     @maps_errors(ERROR_CODES)
     async def Step(self, request, context):
+        start = time.perf_counter()
         plan = step_plan_from_pb(request)
-        return step_result_to_pb(await self._call(self._worker.execute, plan))
+        reply = step_result_to_pb(await self._call(self._worker.execute, plan))
+        if self._metrics is not None:
+            self._metrics.observe_step(time.perf_counter() - start)
+        return reply
 
     @maps_errors(ERROR_CODES)
     async def Reset(self, request, context):

@@ -73,9 +73,12 @@ def test_engine_config_is_json_and_tensor_parallel_size_matches_executor_replica
         assert len(scheduler["executors"]) == replicas
 
 
-def test_dashboard_queries_only_metrics_the_scheduler_exports():
+def test_dashboard_queries_only_metrics_the_scheduler_and_executors_export():
+    from executor_svc.metrics import PREFIX as EXECUTOR_PREFIX
+    from executor_svc.metrics import exported_metric_names as executor_metric_names
+
     dashboard = json.loads((DEPLOY / "grafana" / "pagedserve-dashboard.json").read_text())
-    exported = exported_metric_names()
+    exported = exported_metric_names() | executor_metric_names()
     # The names the real registry renders must be the ones exported_metric_names() promises.
     metrics = SchedulerMetrics()
     metrics.inc("preemptions", mode="swap")
@@ -100,3 +103,6 @@ def test_dashboard_queries_only_metrics_the_scheduler_exports():
                  "blocks_saved_by_sharing", "prefix_cache_hits_tokens_total", "preemptions_total",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket"):
         assert PREFIX + must in queried
+    for must in ("step_time_seconds_bucket", "gpu_memory_allocated_bytes", "gpu_memory_reserved_bytes",
+                 "kv_cache_bytes"):
+        assert EXECUTOR_PREFIX + must in queried

@@ -4,25 +4,28 @@ of a shared prompt, latency histogram counts)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import urllib.request
 
+import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients.client import Client
+from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from scheduler_svc.metrics import PREFIX, exported_metric_names
 from tests.test_grpc_stack import Stack
 
 
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
+def scrape(port: int, prefix: str = PREFIX) -> dict[tuple[str, tuple], float]:
     """(sample name without the prefix, sorted labels) -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            assert sample.name.startswith(PREFIX), sample.name
-            samples[(sample.name[len(PREFIX):], tuple(sorted(sample.labels.items())))] = sample.value
+            assert sample.name.startswith(prefix), sample.name
+            samples[(sample.name[len(prefix):], tuple(sorted(sample.labels.items())))] = sample.value
     return samples
 
 
@@ -93,3 +96,39 @@ def test_metrics_agree_with_the_requests_served(tiny_llama_dir):
         shared = scrape(port)
         assert diff(shared, end, "cow_copies_total") >= 1
         assert diff(shared, end, "generation_tokens_total") == 6
+
+
+def test_executor_metrics_report_steps_memory_and_kv_cache_bytes(tiny_llama_dir):
+    from executor_svc.metrics import PREFIX as EXECUTOR_PREFIX
+    from executor_svc.metrics import ExecutorMetrics
+    from executor_svc.metrics import exported_metric_names as executor_metric_names
+    from executor_svc.server import start_executor_server
+    from executor_svc.worker import Worker, WorkerConfig
+
+    async def scenario():
+        worker = Worker(WorkerConfig(model_dir=str(tiny_llama_dir), device="cpu", num_gpu_blocks=16,
+                                     num_cpu_blocks=4))
+        metrics = ExecutorMetrics(worker)
+        port = metrics.serve(0)
+        before = await asyncio.to_thread(scrape, port, EXECUTOR_PREFIX)
+        server, executor_port = await start_executor_server(worker, metrics=metrics)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{executor_port}") as channel:
+                stub = executor_pb2_grpc.ExecutorStub(channel)
+                await stub.InitCache(executor_pb2.InitCacheRequest(num_gpu_blocks=16, num_cpu_blocks=4))
+                for step_id in (1, 2, 3):
+                    await stub.Step(executor_pb2.StepPlan(step_id=step_id))
+            after = await asyncio.to_thread(scrape, port, EXECUTOR_PREFIX)
+        finally:
+            await server.stop(0)
+            metrics.close()
+        return before, after, worker.block_bytes
+
+    before, after, block_bytes = asyncio.run(scenario())
+    assert {EXECUTOR_PREFIX + n for n, _ in after if not n.endswith("_created")} <= executor_metric_names()
+    assert value(before, "kv_cache_bytes", pool="gpu") == 0
+    assert value(after, "kv_cache_bytes", pool="gpu") == 16 * block_bytes > 0
+    assert value(after, "kv_cache_bytes", pool="cpu_swap") == 4 * block_bytes
+    assert value(after, "steps_total") == 3 and value(after, "step_time_seconds_count") == 3
+    assert value(after, "cpu_memory_rss_bytes") > 10 << 20
+    assert value(after, "gpu_memory_allocated_bytes") == 0  # a CPU executor
