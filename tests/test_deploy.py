@@ -73,6 +73,32 @@ def test_engine_config_is_json_and_tensor_parallel_size_matches_executor_replica
         assert len(scheduler["executors"]) == replicas
 
 
+def test_engine_config_keys_are_the_servers_flags(tmp_path):
+    """Both JSON files of the base and the overlay parse with the real servers' `--config`."""
+    import argparse
+
+    from executor_svc.server import add_arguments
+    from scheduler_svc.grpc_serving import parse_args_with_config
+    from scheduler_svc.server import parse_args as parse_scheduler_args
+
+    for config_file in (DEPLOY / "k8s" / "base" / "configmap.yaml",
+                        DEPLOY / "k8s" / "overlays" / "example" / "engine-config.yaml"):
+        data = _documents(config_file)[0]["data"]
+        (tmp_path / "scheduler.json").write_text(data["scheduler.json"])
+        (tmp_path / "executor.json").write_text(data["executor.json"])
+        scheduler = json.loads(data["scheduler.json"])
+        opts = parse_scheduler_args(["--config", str(tmp_path / "scheduler.json")])
+        assert opts.executors == tuple(scheduler["executors"]) and opts.host == "0.0.0.0"
+        assert opts.drain_grace_period_s == scheduler["drain_grace_period_s"]
+        assert opts.metrics_port == 9400 and opts.enable_prefix_caching
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        args = parse_args_with_config(parser, ["--config", str(tmp_path / "executor.json")])
+        executor = json.loads(data["executor.json"])
+        assert args.world_size == executor["tensor_parallel_size"] and args.host == "0.0.0.0"
+        assert (args.port, args.metrics_port, args.rank) == (50061, 9401, None)  # rank: from the pod name
+
+
 def test_dashboard_queries_only_metrics_the_scheduler_and_executors_export():
     from executor_svc.metrics import PREFIX as EXECUTOR_PREFIX
     from executor_svc.metrics import exported_metric_names as executor_metric_names
