@@ -72,8 +72,9 @@ class Worker:
         self.use_cuda_graphs = self.device.type == "cuda" and config.world_size == 1 and not eager
         # PAGEDSERVE_STEP_TRACE=FILE: one line per step, "step_id t_start t_launch t_end num_seqs
         # num_tokens" (time.perf_counter seconds; t_launch: the forward pass is launched; t_end: the
-        # GPU is done), read by `pagedserve bench` for the GPU idle time between steps.
-        trace_path = os.environ.get("PAGEDSERVE_STEP_TRACE")
+        # GPU is done), read by `pagedserve bench` for the GPU idle time between steps. Rank 0 alone
+        # writes it (the ranks of a tensor-parallel set step together).
+        trace_path = os.environ.get("PAGEDSERVE_STEP_TRACE") if config.rank == 0 else None
         self._trace = open(trace_path, "a", buffering=1) if trace_path else None  # noqa: SIM115
 
     # ---- lifecycle -------------------------------------------------------------------------------

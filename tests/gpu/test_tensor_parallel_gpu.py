@@ -1,0 +1,184 @@
+"""Tensor parallelism on GPUs (NCCL): two ranks against one, bf16, on a Llama-architecture model of
+medium size (hidden 1024, 8 layers, 16 query / 8 KV heads, FFN 2816, vocab 32000; random weights in
+safetensors, so both runs load the same weights, each rank only its shard).
+
+Both runs see the same greedy token path (the TP = 2 run is fed the TP = 1 run's greedy tokens:
+teacher forcing), so one near-tie cannot make them diverge and every step's logits compare. TP = 2
+sums its row-parallel partial products in bf16 over NCCL, an order of additions that one GPU does
+not use, so logits differ by rounding. Stated tolerance, relative to the logits' standard deviation
+sigma (about 16 for this model): mean |logit difference| below 0.01 sigma, every logit within
+0.1 sigma, and the greedy token agrees at every step where the TP = 1 top-2 margin exceeds
+0.05 sigma (bf16 keeps 8 bits of mantissa: a logit of 30 is rounded to 0.125). Also reports the
+free-running agreement: how many of the batch's greedy sequences are identical over all decode
+steps. Run with `-s` to see the figures (JSON).
+
+`python -m tests.gpu.test_tensor_parallel_gpu --device cpu` runs the same comparison on CPU (gloo,
+fp32) as a dry run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import sys
+
+import pytest
+import torch
+
+NUM_DECODE = 32
+BLOCK_SIZE = 16
+MEDIUM = dict(
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    intermediate_size=2816,
+    vocab_size=32000,
+)
+PROMPT_LENS = (7, 16, 33, 64, 100, 150, 230, 300)
+
+
+def make_medium_model(folder: pathlib.Path) -> pathlib.Path:
+    from executor_svc.tiny_model import make_tiny_model
+
+    return make_tiny_model(folder, "llama", seed=3, **MEDIUM)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(100, MEDIUM["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def run_greedy(worker, forced: list[list[int]] | None) -> tuple[torch.Tensor, list[list[int]]]:
+    """Prefill every prompt, then NUM_DECODE greedy decode steps in one batch. `forced`: the tokens
+    to feed (teacher forcing) instead of the ones sampled. Returns (logits [steps, S, V] on CPU,
+    sampled tokens per sequence)."""
+    from scheduler_svc.sampling_params import SamplingParams
+    from scheduler_svc.step_plan import ContinuingSequence, NewSequence, StepPlan
+
+    greedy = SamplingParams(temperature=0.0)
+    prompts = _prompts()
+    blocks_per_seq = -(-(max(PROMPT_LENS) + NUM_DECODE + 1) // BLOCK_SIZE)
+    logits: list[torch.Tensor] = []
+    runner = worker._ensure_cache()
+    compute = runner.compute_logits
+
+    def recording(batch):
+        out = compute(batch)
+        logits.append(out.float().cpu())
+        return out
+
+    runner.compute_logits = recording
+    worker.reset()
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
+    new = [NewSequence(i, p, 0, len(p), tables[i], greedy, 0, len(p)) for i, p in enumerate(prompts)]
+    sampled: list[list[int]] = [[] for _ in prompts]
+    result = worker.execute(StepPlan(0, new_seqs=new))
+    for step in range(1, NUM_DECODE + 1):
+        for s in result.samples:
+            sampled[s.seq_id].append(s.token_id)
+        feed = [forced[i][step - 1] if forced else sampled[i][-1] for i in range(len(prompts))]
+        cont = [ContinuingSequence(i, 1, [feed[i]], blocks_per_seq, []) for i in range(len(prompts))]
+        result = worker.execute(StepPlan(step, cont_seqs=cont))
+    for s in result.samples:
+        sampled[s.seq_id].append(s.token_id)
+    runner.compute_logits = compute
+    return torch.stack(logits), sampled
+
+
+def _worker(model_dir: str, device: str, rank: int, world_size: int):
+    from executor_svc.worker import Worker, WorkerConfig
+
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return Worker(
+        WorkerConfig(
+            model_dir=model_dir,
+            device=device,
+            dtype=dtype,
+            num_gpu_blocks=len(PROMPT_LENS) * 32,
+            num_cpu_blocks=0,
+            rank=rank,
+            world_size=world_size,
+        )
+    )
+
+
+def _rank_main(rank: int, model_dir: str, device_type: str, addr: str, forced, out_path: str) -> None:
+    from executor_svc.distributed import DistributedConfig, init_process_group, rank_device
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    device = rank_device(device_type, rank, environ={})
+    init_process_group(DistributedConfig(rank, 2, addr, timeout_s=120), device)
+    worker = _worker(model_dir, device, rank, 2)
+    forced_logits, _ = run_greedy(worker, forced)
+    _, free_tokens = run_greedy(worker, None)
+    if rank == 0:
+        torch.save({"logits": forced_logits, "free_tokens": free_tokens}, out_path)
+    torch.distributed.destroy_process_group()
+
+
+def compare(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path) -> dict:
+    from clients.launcher import free_port
+
+    os.environ["PAGEDSERVE_ENFORCE_EAGER"] = "1"  # same eager path on both sides (graphs are tested apart)
+    device = "cuda:0" if device_type == "cuda" else "cpu"
+    one = _worker(str(model_dir), device, 0, 1)
+    ref_logits, ref_tokens = run_greedy(one, None)
+    del one
+    if device_type == "cuda":
+        torch.cuda.empty_cache()
+    out_path = str(tmp_dir / "tp2.pt")
+    torch.multiprocessing.spawn(
+        _rank_main,
+        args=(str(model_dir), device_type, f"127.0.0.1:{free_port()}", ref_tokens, out_path),
+        nprocs=2,
+    )
+    tp2 = torch.load(out_path)
+    diff = (tp2["logits"] - ref_logits).abs()  # [steps, S, V]
+    top2 = ref_logits.topk(2, dim=-1).values
+    margin = top2[..., 0] - top2[..., 1]
+    agree = tp2["logits"].argmax(-1) == ref_logits.argmax(-1)
+    sigma = float(ref_logits.std())
+    clear = margin > 0.05 * sigma
+    identical = sum(a == b for a, b in zip(tp2["free_tokens"], ref_tokens, strict=True))
+    return {
+        "device": torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu",
+        "dtype": "bfloat16" if device_type == "cuda" else "float32",
+        "steps": int(ref_logits.shape[0]),
+        "seqs": int(ref_logits.shape[1]),
+        "logit_std": sigma,
+        "max_abs_diff": float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+        "argmax_agreement": float(agree.float().mean()),
+        "argmax_agreement_clear_margin": float(agree[clear].float().mean()),
+        "rows_with_clear_margin": int(clear.sum()),
+        "free_running_identical_seqs": f"{identical}/{len(ref_tokens)}",
+    }
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_ranks_match_one_in_bf16(tmp_path):
+    figures = compare(make_medium_model(tmp_path / "medium"), "cuda", tmp_path)
+    print("TP2_VS_TP1", json.dumps(figures), flush=True)
+    sigma = figures["logit_std"]
+    assert figures["mean_abs_diff"] < 0.01 * sigma
+    assert figures["max_abs_diff"] < 0.1 * sigma
+    assert figures["argmax_agreement_clear_margin"] == 1.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tempfile
+
+    parser = argparse.ArgumentParser(description="TP=2 vs TP=1 logits on a medium random model")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = pathlib.Path(tmp)
+        print(json.dumps(compare(make_medium_model(folder / "medium"), args.device, folder)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
