@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("scheduler_svc.simulator", "replay a workload through the real scheduler (no GPU)"),
     "serve": ("clients.launcher", "start the executor(s) and the scheduler; serve the Generation API"),
     "generate": ("clients.generate", "send one request to a server and stream its output"),
+    "loadgen": ("clients.loadgen", "sustained concurrent load that checks every result and leaked blocks"),
     "make-tiny-model": ("clients.make_tiny_model", "write a tiny random-weight model folder (tests, demos)"),
     "bench": ("clients.bench", "throughput / latency benchmark through the gRPC services (and HF peers)"),
 }
