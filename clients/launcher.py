@@ -43,6 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
+    parser.add_argument("--drain-grace-period-s", type=float, default=30.0,
+                        help="on stop, in-flight requests get this long to finish")
+    parser.add_argument("--recovery-timeout-s", type=float, default=120.0,
+                        help="requests wait this long for a failed executor to come back")
+    parser.add_argument("--tls-cert-file", default=None, help="serve the public API over TLS (PEM chain)")
+    parser.add_argument("--tls-key-file", default=None, help="PEM key of --tls-cert-file")
+    parser.add_argument("--auth-token-file", default=None,
+                        help="require this bearer token on the public API (or set PAGEDSERVE_AUTH_TOKEN)")
 
 
 def free_port() -> int:
@@ -83,33 +91,51 @@ def scheduler_command(args: argparse.Namespace, model: str, executor_targets: li
             cmd += [flag, str(value)]
     if args.no_prefix_caching:
         cmd.append("--no-prefix-caching")
+    cmd += ["--drain-grace-period-s", str(args.drain_grace_period_s),
+            "--recovery-timeout-s", str(args.recovery_timeout_s)]
+    for flag, value in (("--tls-cert-file", args.tls_cert_file), ("--tls-key-file", args.tls_key_file),
+                        ("--auth-token-file", args.auth_token_file)):
+        if value:
+            cmd += [flag, str(pathlib.Path(value).resolve())]
     return cmd
 
 
-def wait_serving(target: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
+def wait_serving(
+    target: str, procs: list[subprocess.Popen], timeout_s: float, tls_root: str | None = None
+) -> None:
+    """`tls_root`: a PEM file to trust for a TLS server (the served chain: enough for a self-signed
+    certificate or a chain file that ends with its root)."""
+    import grpc
+
     from scheduler_svc.grpc_serving import health_status
 
+    credentials = None
+    if tls_root:
+        credentials = grpc.ssl_channel_credentials(root_certificates=pathlib.Path(tls_root).read_bytes())
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("a pagedserve process exited during startup (see its log above)")
-        if health_status(target, timeout_s=1.0) == "SERVING":
+        if health_status(target, timeout_s=1.0, credentials=credentials) == "SERVING":
             return
         time.sleep(0.2)
     raise TimeoutError(f"{target} did not become SERVING within {timeout_s:.0f} s")
 
 
-def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    for proc in reversed(procs):  # scheduler first, then the executors
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0, drain_s: float = 0.0) -> None:
+    """The scheduler (last) first: it drains for up to `drain_s` while the executors still run;
+    then the executors. Each gets `grace_s` more before SIGKILL."""
+    for batch, wait_s in ((procs[-1:], drain_s + grace_s), (procs[:-1], grace_s)):
+        for proc in batch:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + wait_s
+        for proc in batch:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             wait_serving(target, procs, args.startup_timeout)
         procs.append(subprocess.Popen(scheduler_command(args, model, targets)))
         public = f"{'localhost' if args.host in ('127.0.0.1', '0.0.0.0') else args.host}:{args.port}"
-        wait_serving(public, procs, args.startup_timeout)
+        wait_serving(public, procs, args.startup_timeout, tls_root=args.tls_cert_file)
         print(f"pagedserve is serving {model} on {public} (gRPC: pagedserve.v1.Generation)", flush=True)
         if args.metrics_port is not None:
             print(f"metrics: http://localhost:{args.metrics_port}/metrics", flush=True)
@@ -152,5 +178,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedserve serve: {err}", file=sys.stderr)
         return 1
     finally:
-        stop_all(procs)
+        stop_all(procs, drain_s=args.drain_grace_period_s)
 

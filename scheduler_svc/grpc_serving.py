@@ -70,23 +70,30 @@ def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> bool:
     return True
 
 
-def health_status(target: str, service: str = "", timeout_s: float = 1.0) -> str:
+def health_status(
+    target: str, service: str = "", timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None
+) -> str:
     """Blocking health check of a server: "SERVING", "NOT_SERVING", ... or "UNAVAILABLE".
+    `credentials`: for a server with TLS.
 
     Without grpcio-health-checking, a server that accepts connections counts as SERVING (both
     servers open their port only once they are ready).
     """
+
+    def channel() -> grpc.Channel:
+        return grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+
     try:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
     except ImportError:
-        with grpc.insecure_channel(target) as channel:
+        with channel() as ready:
             try:
-                grpc.channel_ready_future(channel).result(timeout=timeout_s)
+                grpc.channel_ready_future(ready).result(timeout=timeout_s)
             except grpc.FutureTimeoutError:
                 return "UNAVAILABLE"
         return "SERVING"
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with channel() as opened:
+        stub = health_pb2_grpc.HealthStub(opened)
         try:
             response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError as err:
