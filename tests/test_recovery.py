@@ -236,3 +236,29 @@ def test_recovery_options_are_validated():
         RecoveryOptions(recovery_timeout_s=-1)
     with pytest.raises(ValueError):
         RecoveryOptions(probe_interval_s=0)
+
+
+def test_an_executor_that_stops_answering_misses_the_step_deadline_and_recovers(tiny_llama_dir, tmp_path):
+    prompts = [[9 + i, 70, 71 + i] for i in range(4)]
+    params = dict(max_tokens=80, temperature=0.0, ignore_eos=True)
+    with ServerProcesses(tiny_llama_dir, tmp_path, ["--step-timeout-s", "1"]) as procs:
+        threads, reference = _generate_all(procs.target, prompts, params)
+        for t in threads:
+            t.join(120)
+        progress = [0] * len(prompts)
+        threads, results = _generate_all(procs.target, prompts, params, progress)
+        deadline = time.monotonic() + 60
+        while min(progress) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        procs.executor.send_signal(signal.SIGSTOP)  # alive, connected, silent
+        try:
+            assert wait_health(procs.target, "NOT_SERVING", 20) == "NOT_SERVING"
+        finally:
+            procs.executor.send_signal(signal.SIGCONT)
+        for t in threads:
+            t.join(120)
+        assert wait_health(procs.target, "SERVING", 20) == "SERVING"
+        for deltas, ref in zip(results, reference, strict=True):
+            assert isinstance(deltas, list), (deltas, procs.logs())
+            assert [t for d in deltas for t in d[0]] == [t for d in ref for t in d[0]]
+        assert "step" in procs.logs() and "DEADLINE_EXCEEDED" in procs.logs()
