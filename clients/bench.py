@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument("--json", action="store_true", help="print the results as JSON")
         sub.add_argument("--out", default=None, help="also write the JSON results to this file")
         sub.add_argument("--no-progress", action="store_true")
+        sub.add_argument("--trace", default=None, help="keep the executor's step trace in this file")
         if mode == "throughput":
             sub.add_argument("--prefixes", default="", help="also run the first K requests, e.g. 32,100")
             sub.add_argument("--compare", default="", help=f"peers to run after ours: {','.join(PEERS)}")
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        trace_path = os.path.join(tmp, "steps.trace")
+        trace_path = args.trace or os.path.join(tmp, "steps.trace")
         if args.mode == "throughput":
             requests = make_workload(args.workload, args.requests, vocab_size=spec.vocab_size, seed=args.seed)
             sizes = {int(k) for k in args.prefixes.split(",") if k} | {args.requests}

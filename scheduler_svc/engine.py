@@ -169,7 +169,14 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
+        """Overlap: step i's outputs are streamed only once step i+1's plan is on its way to the
+        executors (streaming a delta to each of hundreds of requests takes milliseconds of this
+        thread, while the GPU would wait for the plan). Outputs of requests with stop strings are
+        streamed at once, since a stop string finishes its sequence before the next plan."""
+        deferred: list[RequestOutput] = []
         while not self._stopping:
+            if deferred and (not self.healthy or not self.scheduler.has_unfinished()):
+                deferred = self._emit_all(deferred)
             if not self.healthy:
                 await self._await_executors()
                 continue
@@ -179,8 +186,13 @@ class Engine:
                 continue
             start = time.perf_counter()
             plan = self.scheduler.schedule()
+            step = asyncio.ensure_future(self.executors.step(plan))  # an empty plan too: ids stay contiguous
+            if deferred:
+                for _ in range(3):  # let the step task encode the plan and start its calls
+                    await asyncio.sleep(0)
+                deferred = self._emit_all(deferred)
             try:
-                result = await self.executors.step(plan)  # an empty plan too: step ids stay contiguous
+                result = await step
             except Exception as err:  # noqa: BLE001 - a rank failed or missed the step deadline
                 _log.error("step %d failed (%s): recomputing every request once the executors are back",
                            plan.step_id, err)
@@ -191,12 +203,18 @@ class Engine:
             self.num_swapped_out_blocks += len(plan.swap_out)
             self.num_swapped_in_blocks += len(plan.swap_in)
             for out in outputs:
-                self._emit(out)
+                request = self._requests.get(out.request_id)
+                if request is not None and request.params.stop:
+                    self._emit(out)
+                else:
+                    deferred.append(out)
             if self.metrics is not None:
                 record_step(self.metrics, self, plan, time.perf_counter() - start)
             if plan.is_empty:  # nothing runnable now: wait for a new request or an abort
+                deferred = self._emit_all(deferred)
                 self._wakeup.clear()
                 await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=0.05)
+        self._emit_all(deferred)
 
     # ---- executor failure and drain -----------------------------------------------------------
     def _executors_failed(self) -> None:
@@ -253,6 +271,11 @@ class Engine:
     def stop(self) -> None:
         self._stopping = True
         self._wakeup.set()
+
+    def _emit_all(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for out in outputs:
+            self._emit(out)
+        return []
 
     def _emit(self, out: RequestOutput) -> None:
         request = self._requests.get(out.request_id)
