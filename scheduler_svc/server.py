@@ -257,6 +257,7 @@ def parse_args(argv: list[str] | None = None) -> ServeOptions:
     p.add_argument("--auth-token-file", default=None,
                    help="require `authorization: Bearer <token>` (default: $PAGEDSERVE_AUTH_TOKEN if set)")
     p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
+    p.add_argument("--connect-timeout-s", type=float, default=60.0, help="executors wait at start")
     a = parse_args_with_config(p, argv)
     return ServeOptions(
         model=a.model, executors=tuple(t for t in a.executors.split(",") if t), host=a.host, port=a.port,
@@ -267,6 +268,7 @@ def parse_args(argv: list[str] | None = None) -> ServeOptions:
         drain_grace_period_s=a.drain_grace_period_s, recovery_timeout_s=a.recovery_timeout_s,
         step_timeout_s=a.step_timeout_s, tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file,
         auth_token=read_auth_token(a.auth_token_file), max_message_bytes=a.max_message_bytes,
+        connect_timeout_s=a.connect_timeout_s,
     )
 
 
