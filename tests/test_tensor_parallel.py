@@ -96,6 +96,45 @@ def _generations(target: str) -> dict[str, list[list[int]]]:
     return asyncio.run(run())
 
 
+def _step_every_rank(targets: list[str], num_steps: int = 6) -> list[list]:
+    """Drives the ranks directly over the Executor API (Reset, then a few steps sent to every rank
+    at once, fed rank 0's tokens): greedy, seeded, unseeded random (seeds drawn from each rank's
+    generator), top-k/top-p and logprobs rows. Returns each rank's samples per step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
+    from scheduler_svc.convert import step_plan_to_pb, step_result_from_pb
+    from scheduler_svc.sampling_params import SamplingParams
+    from scheduler_svc.step_plan import ContinuingSequence, NewSequence, StepPlan
+
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=2.0, seed=9, logprobs=2),
+        SamplingParams(temperature=5.0),  # unseeded
+        SamplingParams(temperature=2.0, top_k=30, top_p=0.8, seed=3),
+    ]
+    prompts = [GREEDY_PROMPTS[i % len(GREEDY_PROMPTS)] + [i + 7] for i in range(len(params))]
+    stubs = [executor_pb2_grpc.ExecutorStub(grpc.insecure_channel(t)) for t in targets]
+    for stub in stubs:
+        stub.Reset(executor_pb2.ResetRequest())
+    per_rank: list[list] = [[] for _ in targets]
+    plan = StepPlan(0, new_seqs=[
+        NewSequence(i, p, 0, len(p), [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], sp, 0, len(p))
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ])
+    with ThreadPoolExecutor(len(stubs)) as pool:
+        for step in range(num_steps):
+            data = step_plan_to_pb(plan)
+            results = [step_result_from_pb(r) for r in pool.map(lambda stub, pb=data: stub.Step(pb), stubs)]
+            for rank, result in enumerate(results):
+                per_rank[rank].append(result.samples)
+            tokens = {s.seq_id: s.token_id for s in results[0].samples}
+            plan = StepPlan(step + 1, cont_seqs=[ContinuingSequence(i, 1, [tokens[i]]) for i in tokens])
+    return per_rank
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def served_family(request, tiny_model_dirs):
     """(family, outputs with one executor, outputs with two tensor-parallel executors)."""
@@ -106,17 +145,28 @@ def served_family(request, tiny_model_dirs):
         with Client(two.target) as client:
             info = client.model_info()
         got = _generations(two.target)
-    return request.param, info, expected, got
+        per_rank = _step_every_rank(two.executor_targets)
+    return request.param, info, expected, got, per_rank
 
 
 def test_two_ranks_give_the_tokens_of_one(served_family):
-    family, info, expected, got = served_family
+    family, info, expected, got, _ = served_family
     assert info.world_size == 2
     assert all(len(outs[0]) for outs in expected.values())
     assert len(expected["seeded_n2"]) == 2 and expected["seeded_n2"][0] != expected["seeded_n2"][1]
     assert len(expected["beam"]) == 3
     for name in expected:
         assert got[name] == expected[name], (family, name)
+
+
+def test_every_rank_samples_the_same_tokens_and_logprobs(served_family):
+    """Every rank holds the full logits (all-gathered) and draws the same random numbers, so rank 1
+    returns exactly rank 0's samples (the scheduler takes rank 0's)."""
+    family, _, _, _, (rank0, rank1) = served_family
+    assert len(rank0) == 6 and all(len(step) == 4 for step in rank0)
+    assert rank0 == rank1, family
+    assert len({s.token_id for step in rank0 for s in step if s.seq_id == 2}) > 1  # really random
+    assert all(len(s.top_logprobs) == 3 for step in rank0 for s in step if s.seq_id == 0)
 
 
 def test_a_dead_rank_takes_down_its_set_and_the_scheduler_reports_it(tiny_llama_dir):
