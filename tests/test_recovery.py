@@ -137,11 +137,13 @@ async def _restart_executor(stack: Stack, model_dir) -> None:
 
 
 def test_an_executor_outage_keeps_the_stream_and_refuses_new_requests(tiny_llama_dir):
-    params = dict(max_tokens=60, temperature=0.0, ignore_eos=True)
+    params = dict(max_tokens=60, n=2, temperature=0.9, seed=7, ignore_eos=True)  # forked samples, seeded
     with Stack(tiny_llama_dir, num_gpu_blocks=32, num_cpu_blocks=0) as stack, Client(stack.target) as client:
-        reference = client.generate([9, 10, 11], **params).outputs[0].token_ids
+        reference = [o.token_ids for o in client.generate([9, 10, 11], **params).outputs]
         stream = client.stream([9, 10, 11], **params)
-        streamed = list(next(stream).outputs[0].token_ids)
+        streamed = {0: [], 1: []}
+        for out in next(stream).outputs:
+            streamed[out.index] += out.token_ids
         stack.run(stack.executor_server.stop(0))
         assert wait_health(stack.target, "NOT_SERVING", 20) == "NOT_SERVING"
         with pytest.raises(grpc.RpcError) as info:
@@ -149,8 +151,10 @@ def test_an_executor_outage_keeps_the_stream_and_refuses_new_requests(tiny_llama
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         stack.run(_restart_executor(stack, tiny_llama_dir))
         for delta in stream:
-            streamed += delta.outputs[0].token_ids
-        assert streamed == list(reference)
+            for out in delta.outputs:
+                streamed[out.index] += out.token_ids
+        assert [streamed[0], streamed[1]] == [list(r) for r in reference]
+        assert streamed[0] != streamed[1]
         assert wait_health(stack.target, "SERVING", 20) == "SERVING"
         assert client.stats().num_free_gpu_blocks == 32
         stack.check_integrity()
@@ -172,15 +176,16 @@ def test_requests_end_unavailable_when_the_executor_stays_down(tiny_llama_dir):
 
 # ---- a real executor process killed with SIGKILL mid-generation -----------------------------------
 def _generate_all(target: str, prompts, params, progress: list[int] | None = None):
-    """Streams every prompt concurrently; per prompt, the token ids of each delta and its
-    completion_tokens counter (or the gRPC error)."""
+    """Streams every prompt concurrently (`params`: one dict for all, or one per prompt); per prompt,
+    the token ids of each delta of output 0 and its completion_tokens counter (or the gRPC error)."""
+    params_of = params if isinstance(params, list) else [params] * len(prompts)
     results: list = [None] * len(prompts)
 
     def one(i: int) -> None:
         deltas = []
         try:
             with Client(target) as client:
-                for delta in client.stream(prompts[i], **params):
+                for delta in client.stream(prompts[i], **params_of[i]):
                     out = delta.outputs[0]
                     deltas.append((out.token_ids, out.completion_tokens, out.finish_reason))
                     if progress is not None:
@@ -198,13 +203,15 @@ def _generate_all(target: str, prompts, params, progress: list[int] | None = Non
 def test_sigkill_of_the_executor_mid_generation_loses_and_repeats_no_token(tiny_llama_dir, tmp_path):
     prompts = [[5 + i, 40 + 3 * i, 7, 200 + i, 11] for i in range(16)]
     params = dict(max_tokens=120, temperature=0.0, ignore_eos=True)
+    seeded = dict(params, temperature=0.9, top_p=0.9)  # seeded sampling must continue identically too
+    params_of = [params if i % 4 else dict(seeded, seed=100 + i) for i in range(16)]
     with ServerProcesses(tiny_llama_dir, tmp_path, num_gpu_blocks=192) as procs:
-        threads, reference = _generate_all(procs.target, prompts, params)
+        threads, reference = _generate_all(procs.target, prompts, params_of)
         for t in threads:
             t.join(120)
         assert all(isinstance(r, list) for r in reference), reference
         progress = [0] * len(prompts)
-        threads, results = _generate_all(procs.target, prompts, params, progress)
+        threads, results = _generate_all(procs.target, prompts, params_of, progress)
         deadline = time.monotonic() + 60
         while min(progress) < 8 and time.monotonic() < deadline:
             time.sleep(0.01)
