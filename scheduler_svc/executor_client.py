@@ -76,8 +76,17 @@ class ExecutorPool:
         await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in self._channels)), timeout_s)
 
     async def describe(self) -> list[dict[str, Any]]:
+        """Every rank's description; the ranks must be one tensor-parallel set, listed rank 0 first
+        (a rank missing from the list would wait forever in its collectives)."""
         replies = await self._all(s.Describe(executor_pb2.DescribeRequest()) for s in self._stubs)
-        return [describe_from_pb(r) for r in replies]
+        described = [describe_from_pb(r) for r in replies]
+        places = [(d["rank"], d["world_size"]) for d in described]
+        if places != [(i, len(self.targets)) for i in range(len(self.targets))]:
+            raise ValueError(
+                f"executors {','.join(self.targets)} report (rank, world size) {places}: list every rank "
+                "of one tensor-parallel set, rank 0 first"
+            )
+        return described
 
     async def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         request = executor_pb2.InitCacheRequest(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)

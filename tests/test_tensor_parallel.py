@@ -5,6 +5,7 @@ rank and rendezvous come from flags, the environment or the StatefulSet pod name
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import pathlib
 import subprocess
@@ -74,8 +75,6 @@ class TensorParallelStack(Stack):
 def _generations(target: str) -> dict[str, list[list[int]]]:
     """Greedy and seeded requests of every kind the executor samples differently, all in flight at
     once (so they share batches), returned by name."""
-    import asyncio
-
     from clients.client import AsyncClient
 
     async def run() -> dict[str, list[list[int]]]:
@@ -169,6 +168,16 @@ def test_every_rank_samples_the_same_tokens_and_logprobs(served_family):
     assert all(len(s.top_logprobs) == 3 for step in rank0 for s in step if s.seq_id == 0)
 
 
+async def _describe(targets: list[str]) -> list[dict]:
+    from scheduler_svc.executor_client import ExecutorPool
+
+    pool = ExecutorPool(targets)
+    try:
+        return await pool.describe()
+    finally:
+        await pool.close()
+
+
 def test_a_dead_rank_takes_down_its_set_and_the_scheduler_reports_it(tiny_llama_dir):
     import threading
 
@@ -186,6 +195,9 @@ def test_a_dead_rank_takes_down_its_set_and_the_scheduler_reports_it(tiny_llama_
 
         with Client(two.target) as client:
             assert client.generate([5, 6, 7], max_tokens=3, temperature=0.0).outputs[0].token_ids
+        for wrong in (two.executor_targets[::-1], two.executor_targets[:1]):  # a scheduler misconfigured
+            with pytest.raises(ValueError, match=r"report \(rank, world size\)"):
+                asyncio.run(_describe(wrong))
         thread = threading.Thread(target=long_generation)
         thread.start()
         time.sleep(1.0)
