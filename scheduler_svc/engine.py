@@ -148,6 +148,8 @@ class Engine:
         found = self.scheduler.abort(request_id)
         if request is not None:
             request.queue.put_nowait(request.abort_delta())
+            if self.metrics is not None:
+                self.metrics.inc("requests_finished", reason="abort")
         self._wakeup.set()
         return found or request is not None
 
@@ -260,6 +262,8 @@ class Engine:
                                  unavailable=unavailable)
             request.queue.put_nowait(delta)
             self.scheduler.abort(request_id)
+            if self.metrics is not None:
+                self.metrics.inc("requests_finished", reason="abort")
         self._requests.clear()
 
     def _set_healthy(self, healthy: bool) -> None:

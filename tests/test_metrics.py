@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -96,6 +97,16 @@ def test_metrics_agree_with_the_requests_served(tiny_llama_dir):
         shared = scrape(port)
         assert diff(shared, end, "cow_copies_total") >= 1
         assert diff(shared, end, "generation_tokens_total") == 6
+
+        # 4. a stream the client leaves early counts as finished with reason abort
+        stream = client.stream([5, 6, 7], max_tokens=150, ignore_eos=True)
+        next(stream)
+        stream.close()
+        deadline = time.monotonic() + 10
+        while diff(cancelled := scrape(port), shared, "requests_finished_total", reason="abort") < 1:
+            assert time.monotonic() < deadline, "the abort was not counted"
+            time.sleep(0.05)
+        assert diff(cancelled, shared, "requests_finished_total", reason="abort") == 1
 
 
 def test_executor_metrics_report_steps_memory_and_kv_cache_bytes(tiny_llama_dir):
