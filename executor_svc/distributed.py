@@ -75,6 +75,9 @@ def resolve_distributed(
 def rank_device(device: str | None, rank: int, environ: Mapping[str, str] = os.environ) -> str:
     """The device string this rank runs on ("cpu", "cuda:N"); selects the GPU as current device."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda:"):  # named explicitly
+        torch.cuda.set_device(torch.device(device))
+        return device
     if device != "cuda":
         return device
     index = int(environ["LOCAL_RANK"]) if "LOCAL_RANK" in environ else rank % torch.cuda.device_count()
