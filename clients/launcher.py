@@ -3,8 +3,11 @@
     executor_svc.server (one per rank) ◀── Executor.Step ── scheduler_svc.server ◀── clients
 
 Waits until every process reports SERVING through grpc.health.v1, prints where to connect, and
-stops them all on Ctrl-C / SIGTERM (or when one of them dies). With no --model it serves a tiny
-random-weight Llama the project creates on first use (cached under ~/.cache/pagedserve).
+stops them all on Ctrl-C / SIGTERM: the scheduler first (it drains), then the executors. An
+executor that dies is restarted with its set on the same ports (the scheduler keeps its requests
+and recomputes them once they are back), up to MAX_EXECUTOR_RESTARTS times; if the scheduler dies,
+everything stops. With no --model it serves a tiny random-weight Llama the project creates on
+first use (cached under ~/.cache/pagedserve).
 """
 
 from __future__ import annotations
@@ -138,6 +141,23 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0, drain_s: floa
                 proc.wait()
 
 
+MAX_EXECUTOR_RESTARTS = 5
+
+
+def start_executors(args: argparse.Namespace, model: str, ports: list[int]) -> list[subprocess.Popen]:
+    """One process per rank on the given ports (a restart reuses them: the scheduler reconnects)."""
+    dist_port = free_port()
+    procs = [subprocess.Popen(executor_command(args, model, rank, port, dist_port))
+             for rank, port in enumerate(ports)]
+    try:
+        for port in ports:
+            wait_serving(f"127.0.0.1:{port}", procs, args.startup_timeout)
+    except BaseException:
+        stop_all(procs, grace_s=5.0)
+        raise
+    return procs
+
+
 def run(args: argparse.Namespace) -> int:
     model = str(pathlib.Path(args.model).resolve()) if args.model else str(ensure_default_model())
     stop_requested = False
@@ -149,15 +169,10 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     procs: list[subprocess.Popen] = []
-    dist_port = free_port()
+    ports = [free_port() for _ in range(args.tensor_parallel_size)]
+    targets = [f"127.0.0.1:{port}" for port in ports]
     try:
-        targets = []
-        for rank in range(args.tensor_parallel_size):
-            port = free_port()
-            procs.append(subprocess.Popen(executor_command(args, model, rank, port, dist_port)))
-            targets.append(f"127.0.0.1:{port}")
-        for target in targets:
-            wait_serving(target, procs, args.startup_timeout)
+        procs += start_executors(args, model, ports)
         procs.append(subprocess.Popen(scheduler_command(args, model, targets)))
         public = f"{'localhost' if args.host in ('127.0.0.1', '0.0.0.0') else args.host}:{args.port}"
         wait_serving(public, procs, args.startup_timeout, tls_root=args.tls_cert_file)
@@ -168,10 +183,20 @@ def run(args: argparse.Namespace) -> int:
             print("metrics: off (--metrics-port P serves Prometheus /metrics)", flush=True)
         print(f"executors (pagedserve.v1.Executor): {', '.join(targets)}", flush=True)
         print(f"try: pagedserve generate --server {public} --prompt 'Hello'   (Ctrl-C stops)", flush=True)
+        num_restarts = 0
         while not stop_requested:
-            if any(p.poll() is not None for p in procs):
-                print("pagedserve: a process exited; stopping", file=sys.stderr)
+            if procs[-1].poll() is not None:
+                print("pagedserve: the scheduler exited; stopping", file=sys.stderr)
                 return 1
+            if any(p.poll() is not None for p in procs[:-1]):
+                if num_restarts == MAX_EXECUTOR_RESTARTS:
+                    print("pagedserve: executors keep failing; stopping", file=sys.stderr)
+                    return 1
+                num_restarts += 1
+                print("pagedserve: an executor exited; restarting the executors (the scheduler keeps its "
+                      "requests and recomputes them once they are back)", file=sys.stderr, flush=True)
+                stop_all(procs[:-1], grace_s=5.0)
+                procs[:-1] = start_executors(args, model, ports)
             time.sleep(0.2)
         return 0
     except (RuntimeError, TimeoutError) as err:

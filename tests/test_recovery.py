@@ -269,3 +269,45 @@ def test_an_executor_that_stops_answering_misses_the_step_deadline_and_recovers(
             assert isinstance(deltas, list), (deltas, procs.logs())
             assert [t for d in deltas for t in d[0]] == [t for d in ref for t in d[0]]
         assert "step" in procs.logs() and "DEADLINE_EXCEEDED" in procs.logs()
+
+
+def _pids_of(*needles: str) -> list[int]:
+    pids = []
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_serve_restarts_a_killed_executor_and_the_stream_continues(tiny_llama_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clients.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port),
+         "--device", "cpu", "--num-gpu-blocks", "64"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("executors (pagedserve.v1.Executor):") or proc.poll() is not None:
+                break
+        executor_port = line.rsplit(":", 1)[1].strip()
+        params = dict(max_tokens=150, temperature=0.0, ignore_eos=True)
+        with Client(f"127.0.0.1:{port}") as client:
+            reference = client.generate([4, 5, 6], **params).outputs[0].token_ids
+            stream = client.stream([4, 5, 6], **params)
+            streamed = list(next(stream).outputs[0].token_ids)
+            (pid,) = _pids_of("executor_svc.server", f"--port {executor_port} ")
+            os.kill(pid, signal.SIGKILL)
+            for delta in stream:
+                streamed += delta.outputs[0].token_ids
+            assert streamed == list(reference)
+            assert len(_pids_of("executor_svc.server", f"--port {executor_port} ")) == 1  # restarted
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output
+    assert "an executor exited; restarting the executors" in output
