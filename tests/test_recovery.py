@@ -146,6 +146,7 @@ def test_an_executor_outage_keeps_the_stream_and_refuses_new_requests(tiny_llama
             streamed[out.index] += out.token_ids
         stack.run(stack.executor_server.stop(0))
         assert wait_health(stack.target, "NOT_SERVING", 20) == "NOT_SERVING"
+        assert health_status(stack.target, "liveness") == "SERVING"  # not ready, but no restart wanted
         with pytest.raises(grpc.RpcError) as info:
             client.generate([1, 2, 3], max_tokens=2)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -311,3 +312,21 @@ def test_serve_restarts_a_killed_executor_and_the_stream_continues(tiny_llama_di
         output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, output
     assert "an executor exited; restarting the executors" in output
+
+
+def test_liveness_fails_only_when_the_engine_loop_died(tiny_llama_dir):
+    with Stack(tiny_llama_dir, num_gpu_blocks=16, num_cpu_blocks=0) as stack, Client(stack.target) as client:
+        assert health_status(stack.target, "liveness") == "SERVING"
+        client.generate([5, 6, 7], max_tokens=2)
+
+        def broken_schedule():
+            raise RuntimeError("scheduler bug")
+
+        stack.engine.scheduler.schedule = broken_schedule
+        with pytest.raises(grpc.RpcError):
+            client.generate([5, 6, 7], max_tokens=2)
+        assert wait_health(stack.target, "NOT_SERVING", 10) == "NOT_SERVING"
+        deadline = time.monotonic() + 10
+        while health_status(stack.target, "liveness") != "NOT_SERVING" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert health_status(stack.target, "liveness") == "NOT_SERVING"
