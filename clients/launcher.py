@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    parser.add_argument("--executor-metrics-port", type=int, default=None,
+                        help="executors' /metrics: rank r serves on this port + r")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
     parser.add_argument("--drain-grace-period-s", type=float, default=30.0,
                         help="on stop, in-flight requests get this long to finish")
@@ -77,6 +79,8 @@ def executor_command(args: argparse.Namespace, model: str, rank: int, port: int,
            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.device:
         cmd += ["--device", args.device]
+    if getattr(args, "executor_metrics_port", None) is not None:
+        cmd += ["--metrics-port", str(args.executor_metrics_port + rank)]
     if args.tensor_parallel_size > 1:
         cmd += ["--dist-init-addr", f"127.0.0.1:{dist_port}"]
     return cmd
@@ -181,6 +185,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"metrics: http://localhost:{args.metrics_port}/metrics", flush=True)
         else:
             print("metrics: off (--metrics-port P serves Prometheus /metrics)", flush=True)
+        if args.executor_metrics_port is not None:
+            ranks = range(args.tensor_parallel_size)
+            urls = ", ".join(f"http://localhost:{args.executor_metrics_port + r}/metrics" for r in ranks)
+            print(f"executor metrics: {urls}", flush=True)
         print(f"executors (pagedserve.v1.Executor): {', '.join(targets)}", flush=True)
         print(f"try: pagedserve generate --server {public} --prompt 'Hello'   (Ctrl-C stops)", flush=True)
         num_restarts = 0

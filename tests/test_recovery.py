@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -285,10 +286,10 @@ def _pids_of(*needles: str) -> list[int]:
 
 
 def test_serve_restarts_a_killed_executor_and_the_stream_continues(tiny_llama_dir):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "clients.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port),
-         "--device", "cpu", "--num-gpu-blocks", "64"],
+         "--device", "cpu", "--num-gpu-blocks", "64", "--executor-metrics-port", str(metrics_port)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -307,6 +308,11 @@ def test_serve_restarts_a_killed_executor_and_the_stream_continues(tiny_llama_di
                 streamed += delta.outputs[0].token_ids
             assert streamed == list(reference)
             assert len(_pids_of("executor_svc.server", f"--port {executor_port} ")) == 1  # restarted
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:  # the restarted executor's own counters
+            scraped = reply.read().decode()
+        steps = [line for line in scraped.splitlines() if line.startswith("pagedserve:executor_steps_total ")]
+        assert steps and float(steps[0].split()[1]) > 0
     finally:
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=60)[0]
