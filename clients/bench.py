@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -56,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument("--out", default=None, help="also write the JSON results to this file")
         sub.add_argument("--no-progress", action="store_true")
         sub.add_argument("--trace", default=None, help="keep the executor's step trace in this file")
+        sub.add_argument(
+            "--warmup", type=int, default=64, help="requests (8 tokens each, not measured) sent first"
+        )
         if mode == "throughput":
             sub.add_argument("--prefixes", default="", help="also run the first K requests, e.g. 32,100")
             sub.add_argument("--compare", default="", help=f"peers to run after ours: {','.join(PEERS)}")
@@ -130,6 +134,15 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
     finally:
         os.environ.pop("PAGEDSERVE_STEP_TRACE", None)
         launcher.stop_all(procs)
+
+
+def warm_up(args, target: str, vocab_size: int) -> None:
+    """A few short requests of the workload (another seed) before measuring: the first steps of a
+    fresh server compile Triton kernels for new shapes (seconds each on the H100 host)."""
+    if args.warmup > 0:
+        warm = make_workload(args.workload, args.warmup, vocab_size=vocab_size, seed=args.seed + 1)
+        warm = [dataclasses.replace(r, max_tokens=min(r.max_tokens, 8)) for r in warm]
+        asyncio.run(run_load(target, warm, "warm-up", show_progress=False))
 
 
 def run_ours(args, target: str, requests, label: str, trace_path: str) -> dict:
@@ -216,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             sizes = {int(k) for k in args.prefixes.split(",") if k} | {args.requests}
             sizes |= {peer_size(args, p, args.requests) for p in args.compare.split(",") if p}
             with servers(args, model, trace_path) as target:
+                warm_up(args, target, spec.vocab_size)
                 runs = {
                     k: run_ours(args, target, requests[:k], f"ours[{k}]", trace_path) for k in sorted(sizes)
                 }
@@ -230,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
             rates = [float(r) for r in args.rates.split(",") if r]
             result["runs"] = []
             with servers(args, model, trace_path) as target:
+                warm_up(args, target, spec.vocab_size)
                 for rate in rates:
                     reqs = make_workload(
                         args.workload,

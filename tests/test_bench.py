@@ -5,6 +5,7 @@ tokenizer) with the Hugging Face peers on request prefixes."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import grpc
@@ -166,6 +167,8 @@ def test_bench_throughput_end_to_end_with_peers(config_only_model, tmp_path, cap
         "--max-num-seqs",
         "4",
         "--no-progress",
+        "--warmup",
+        "3",
         "--out",
         str(out_file),
     )
@@ -185,3 +188,34 @@ def test_bench_throughput_end_to_end_with_peers(config_only_model, tmp_path, cap
         assert peer["output_tokens"] == ours["output_tokens"]  # identical request sets
         assert peer["ratio"] == pytest.approx(ours["output_tok_s"] / peer["output_tok_s"], rel=0.02)
     assert "hf-cb on the first 6 requests" in table and "ours[6]" in table
+
+
+def test_bench_serve_sweeps_poisson_rates(config_only_model, tmp_path, capsys):
+    plot = tmp_path / "sweep.png"
+    args = _args(
+        "serve",
+        "--model",
+        str(config_only_model),
+        "--load-format",
+        "dummy",
+        "--device",
+        "cpu",
+        "--workload",
+        "alpaca",
+        "--requests",
+        "4",
+        "--rates",
+        "20,1000",
+        "--no-progress",
+        "--json",
+        "--warmup",
+        "0",
+        "--plot",
+        str(plot),
+    )
+    assert bench.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["rate_per_s"] for r in result["runs"]] == [20.0, 1000.0]
+    for run in result["runs"]:
+        assert run["output_tokens"] == run["expected_output_tokens"] and run["num_failed"] == 0
+    assert plot.exists() == (importlib.util.find_spec("matplotlib") is not None)
