@@ -54,6 +54,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     @maps_errors(ERROR_CODES)
     async def Step(self, request, context):
+        return await self._step(request)
+
+    @maps_errors(ERROR_CODES)
+    async def StepStream(self, request_iterator, context):
+        async for request in request_iterator:
+            yield await self._step(request)
+
+    async def _step(self, request: executor_pb2.StepPlan) -> executor_pb2.StepResult:
         start = time.perf_counter()
         plan = step_plan_from_pb(request)
         reply = step_result_to_pb(await self._call(self._worker.execute, plan))

@@ -3,6 +3,11 @@
 The engine sees domain objects only (`StepPlan` in, `StepResult` out). A plan is encoded and
 serialized once and the same bytes go to every rank concurrently; rank 0's result is returned (all
 ranks run the same sampler on the same logits; the others' results only confirm the step ran).
+
+Steps travel over one long-lived `StepStream` per rank rather than a unary call each: on loopback a
+message on an open stream costs about half a fresh unary call's round trip (measured on the 2-core
+dev machine: 0.27-0.30 ms against 0.43-0.56 ms). The engine runs one step at a time; any error or a
+missed deadline drops the rank's stream and the next step opens a new one.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from scheduler_svc.convert import describe_from_pb, step_plan_to_pb, step_result_from_pb
 from scheduler_svc.step_plan import StepPlan, StepResult
 
-STEP_METHOD = "/pagedserve.v1.Executor/Step"
+STEP_STREAM_METHOD = "/pagedserve.v1.Executor/StepStream"
 MAX_MESSAGE_BYTES = 256 << 20
 RECONNECT_OPTIONS = [
     # Reconnect soon after an executor restarts (the default backoff grows to minutes).
@@ -53,12 +58,13 @@ class ExecutorPool:
                    ("grpc.max_receive_message_length", max_message_bytes), *RECONNECT_OPTIONS]
         self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self.targets]
         self._stubs = [executor_pb2_grpc.ExecutorStub(c) for c in self._channels]
-        # Step takes pre-serialized bytes so a plan is serialized once for all ranks.
-        self._step_calls = [
-            c.unary_unary(STEP_METHOD, request_serializer=None,
-                          response_deserializer=executor_pb2.StepResult.FromString)
+        # Steps take pre-serialized bytes so a plan is serialized once for all ranks.
+        self._open_stream = [
+            c.stream_stream(STEP_STREAM_METHOD, request_serializer=None,
+                            response_deserializer=executor_pb2.StepResult.FromString)
             for c in self._channels
         ]
+        self._streams: list[grpc.aio.StreamStreamCall | None] = [None] * len(self.targets)
         self.last_plan_bytes = 0
         self._cache_request = executor_pb2.InitCacheRequest()
 
@@ -96,17 +102,46 @@ class ExecutorPool:
     async def recover(self) -> None:
         """After a failure: every rank gets the cache sizes again (a restarted rank has none) and
         drops its sequence state. Raises ExecutorError while a rank is still unreachable."""
+        self._drop_streams()
         await self._all(s.InitCache(self._cache_request, timeout=RECOVER_TIMEOUT_S) for s in self._stubs)
         await self.reset()
 
     async def step(self, plan: StepPlan) -> StepResult:
         data = step_plan_to_pb(plan).SerializeToString()
         self.last_plan_bytes = len(data)
-        replies = await self._all(call(data, timeout=self.step_timeout_s) for call in self._step_calls)
+        try:
+            replies = await asyncio.wait_for(
+                self._all(self._step_rank(rank, data) for rank in range(len(self.targets))),
+                self.step_timeout_s,
+            )
+        except BaseException as err:
+            self._drop_streams()
+            if isinstance(err, TimeoutError):
+                raise ExecutorError(
+                    ",".join(self.targets), "DEADLINE_EXCEEDED", f"no result within {self.step_timeout_s} s"
+                ) from err
+            raise
         return step_result_from_pb(replies[0])
+
+    async def _step_rank(self, rank: int, data: bytes) -> executor_pb2.StepResult:
+        call = self._streams[rank]
+        if call is None:
+            call = self._streams[rank] = self._open_stream[rank]()
+        await call.write(data)
+        reply = await call.read()
+        if reply is grpc.aio.EOF:  # the rank ended the stream: its status says why
+            raise ExecutorError(self.targets[rank], (await call.code()).name, await call.details() or "")
+        return reply
+
+    def _drop_streams(self) -> None:
+        for call in self._streams:
+            if call is not None:
+                call.cancel()
+        self._streams = [None] * len(self.targets)
 
     async def reset(self) -> None:
         await self._all(s.Reset(executor_pb2.ResetRequest()) for s in self._stubs)
 
     async def close(self) -> None:
+        self._drop_streams()
         await asyncio.gather(*(c.close() for c in self._channels))

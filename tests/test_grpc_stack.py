@@ -141,6 +141,42 @@ def test_executor_rejects_a_plan_that_skips_a_step(tiny_llama_dir):
     assert step_after_reset == 7
 
 
+def test_the_pool_steps_over_one_stream_and_reopens_it_after_an_error(tiny_llama_dir):
+    """ExecutorPool drives a rank through StepStream: a plan that skips a step ends that stream
+    with FAILED_PRECONDITION (as the unary Step would), and after a reset the next step opens a
+    new stream and runs."""
+    from scheduler_svc.executor_client import ExecutorError, ExecutorPool
+    from scheduler_svc.step_plan import StepPlan
+
+    async def scenario():
+        from executor_svc.server import start_executor_server
+        from executor_svc.worker import Worker, WorkerConfig
+
+        worker = Worker(
+            WorkerConfig(model_dir=str(tiny_llama_dir), device="cpu", num_gpu_blocks=8, num_cpu_blocks=0)
+        )
+        server, port = await start_executor_server(worker)
+        pool = ExecutorPool([f"127.0.0.1:{port}"])
+        try:
+            ids = [(await pool.step(StepPlan(step_id=i))).step_id for i in (1, 2, 3)]
+            first_stream = pool._streams[0]
+            with pytest.raises(ExecutorError) as info:
+                await pool.step(StepPlan(step_id=9))
+            dropped = pool._streams[0] is None
+            await pool.reset()
+            after = (await pool.step(StepPlan(step_id=1))).step_id
+            return ids, first_stream, dropped, info.value.code, str(info.value), pool._streams[0], after
+        finally:
+            await pool.close()
+            await server.stop(0)
+
+    ids, first_stream, dropped, code, message, new_stream, after = asyncio.run(scenario())
+    assert ids == [1, 2, 3] and first_stream is not None
+    assert code == "FAILED_PRECONDITION" and "step 9 does not follow step 3" in message
+    assert dropped and new_stream is not None and new_stream is not first_stream
+    assert after == 1
+
+
 def test_a_dead_engine_loop_fails_requests_instead_of_hanging(tiny_llama_dir):
     from clients.client import Client
 

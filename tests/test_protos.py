@@ -29,5 +29,5 @@ def test_stubs_import_and_name_the_services():
     assert set(ex.DESCRIPTOR.services_by_name) == {"Executor"}
     assert gen.FinishReason.Name(2) == "FINISH_REASON_STOP"
     assert [m.name for m in ex.DESCRIPTOR.services_by_name["Executor"].methods] == [
-        "Describe", "InitCache", "Step", "Reset"
+        "Describe", "InitCache", "Step", "StepStream", "Reset"
     ]

@@ -49,6 +49,11 @@ class ExecutorStub:
                 request_serializer=protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
                 response_deserializer=protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/pagedserve.v1.Executor/StepStream',
+                request_serializer=protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
+                response_deserializer=protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepResult.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/pagedserve.v1.Executor/Reset',
                 request_serializer=protos_dot_pagedserve_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
@@ -79,6 +84,15 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """The same, as one long-lived stream: one result per plan, in order. The scheduler drives each
+        rank through one such stream (no per-call setup on the hot path); an error ends the stream
+        with the status Step would return, and the scheduler opens a new one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Reset(self, request, context):
         """Drops every sequence's state; the next plan may start at any step id.
         """
@@ -101,6 +115,11 @@ def add_ExecutorServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepPlan.FromString,
+                    response_serializer=protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepResult.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepPlan.FromString,
                     response_serializer=protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepResult.SerializeToString,
             ),
@@ -189,6 +208,33 @@ class Executor:
             request,
             target,
             '/pagedserve.v1.Executor/Step',
+            protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
+            protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedserve.v1.Executor/StepStream',
             protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
             protos_dot_pagedserve_dot_v1_dot_executor__pb2.StepResult.FromString,
             options,
