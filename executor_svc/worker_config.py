@@ -7,20 +7,25 @@ from dataclasses import dataclass, field
 from executor_svc.kv_cache import CacheConfig
 from executor_svc.model_config import DTYPES, ModelConfig
 
+_CACHE_DEFAULTS = CacheConfig()
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
+    """One rank's settings. The cache fields are `CacheConfig`'s, flattened so a server's flags map
+    onto this one object; their defaults and their validation are CacheConfig's."""
+
     model_dir: str
     device: str | None = None  # None: cuda when available, else cpu
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: the checkpoint's; fp32 -> bf16 on CUDA)
     load_format: str = "auto"  # auto | safetensors | dummy
-    block_size: int = 16
-    num_gpu_blocks: int | None = None
-    num_cpu_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_gib: float = 0.25
-    swap_space_gib: float = 0.25
-    max_num_batched_tokens: int = 2048
+    block_size: int = _CACHE_DEFAULTS.block_size
+    num_gpu_blocks: int | None = _CACHE_DEFAULTS.num_gpu_blocks
+    num_cpu_blocks: int | None = _CACHE_DEFAULTS.num_cpu_blocks
+    gpu_memory_utilization: float = _CACHE_DEFAULTS.gpu_memory_utilization
+    cpu_kv_gib: float = _CACHE_DEFAULTS.cpu_kv_gib
+    swap_space_gib: float = _CACHE_DEFAULTS.swap_space_gib
+    max_num_batched_tokens: int = _CACHE_DEFAULTS.max_num_batched_tokens
     rank: int = 0
     world_size: int = 1
     seed: int = 0
@@ -30,6 +35,7 @@ class WorkerConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        self.cache_config  # noqa: B018 - validates the cache fields now, not at first use
 
     @property
     def cache_config(self) -> CacheConfig:

@@ -290,3 +290,13 @@ def test_dummy_weights_worker_runs_and_profile_run_works_on_cpu(tiny_model_dirs)
     assert torch.count_nonzero(worker.kv_cache.device_cache[:, :, 3:]) == 0
     assert blocks_from_profile(total_bytes=1000, utilization=0.5, peak_bytes=100, block_bytes=64) == 6
     assert blocks_from_profile(total_bytes=1000, utilization=0.1, peak_bytes=200, block_bytes=64) == 0
+
+
+def test_worker_config_validates_its_cache_fields_at_construction():
+    from executor_svc.worker_config import WorkerConfig
+
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        WorkerConfig(model_dir="unused", block_size=12)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        WorkerConfig(model_dir="unused", gpu_memory_utilization=1.5)
+    assert WorkerConfig(model_dir="unused").cache_config.block_size == 16
