@@ -279,12 +279,13 @@ class Window:
 
 
 async def bench(args: argparse.Namespace, model_dir: str, executor_target: str) -> dict[str, Any]:
-    from scheduler_svc.server import ServeOptions, build_engine, start_scheduler_server
+    from scheduler_svc.server import ServeOptions, build_engine, freeze_startup_heap, start_scheduler_server
 
     opts = ServeOptions(model=model_dir, executors=(executor_target,), port=0,
                         max_num_seqs=max(256, args.requests), metrics_port=None if args.no_metrics else 0)
     engine = await build_engine(opts)
     running = await start_scheduler_server(engine, port=0)
+    freeze_startup_heap()  # as `serve` does
     probe = Probe()
     profiler = cProfile.Profile() if args.profile else None
     window = Window(probe, profiler)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import pathlib
 import signal
@@ -34,6 +35,7 @@ from scheduler_svc.sampling_params import MAX_BEAM_WIDTH, MAX_N
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.servicer import GenerationServicer
 
+GC_GEN0_THRESHOLD = 20_000
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _log = logging.getLogger(__name__)
 
@@ -159,6 +161,17 @@ class TokenIdsOnly:
         return ""
 
 
+def freeze_startup_heap(gen0_threshold: int = GC_GEN0_THRESHOLD) -> None:
+    """Once the server is built: everything alive now (modules, gRPC, the tokenizer, metrics) lives
+    as long as the process, so it leaves the collector's generations (`gc.freeze`) and the
+    collections triggered by the per-step churn (deltas, protobuf messages, futures) no longer
+    scan it; young collections are made rarer too. Measured with clients.bench_engine."""
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(gen0_threshold, gen1, gen2)
+
+
 class SchedulerServer:
     """The running server: the gRPC server and the engine loop task."""
 
@@ -278,6 +291,7 @@ async def serve(opts: ServeOptions) -> None:
     running = await start_scheduler_server(
         engine, opts.host, opts.port, credentials, opts.auth_token, opts.max_message_bytes
     )
+    freeze_startup_heap()
     print(f"pagedserve scheduler listening on {opts.host}:{running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
