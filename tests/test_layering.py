@@ -2,8 +2,11 @@
 
 import ast
 import pathlib
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -71,3 +74,11 @@ def test_transformers_does_not_take_our_kernels_package_for_the_pypi_one():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_ruff_finds_nothing():
+    ruff = shutil.which("ruff") or str(pathlib.Path(sys.executable).with_name("ruff"))
+    if not pathlib.Path(ruff).exists():
+        pytest.skip("ruff is not installed (it comes with the dev extra)")
+    out = subprocess.run([ruff, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
