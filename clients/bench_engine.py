@@ -207,7 +207,7 @@ def instrument(engine, probe: Probe, num_requests: int, on_full_step: Callable[[
     def schedule_and_mark():
         snapshot_at[0] = time.perf_counter()
         plan = schedule()
-        if len(plan.cont_seqs) == num_requests and not plan.new_seqs:
+        if plan.num_scheduled_seqs == num_requests and not plan.new_seqs:
             on_full_step()
         return plan
 

@@ -2,8 +2,9 @@
 
     .venv/bin/python -m clients.bench_plan [--seqs 256] [--steps 300]
 
-A decode step of `--seqs` running sequences (one new token each; one in 16 also gets a new block,
-as at a block boundary) goes to a null executor in another process over real gRPC on localhost;
+A decode step of `--seqs` running sequences (one new token each, in the plan's decode columns; one
+in 16 also gets a new block, as at a block boundary, and is a ContinuingSequence) goes to a null
+executor in another process over real gRPC on localhost;
 the null executor decodes the plan into dataclasses and answers with one sampled token per
 sequence. Timings are medians per step, for short and long contexts: the plan carries only diffs,
 so its cost must not grow with context length.
@@ -33,27 +34,26 @@ class NullWorker:
         pass
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return StepResult(plan.step_id, [SampledToken(s.seq_id, 1, -0.5) for s in plan.cont_seqs])
+        return StepResult(plan.step_id, [SampledToken(i, 1, -0.5) for i in plan.scheduled_seq_ids])
 
     def reset(self) -> None:
         pass
 
 
 def build_plan(step_id: int, num_seqs: int, context_len: int, block_size: int = 16) -> StepPlan:
-    cont = []
+    """As the scheduler builds it: a sequence at a block boundary is a ContinuingSequence with its
+    new block, the others go in the decode columns."""
+    plan = StepPlan(step_id=step_id)
+    num_blocks = context_len // block_size
     for i in range(num_seqs):
-        at_boundary = (context_len + i) % block_size == 0
-        num_blocks = context_len // block_size
-        cont.append(
-            ContinuingSequence(
-                seq_id=i,
-                num_new_tokens=1,
-                new_token_ids=[(step_id * 7919 + i) % 32000],
-                block_table_start=num_blocks if at_boundary else 0,
-                block_ids=[num_blocks * num_seqs + i] if at_boundary else [],
-            )
-        )
-    return StepPlan(step_id=step_id, cont_seqs=cont)
+        token_id = (step_id * 7919 + i) % 32000
+        if (context_len + i) % block_size == 0:
+            new_block = num_blocks * num_seqs + i
+            plan.cont_seqs.append(ContinuingSequence(i, 1, [token_id], num_blocks, [new_block]))
+        else:
+            plan.decode_seq_ids.append(i)
+            plan.decode_token_ids.append(token_id)
+    return plan
 
 
 def _median_us(samples: list[float]) -> float:

@@ -19,7 +19,7 @@ from scheduler_svc.step_plan import SampledToken, StepResult
 
 
 def _result_for(plan, token_id: int) -> StepResult:
-    ids = [s.seq_id for s in plan.new_seqs] + [s.seq_id for s in plan.cont_seqs]
+    ids = plan.scheduled_seq_ids
     return StepResult(plan.step_id, [SampledToken(sid, token_id, -1.0) for sid in ids])
 
 
@@ -49,7 +49,7 @@ def bench(num_seqs: int, context_len: int, num_steps: int, block_size: int = 16)
         result.step_id = plan.step_id
         sched.process_result(result)
         times.append(time.perf_counter() - t0)
-        assert len(plan.cont_seqs) == num_seqs, "every sequence must decode every step"
+        assert plan.num_scheduled_seqs == num_seqs and not plan.new_seqs, "every sequence must decode"
     sched.kv.check_integrity()
     return times
 

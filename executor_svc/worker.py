@@ -205,6 +205,13 @@ class Worker:
             if cont.block_ids:  # no block ids: the table is unchanged (whatever block_table_start says)
                 state.set_blocks(cont.block_table_start, cont.block_ids)
             scheduled.append(ScheduledSequence(cont.seq_id, state, cont.num_new_tokens))
+        seqs = self.seqs
+        for seq_id, token_id in zip(plan.decode_seq_ids, plan.decode_token_ids, strict=True):
+            state = seqs.get(seq_id)
+            if state is None:
+                raise PlanError(f"decoding sequence {seq_id} is unknown to this executor")
+            state.token_ids.append(token_id)
+            scheduled.append(ScheduledSequence(seq_id, state, 1))
         return scheduled
 
     def _state(self, seq_id: int, what: str) -> SequenceState:

@@ -144,6 +144,8 @@ def step_plan_to_pb(plan: StepPlan) -> executor_pb2.StepPlan:
         swap_out=executor_pb2.BlockPairs(pairs=_flatten_pairs(plan.swap_out)),
         swap_in=executor_pb2.BlockPairs(pairs=_flatten_pairs(plan.swap_in)),
         copies=executor_pb2.BlockPairs(pairs=_flatten_pairs(plan.copies)),
+        decode_seq_ids=plan.decode_seq_ids,
+        decode_token_ids=plan.decode_token_ids,
     )
 
 
@@ -187,6 +189,8 @@ def step_plan_from_pb(msg: executor_pb2.StepPlan) -> StepPlan:
         swap_out=_pairs(msg.swap_out.pairs),
         swap_in=_pairs(msg.swap_in.pairs),
         copies=_pairs(msg.copies.pairs),
+        decode_seq_ids=list(msg.decode_seq_ids),
+        decode_token_ids=list(msg.decode_token_ids),
     )
 
 

@@ -43,7 +43,7 @@ def record_step(metrics: SchedulerMetrics, engine: Engine, plan: StepPlan, step_
     m.inc("cow_copies", len(plan.copies))
     m.inc("prompt_tokens", prompt_tokens_of(plan))
     m.observe("step_time_seconds", step_time_s)
-    m.observe("batch_size", len(plan.new_seqs) + len(plan.cont_seqs))
+    m.observe("batch_size", plan.num_scheduled_seqs)
     m.observe("step_plan_bytes", getattr(engine.executors, "last_plan_bytes", 0))
 
 

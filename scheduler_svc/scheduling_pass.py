@@ -87,6 +87,7 @@ class SchedulingPass:
     def _commit_decodes(self, groups: list[SequenceGroup], copies: dict[int, list]) -> None:
         plan, block_table = self.plan, self.kv.block_table
         cont_append, scheduled_append = plan.cont_seqs.append, self.scheduled.append
+        decode_ids_append, decode_tokens_append = plan.decode_seq_ids.append, plan.decode_token_ids.append
         scheduled_groups = self.scheduled_groups
         block_size = self.kv.block_size
         for i, group in enumerate(groups):
@@ -98,6 +99,9 @@ class SchedulingPass:
             token_ids = seq.token_ids
             if seq.executor_num_tokens < 0:
                 self._append_new(seq, 1, table, group)
+            elif seq.executor_num_tokens == len(token_ids) - 1 and seq.executor_num_blocks == len(table):
+                decode_ids_append(seq.seq_id)
+                decode_tokens_append(token_ids[-1])
             else:
                 start = seq.executor_num_blocks
                 cont_append(
@@ -273,6 +277,10 @@ class SchedulingPass:
             token_ids = seq.token_ids
             if seq.executor_num_tokens < 0:
                 self._append_new(seq, num_new, table, group)
+            elif (num_new == 1 and seq.executor_num_tokens == len(token_ids) - 1 == seq.num_computed_tokens
+                  and seq.executor_num_blocks == len(table)):
+                plan.decode_seq_ids.append(seq.seq_id)
+                plan.decode_token_ids.append(token_ids[-1])
             else:
                 start = seq.executor_num_blocks
                 plan.cont_seqs.append(

@@ -110,6 +110,10 @@ class SimExecutor:
                 raise ValueError(f"seq {cont.seq_id}: block_table_start past the end of its table")
             state.block_table[cont.block_table_start :] = cont.block_ids
             scheduled.append((cont.seq_id, state, cont.num_new_tokens))
+        for seq_id, token_id in zip(plan.decode_seq_ids, plan.decode_token_ids, strict=True):
+            state = states[seq_id]
+            state.token_ids.append(token_id)
+            scheduled.append((seq_id, state, 1))
         if len({seq_id for seq_id, _, _ in scheduled}) != len(scheduled):
             raise ValueError("a sequence is scheduled twice in one plan")
         result = StepResult(plan.step_id)

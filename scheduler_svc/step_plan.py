@@ -11,12 +11,18 @@ Order in which an executor applies a plan:
     2. `forks`: child state := a copy of the parent's state (token ids, block table, computed count).
     3. block operations: `swap_out` (GPU→CPU), then `swap_in` (CPU→GPU), then `copies` (GPU→GPU,
        copy-on-write), each a list of (src_block, dst_block).
-    4. `new_seqs` and `cont_seqs`: update state, then run the model over exactly
-       `num_new_tokens` tokens per scheduled sequence, starting at its `num_computed_tokens`.
+    4. `new_seqs`, `cont_seqs` and the decode columns: update state, then run the model over
+       exactly `num_new_tokens` tokens per scheduled sequence, starting at its
+       `num_computed_tokens` (one token for each sequence of the decode columns).
     5. sample one token for every scheduled sequence whose computed tokens reach the end of its
        known token ids (its prefill is complete or it is decoding).
 
-A sequence scheduled in a step appears in exactly one of `new_seqs` / `cont_seqs`. A sequence not
+A sequence scheduled in a step appears in exactly one of `new_seqs` / `cont_seqs` /
+`decode_seq_ids`. The decode columns carry the common case without an object per sequence: a
+continuing sequence that appended exactly one token since the executor last saw it (the one sampled
+in its previous step), computes exactly that token, and keeps its block table unchanged. Every
+other continuing sequence (a new block, copy-on-write, swap-in, a prefill chunk) is a
+`ContinuingSequence`. A sequence not
 scheduled in a step (e.g. swapped out) keeps its executor state untouched. A group is swapped in only
 in a step that schedules it; its sequences then come as `ContinuingSequence`s with
 `block_table_start=0` and their whole new GPU block table.
@@ -70,16 +76,31 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src_gpu_block, dst_gpu_block)
+    # Decoding sequences, column by column: decode_seq_ids[i] appends decode_token_ids[i] and
+    # computes it (one token, block table unchanged).
+    decode_seq_ids: list[int] = field(default_factory=list)
+    decode_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.new_seqs) + sum(s.num_new_tokens for s in self.cont_seqs)
+        return (sum(s.num_new_tokens for s in self.new_seqs) + sum(s.num_new_tokens for s in self.cont_seqs)
+                + len(self.decode_seq_ids))
+
+    @property
+    def num_scheduled_seqs(self) -> int:
+        return len(self.new_seqs) + len(self.cont_seqs) + len(self.decode_seq_ids)
+
+    @property
+    def scheduled_seq_ids(self) -> list[int]:
+        """Every scheduled sequence: new, continuing, decode columns (in that order)."""
+        return [s.seq_id for s in self.new_seqs] + [s.seq_id for s in self.cont_seqs] + self.decode_seq_ids
 
     @property
     def is_empty(self) -> bool:
         return not (
             self.new_seqs
             or self.cont_seqs
+            or self.decode_seq_ids
             or self.forks
             or self.finished_seq_ids
             or self.swap_out

@@ -38,6 +38,8 @@ def test_step_plan_round_trip():
         swap_out=[(1, 2)],
         swap_in=[(3, 4), (5, 6)],
         copies=[(7, 8)],
+        decode_seq_ids=[30, 31, 2**40],
+        decode_token_ids=[0, 31999, 17],
     )
     back = step_plan_from_pb(_wire(step_plan_to_pb(plan), executor_pb2.StepPlan))
     assert back == plan

@@ -107,9 +107,9 @@ def test_reset_for_recovery_requeues_every_group_by_recompute_in_arrival_order()
     while not sched.swapped:  # decode until the cache is short and the latest arrival is swapped out
         plan = sched.schedule()
         token += 1
-        answer(sched, plan, {s.seq_id: token for s in [*plan.new_seqs, *plan.cont_seqs]})
+        answer(sched, plan, dict.fromkeys(plan.scheduled_seq_ids, token))
     in_flight = sched.schedule()  # a step whose result never comes (the executor died)
-    assert in_flight.cont_seqs
+    assert in_flight.cont_seqs or in_flight.decode_seq_ids
     outputs = {g.request_id: list(g.seqs[0].token_ids) for g in (a, b, c)}
     sched.reset_for_recovery()
     assert [g.request_id for g in sched.waiting] == ["a", "b", "c"]
@@ -122,7 +122,7 @@ def test_reset_for_recovery_requeues_every_group_by_recompute_in_arrival_order()
         assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
         assert seq.token_ids == outputs[g.request_id]  # prompt + every token generated so far
     plan = sched.schedule()  # the reset executor sees new sequences only, nothing to drop
-    assert not plan.finished_seq_ids and not plan.cont_seqs and not plan.forks
+    assert not plan.finished_seq_ids and not plan.cont_seqs and not plan.decode_seq_ids and not plan.forks
     assert plan.new_seqs[0].token_ids == outputs["a"] and plan.new_seqs[0].prompt_len == 5
     assert sched.num_preemptions >= 1
 

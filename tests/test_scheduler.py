@@ -42,13 +42,18 @@ def test_plan_is_full_once_then_diffs_and_finishes_on_max_tokens():
     expected = [([50], 2, []), ([51], 2, []), ([52], 2, [2])]  # position 8 opens block 2
     for i, (new_tokens, start, blocks) in enumerate(expected):
         plan = sched.schedule()
-        (cont,) = plan.cont_seqs
-        assert (cont.new_token_ids, cont.num_new_tokens, cont.block_table_start, cont.block_ids) == (
-            new_tokens,
-            1,
-            start,
-            blocks,
-        )
+        if not blocks:  # one new token, block table unchanged: the decode columns
+            assert plan.cont_seqs == []
+            assert (plan.decode_seq_ids, plan.decode_token_ids) == ([sid], new_tokens)
+        else:
+            (cont,) = plan.cont_seqs
+            assert plan.decode_seq_ids == []
+            assert (cont.new_token_ids, cont.num_new_tokens, cont.block_table_start, cont.block_ids) == (
+                new_tokens,
+                1,
+                start,
+                blocks,
+            )
         outs = answer(sched, plan, {sid: 51 + i})
     assert outs[0].finished and outs[0].samples[0].finish_reason is FinishReason.LENGTH
     assert group.finished_seqs[0].output_token_ids == [50, 51, 52, 53]
@@ -136,7 +141,7 @@ def test_swap_preemption_round_trip_block_ids():
     assert sched.swapped == [b] and b.seqs[0].status is SequenceStatus.SWAPPED
     sched.process_result(ex.step(plan))
     plan = sched.schedule()  # A alone; B cannot come back yet (2 blocks + 1 new > 1 free)
-    assert plan.swap_in == [] and [s.seq_id for s in plan.cont_seqs] == [a.seqs[0].seq_id]
+    assert plan.swap_in == [] and plan.scheduled_seq_ids == [a.seqs[0].seq_id]
     sched.process_result(ex.step(plan))
     assert a.is_finished
     plan = sched.schedule()
@@ -156,7 +161,8 @@ def test_chunked_prefill_token_counts_per_step():
     plans = []
     for _ in range(6):
         plan = sched.schedule()
-        plans.append([(s.seq_id, s.num_new_tokens) for s in (*plan.new_seqs, *plan.cont_seqs)])
+        decodes = [(seq_id, 1) for seq_id in plan.decode_seq_ids]
+        plans.append([(s.seq_id, s.num_new_tokens) for s in (*plan.new_seqs, *plan.cont_seqs)] + decodes)
         sched.process_result(ex.step(plan))
     a, b = 1, 2  # seq ids in arrival order
     assert plans == [[(a, 8)], [(a, 8)], [(b, 4), (a, 4)], [(a, 1), (b, 1)], [(a, 1), (b, 1)], [(b, 1)]]

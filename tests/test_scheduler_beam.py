@@ -34,8 +34,8 @@ def test_beam_search_forks_chosen_parents_and_frees_dropped_beams():
     assert plan.copies == [(0, 1)]  # both write position 3 into the shared block 0
     assert [(c.seq_id, c.new_token_ids, c.block_table_start, c.block_ids) for c in plan.cont_seqs] == [
         (s0.seq_id, [10], 0, [1]),
-        (s1.seq_id, [11], 1, []),
     ]
+    assert (plan.decode_seq_ids, plan.decode_token_ids) == ([s1.seq_id], [11])  # the fork's table is right
     # Both survivors extend s0 (cum -0.2 and -0.3); s1 (cum -3.2 at best) is dropped.
     result = _beam_result(
         plan,
@@ -136,7 +136,7 @@ def _compare_with_transformers(torch, transformers, beam_width, length_penalty, 
     outputs = []
     while sched.has_unfinished():
         plan = sched.schedule()
-        seqs = [sched._seqs[e.seq_id][0] for e in (*plan.new_seqs, *plan.cont_seqs)]
+        seqs = [sched._seqs[seq_id][0] for seq_id in plan.scheduled_seq_ids]
         samples = []
         if seqs:  # live beams have equal lengths: one batched forward
             with torch.no_grad():

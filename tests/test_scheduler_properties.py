@@ -74,7 +74,7 @@ def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed):
         plan = sched.schedule()
         sched.kv.check_integrity()
         assert plan.num_scheduled_tokens <= cfg.max_num_batched_tokens
-        assert len(plan.new_seqs) + len(plan.cont_seqs) <= cfg.max_num_seqs
+        assert plan.num_scheduled_seqs <= cfg.max_num_seqs
         for out in sched.process_result(ex.step(plan)):
             if out.finished:
                 finished.add(out.request_id)

@@ -227,6 +227,26 @@ def test_step_id_must_follow_and_reset_drops_state(tiny_llama_dir):
         worker.execute(StepPlan(0, cont_seqs=[ContinuingSequence(1, 1, [5])]))
 
 
+def test_decode_columns_equal_continuing_sequences(tiny_llama_dir):
+    """A decode step sent in the plan's decode columns computes what the same step sent as
+    ContinuingSequences computes (token, logprob, state); an unknown id there is refused."""
+    expected = run_alone(tiny_llama_dir, PROMPT, 6)
+    worker, free = make_worker(tiny_llama_dir), list(range(10, 32))
+    seq = Seq(1, PROMPT, [3, 5])
+    seq.take(worker.execute(StepPlan(0, new_seqs=[seq.new()])))
+    for step in range(1, 6):
+        cont = seq.cont(free)
+        if cont.block_ids:
+            plan = StepPlan(step, cont_seqs=[cont])
+        else:
+            plan = StepPlan(step, decode_seq_ids=[1], decode_token_ids=cont.new_token_ids)
+        seq.take(worker.execute(plan))
+    assert_same_outputs(seq.out, expected)
+    assert worker.seqs[1].token_ids == seq.tokens[:-1] and worker.seqs[1].num_computed_tokens == 11
+    with pytest.raises(PlanError, match="decoding sequence 9 is unknown"):
+        worker.execute(StepPlan(6, decode_seq_ids=[9], decode_token_ids=[5]))
+
+
 def test_inconsistent_plans_are_refused(tiny_llama_dir):
     worker = make_worker(tiny_llama_dir)
     with pytest.raises(PlanError, match="cannot hold"):

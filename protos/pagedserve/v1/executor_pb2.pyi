@@ -106,7 +106,7 @@ class BlockPairs(_message.Message):
     def __init__(self, pairs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "cont_seqs", "forks", "finished_seq_ids", "swap_out", "swap_in", "copies")
+    __slots__ = ("step_id", "new_seqs", "cont_seqs", "forks", "finished_seq_ids", "swap_out", "swap_in", "copies", "decode_seq_ids", "decode_token_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     CONT_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,8 @@ class StepPlan(_message.Message):
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     cont_seqs: ContinuingSequences
@@ -123,7 +125,9 @@ class StepPlan(_message.Message):
     swap_out: BlockPairs
     swap_in: BlockPairs
     copies: BlockPairs
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cont_seqs: _Optional[_Union[ContinuingSequences, _Mapping]] = ..., forks: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., swap_out: _Optional[_Union[BlockPairs, _Mapping]] = ..., swap_in: _Optional[_Union[BlockPairs, _Mapping]] = ..., copies: _Optional[_Union[BlockPairs, _Mapping]] = ...) -> None: ...
+    decode_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    decode_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cont_seqs: _Optional[_Union[ContinuingSequences, _Mapping]] = ..., forks: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., swap_out: _Optional[_Union[BlockPairs, _Mapping]] = ..., swap_in: _Optional[_Union[BlockPairs, _Mapping]] = ..., copies: _Optional[_Union[BlockPairs, _Mapping]] = ..., decode_seq_ids: _Optional[_Iterable[int]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "num_beam_candidates", "beam_token_ids", "beam_logprobs", "execute_time_s")
