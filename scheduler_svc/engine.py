@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from scheduler_svc.engine_api import (
     EngineStats,
@@ -39,7 +39,7 @@ _log = logging.getLogger(__name__)
 
 
 class RequestStream:
-    """What `Engine.add_request` returns: iterate `deltas()`; the last one has `finished`."""
+    """What `Engine.add_request` returns: await `next_delta()` until one has `finished`."""
 
     def __init__(self, engine: Engine, request: RequestState):
         self._engine = engine
@@ -47,14 +47,13 @@ class RequestStream:
         self.request_id = request.request_id
         self.prompt_len = len(request.prompt_ids)
 
-    async def deltas(self) -> AsyncIterator[RequestDelta]:
-        while True:
-            delta = await self._request.queue.get()
-            if delta.error is not None:
-                raise (ServiceUnavailableError if delta.unavailable else RequestFailedError)(delta.error)
-            yield delta
-            if delta.finished:
-                return
+    async def next_delta(self) -> RequestDelta:
+        """The next delta (a coroutine, not an async generator: one hop less per streamed message);
+        raises RequestFailedError / ServiceUnavailableError when the server dropped the request."""
+        delta = await self._request.queue.get()
+        if delta.error is not None:
+            raise (ServiceUnavailableError if delta.unavailable else RequestFailedError)(delta.error)
+        return delta
 
     def abort(self) -> bool:
         return self._engine.abort(self.request_id)

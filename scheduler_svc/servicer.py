@@ -29,31 +29,30 @@ FINISH_REASONS = {
 }
 
 
-def output_delta_to_pb(out: OutputDelta) -> generation_pb2.OutputDelta:
-    msg = generation_pb2.OutputDelta(
-        index=out.index,
-        token_ids=out.token_ids,
-        text=out.text,
-        finish_reason=FINISH_REASONS[out.finish_reason],
-        completion_tokens=out.num_output_tokens,
-        cumulative_logprob=out.cumulative_logprob,
-    )
+def output_delta_to_pb(out: OutputDelta, msg: generation_pb2.OutputDelta) -> None:
+    """Fills `msg` (an element added to its response in place: no copy of a built submessage)."""
+    msg.index = out.index
+    msg.token_ids.extend(out.token_ids)
+    msg.text = out.text
+    msg.finish_reason = FINISH_REASONS[out.finish_reason]
+    msg.completion_tokens = out.num_output_tokens
+    msg.cumulative_logprob = out.cumulative_logprob
     if out.logprobs is not None:
         top = out.top_logprobs or [[] for _ in out.logprobs]
         msg.logprobs.token_logprobs.extend(out.logprobs)
         msg.logprobs.num_top.extend(len(t) for t in top)
         msg.logprobs.top_token_ids.extend(token for t in top for token, _ in t)
         msg.logprobs.top_logprobs.extend(lp for t in top for _, lp in t)
-    return msg
 
 
 def request_delta_to_pb(delta: RequestDelta) -> generation_pb2.GenerateResponse:
-    return generation_pb2.GenerateResponse(
-        request_id=delta.request_id,
-        outputs=[output_delta_to_pb(o) for o in delta.outputs],
-        prompt_tokens=delta.prompt_len,
-        finished=delta.finished,
+    msg = generation_pb2.GenerateResponse(
+        request_id=delta.request_id, prompt_tokens=delta.prompt_len, finished=delta.finished
     )
+    add = msg.outputs.add
+    for out in delta.outputs:
+        output_delta_to_pb(out, add())
+    return msg
 
 
 def prompt_from_pb(request: generation_pb2.GenerateRequest) -> str | list[int]:
@@ -79,7 +78,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         stream = self._engine.add_request(prompt_from_pb(request), params, request.request_id)
         finished = False
         try:
-            async for delta in stream.deltas():
+            while not finished:
+                delta = await stream.next_delta()
                 finished = delta.finished
                 yield request_delta_to_pb(delta)
         finally:
