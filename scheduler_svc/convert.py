@@ -196,30 +196,48 @@ def step_plan_from_pb(msg: executor_pb2.StepPlan) -> StepPlan:
 
 def step_result_to_pb(result: StepResult) -> executor_pb2.StepResult:
     samples = result.samples
-    tops = list(map(_top_logprobs, samples))
-    beams = list(map(_beam_candidates, samples))
-    top_flat = list(chain.from_iterable(tops))
-    beam_flat = list(chain.from_iterable(beams))
-    return executor_pb2.StepResult(
+    msg = executor_pb2.StepResult(
         step_id=result.step_id,
         seq_ids=list(map(_seq_id, samples)),
         token_ids=list(map(_token_id, samples)),
         logprobs=list(map(_logprob, samples)),
-        num_top=list(map(len, tops)),
-        top_token_ids=[t for t, _ in top_flat],
-        top_logprobs=[lp for _, lp in top_flat],
-        num_beam_candidates=list(map(len, beams)),
-        beam_token_ids=[t for t, _ in beam_flat],
-        beam_logprobs=[lp for _, lp in beam_flat],
         execute_time_s=result.execute_time_s,
     )
+    # Plain decodes carry neither top logprobs nor beam candidates: their per-sample count arrays are
+    # then left empty (read back as all zero), not sent as one zero per sample.
+    tops = list(map(_top_logprobs, samples))
+    if any(tops):
+        msg.num_top.extend(map(len, tops))
+        flat = list(chain.from_iterable(tops))
+        msg.top_token_ids.extend(t for t, _ in flat)
+        msg.top_logprobs.extend(lp for _, lp in flat)
+    beams = list(map(_beam_candidates, samples))
+    if any(beams):
+        msg.num_beam_candidates.extend(map(len, beams))
+        flat = list(chain.from_iterable(beams))
+        msg.beam_token_ids.extend(t for t, _ in flat)
+        msg.beam_logprobs.extend(lp for _, lp in flat)
+    return msg
 
 
 def step_result_from_pb(msg: executor_pb2.StepResult) -> StepResult:
-    top = _split(list(zip(msg.top_token_ids, msg.top_logprobs, strict=True)), msg.num_top)
-    beams = _split(list(zip(msg.beam_token_ids, msg.beam_logprobs, strict=True)), msg.num_beam_candidates)
-    samples = list(map(SampledToken, msg.seq_ids, msg.token_ids, msg.logprobs, top, beams))
-    return StepResult(step_id=msg.step_id, samples=samples, execute_time_s=msg.execute_time_s)
+    columns = [msg.seq_ids, msg.token_ids, msg.logprobs]
+    if msg.num_top or msg.num_beam_candidates:
+        num_samples = len(msg.seq_ids)
+        columns.append(_pairs_per_sample(msg.num_top, msg.top_token_ids, msg.top_logprobs, num_samples))
+        columns.append(
+            _pairs_per_sample(msg.num_beam_candidates, msg.beam_token_ids, msg.beam_logprobs, num_samples)
+        )
+    return StepResult(step_id=msg.step_id, samples=list(map(SampledToken, *columns)),
+                      execute_time_s=msg.execute_time_s)
+
+
+def _pairs_per_sample(counts, token_ids, logprobs, num_samples: int) -> list[list[tuple[int, float]]]:
+    """Per-sample (token, logprob) lists; an empty `counts` means none for every sample."""
+    if not counts:
+        return [[] for _ in range(num_samples)]
+    return _split(list(zip(token_ids, logprobs, strict=True)), counts)
+
 
 ErrorCodes = dict[type[BaseException], grpc.StatusCode]
 _log = logging.getLogger(__name__)

@@ -67,6 +67,16 @@ def test_step_result_round_trip_keeps_float32_logprobs_exactly():
     assert step_result_from_pb(_wire(step_result_to_pb(result), executor_pb2.StepResult)) == result
 
 
+def test_a_result_of_plain_samples_sends_no_per_sample_counts():
+    result = StepResult(step_id=4, samples=[SampledToken(i, 100 + i, -0.5) for i in range(5)])
+    msg = step_result_to_pb(result)
+    assert list(msg.num_top) == [] and list(msg.num_beam_candidates) == []
+    decoded = step_result_from_pb(_wire(msg, executor_pb2.StepResult))
+    assert decoded == result
+    assert all(s.top_logprobs == [] and s.beam_candidates == [] for s in decoded.samples)
+    assert decoded.samples[0].top_logprobs is not decoded.samples[1].top_logprobs
+
+
 def test_unset_sampling_fields_take_the_defaults():
     params = sampling_params_from_pb(generation_pb2.SamplingParameters())
     assert params == SamplingParams()
