@@ -8,15 +8,22 @@ executor in another process over real gRPC on localhost;
 the null executor decodes the plan into dataclasses and answers with one sampled token per
 sequence. Timings are medians per step, for short and long contexts: the plan carries only diffs,
 so its cost must not grow with context length.
+
+Two figures per step: `plan` = building, encoding, sending and decoding the plan (from the start of
+the build to the moment the executor's worker is handed the decoded plan, read on the clock both
+processes share, CLOCK_MONOTONIC; it includes the executor's hop to its worker thread), and `step` =
+the engine's whole `pool.step` round trip (the plan out and the result back).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from scheduler_svc.convert import step_plan_from_pb, step_plan_to_pb, step_result_from_pb, step_result_to_pb
@@ -25,7 +32,11 @@ from scheduler_svc.step_plan import ContinuingSequence, SampledToken, StepPlan, 
 
 
 class NullWorker:
-    """Answers every plan with token 1 for each continuing sequence; no model."""
+    """Answers every plan with token 1 for each decoding sequence; no model. Writes "step_id time"
+    to `arrivals_path` when each plan reaches it (time.perf_counter(), taken before the write)."""
+
+    def __init__(self, arrivals_path: str) -> None:
+        self._arrivals = open(arrivals_path, "a", buffering=1)  # noqa: SIM115 - lives with the process
 
     def describe(self) -> dict:
         return {"model_name": "null"}
@@ -34,6 +45,8 @@ class NullWorker:
         pass
 
     def execute(self, plan: StepPlan) -> StepResult:
+        arrived = time.perf_counter()
+        self._arrivals.write(f"{plan.step_id} {arrived!r}\n")
         return StepResult(plan.step_id, [SampledToken(i, 1, -0.5) for i in plan.scheduled_seq_ids])
 
     def reset(self) -> None:
@@ -60,15 +73,23 @@ def _median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-async def measure(pool, num_seqs: int, context_len: int, steps: int, first_step: int) -> dict[str, float]:
+def _read_arrivals(path: str) -> dict[int, float]:
+    with open(path) as f:
+        return {int(step): float(t) for step, t in (line.split() for line in f if line.strip())}
+
+
+async def measure(
+    pool, num_seqs: int, context_len: int, steps: int, first_step: int, arrivals_path: str
+) -> dict[str, float]:
     """Per step: build the plan; `pool.step` as the engine calls it (encode, serialize once, send,
     executor decodes + answers, receive, decode the result); and, timed apart, the CPU cost of each
     conversion on its own."""
     keys = ("build", "step", "encode", "decode_plan", "encode_result", "decode_result")
     times: dict[str, list[float]] = {k: [] for k in keys}
     sizes = []
+    starts: dict[int, float] = {}
     for step_id in range(first_step, first_step + steps):
-        t0 = time.perf_counter()
+        t0 = starts[step_id] = time.perf_counter()
         plan = build_plan(step_id, num_seqs, context_len)
         t1 = time.perf_counter()
         result = await pool.step(plan)
@@ -87,38 +108,42 @@ async def measure(pool, num_seqs: int, context_len: int, steps: int, first_step:
     report = {k: _median_us(v) for k, v in times.items()}
     report["total"] = report["build"] + report["step"]
     report["plan_bytes"] = statistics.median(sizes)
+    arrivals = _read_arrivals(arrivals_path)
+    report["plan"] = _median_us([arrivals[i] - t for i, t in starts.items()])
     return report
 
 
-def serve_null(port_file: str) -> None:
+def serve_null(arrivals_path: str) -> None:
     import asyncio
 
     from executor_svc.server import start_executor_server
 
     async def run() -> None:
-        server, port = await start_executor_server(NullWorker())
+        server, port = await start_executor_server(NullWorker(arrivals_path))
         print(port, flush=True)
         await server.wait_for_termination()
 
     asyncio.run(run())
 
 
-async def _report(target: str, args: argparse.Namespace) -> None:
+async def _report(target: str, args: argparse.Namespace, arrivals_path: str) -> None:
     pool = ExecutorPool([target])
     await pool.wait_ready(30)
     await pool.reset()
     print(f"step plan of {args.seqs} decoding sequences, median over {args.steps} steps (µs)")
+    print("  plan = build + encode + send + executor decode (until its worker has the plan)")
     print("  build + step = total per step; step = encode + send + executor decode/encode + receive + decode")
-    header = ("context", "build", "step", "total", "encode", "dec.plan", "enc.res", "dec.res", "bytes")
+    header = ("context", "plan", "build", "step", "total", "encode", "dec.plan", "enc.res", "dec.res",
+              "bytes")
     print(" ".join(f"{h:>8}" for h in header))
     step_id = 1
     for context_len in args.contexts:
-        await measure(pool, args.seqs, context_len, 20, step_id)  # warm up
+        await measure(pool, args.seqs, context_len, 20, step_id, arrivals_path)  # warm up
         step_id += 20
-        r = await measure(pool, args.seqs, context_len, args.steps, step_id)
+        r = await measure(pool, args.seqs, context_len, args.steps, step_id, arrivals_path)
         step_id += args.steps
-        row = (r["build"], r["step"], r["total"], r["encode"], r["decode_plan"], r["encode_result"],
-               r["decode_result"], r["plan_bytes"])
+        row = (r["plan"], r["build"], r["step"], r["total"], r["encode"], r["decode_plan"],
+               r["encode_result"], r["decode_result"], r["plan_bytes"])
         print(f"{context_len:>8} " + " ".join(f"{v:>8.0f}" for v in row))
     await pool.close()
 
@@ -128,20 +153,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 4096])
-    parser.add_argument("--serve-null", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-null", metavar="ARRIVALS_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_null:
-        serve_null("")
+        serve_null(args.serve_null)
         return 0
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clients.bench_plan", "--serve-null"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        port = int(proc.stdout.readline())
-        asyncio.run(_report(f"127.0.0.1:{port}", args))
-    finally:
-        proc.terminate()
-        proc.wait()
+    with tempfile.TemporaryDirectory() as tmp:
+        arrivals_path = os.path.join(tmp, "arrivals")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clients.bench_plan", "--serve-null", arrivals_path],
+            stdout=subprocess.PIPE, text=True,
+        )
+        try:
+            port = int(proc.stdout.readline())
+            asyncio.run(_report(f"127.0.0.1:{port}", args, arrivals_path))
+        finally:
+            proc.terminate()
+            proc.wait()
     return 0
 
 
