@@ -43,11 +43,11 @@ class SeqOps(Protocol):
     def fork_seq(self, group: SequenceGroup, parent: Sequence) -> Sequence: ...
 
 
-def stop_token_ids_of(group: SequenceGroup, eos_token_id: int | None) -> frozenset[int]:
+def stop_token_ids_of(group: SequenceGroup, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
     params = group.sampling_params
     ids = set(params.stop_token_ids)
-    if eos_token_id is not None and not params.ignore_eos:
-        ids.add(eos_token_id)
+    if not params.ignore_eos:
+        ids.update(eos_token_ids)
     return frozenset(ids)
 
 

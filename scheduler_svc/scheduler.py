@@ -116,7 +116,7 @@ class Scheduler:
             )
         group.arrival_index = self._next_arrival_index
         self._next_arrival_index += 1
-        group.stop_token_ids = stop_token_ids_of(group, self.config.eos_token_id)
+        group.stop_token_ids = stop_token_ids_of(group, self.config.eos_token_ids)
         if params.use_beam_search:
             group.beam = BeamState(params.beam_width, params.length_penalty)
         self._groups[group.request_id] = group

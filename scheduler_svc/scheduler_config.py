@@ -34,7 +34,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends a sequence (Llama 3 has several)
     watermark_blocks: int = 0  # free blocks admission keeps in reserve (fewer preemptions)
 
     def __post_init__(self) -> None:
@@ -60,5 +60,5 @@ class SchedulerConfig:
             )
         if not 0 <= self.watermark_blocks < self.num_gpu_blocks:
             raise ValueError(f"watermark_blocks must be in [0, num_gpu_blocks), got {self.watermark_blocks}")
-        if self.eos_token_id is not None and self.eos_token_id < 0:
-            raise ValueError(f"eos_token_id must be >= 0, got {self.eos_token_id}")
+        if any(t < 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be >= 0, got {self.eos_token_ids}")

@@ -101,7 +101,7 @@ async def build_engine(opts: ServeOptions) -> Engine:
         max_model_len=max_model_len,
         preemption_mode=opts.preemption,
         enable_prefix_caching=opts.enable_prefix_caching,
-        eos_token_id=eos[0] if eos else None,
+        eos_token_ids=tuple(eos),
     )
     limits = ModelLimits(
         model_name=first["model_name"] or pathlib.Path(opts.model).name,

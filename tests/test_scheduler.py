@@ -61,9 +61,19 @@ def test_plan_is_full_once_then_diffs_and_finishes_on_max_tokens():
     assert sched.schedule().finished_seq_ids == [sid]
 
 
+def test_every_eos_id_of_the_model_ends_a_sequence():
+    sched = make(block_size=4, num_gpu_blocks=16, eos_token_ids=(2, 7, 9))
+    groups = [add(sched, rid, [5, 6], 0.0, max_tokens=5) for rid in ("a", "b", "c", "d")]
+    plan = sched.schedule()
+    outs = answer(sched, plan, {g.seqs[0].seq_id: tok for g, tok in zip(groups, (2, 7, 9, 8), strict=True)})
+    finished = {o.request_id: o.samples[0].finish_reason for o in outs if o.finished}
+    assert finished == {"a": FinishReason.STOP, "b": FinishReason.STOP, "c": FinishReason.STOP}
+    assert sched.get_group("d") is not None
+
+
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_eos_and_stop_token_ids(ignore_eos):
-    sched = make(block_size=4, num_gpu_blocks=8, eos_token_id=2)
+    sched = make(block_size=4, num_gpu_blocks=8, eos_token_ids=(2,))
     a = add(sched, "a", [5, 6], 0.0, max_tokens=5, ignore_eos=ignore_eos)
     b = add(sched, "b", [5, 7], 0.0, max_tokens=5, stop_token_ids=(9,))
     plan = sched.schedule()

@@ -19,7 +19,7 @@ def _beam_result(plan, candidates_by_seq):
 
 
 def test_beam_search_forks_chosen_parents_and_frees_dropped_beams():
-    sched = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=16, max_model_len=64, eos_token_id=2))
+    sched = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=16, max_model_len=64, eos_token_ids=(2,)))
     group = sched.new_group("b", [5, 6, 7], SamplingParams(beam_width=2, max_tokens=4), 0.0)
     sched.add_request(group)
     s0 = group.seqs[0]
@@ -130,7 +130,8 @@ def _compare_with_transformers(torch, transformers, beam_width, length_penalty, 
         )
     hf_output = hf[0, len(prompt) :].tolist()
 
-    sched = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=64, max_model_len=64, eos_token_id=eos))
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_model_len=64, eos_token_ids=(eos,))
+    sched = Scheduler(config)
     params = SamplingParams(beam_width=beam_width, max_tokens=max_new, length_penalty=length_penalty)
     sched.add_request(sched.new_group("r", prompt, params, 0.0))
     outputs = []

@@ -19,7 +19,7 @@ class FakeExecutor(SimExecutor):
             seed=seed,
             verify_kv=True,
             min_token_id=3,
-            eos_token_id=sched.config.eos_token_id,
+            eos_token_id=next(iter(sched.config.eos_token_ids), None),
             eos_prob=eos_prob,
         )
         self.sched = sched

@@ -30,7 +30,7 @@ def configs(draw):
         preemption_mode=mode,
         enable_prefix_caching=draw(st.booleans()),
         enable_chunked_prefill=chunked,
-        eos_token_id=3,
+        eos_token_ids=(3,),
         watermark_blocks=draw(st.integers(0, 2)),
     )
 

@@ -35,7 +35,7 @@ def run(
             num_cpu_blocks=num_cpu_blocks,
             max_num_batched_tokens=max_tokens_per_step,
             max_num_seqs=16,
-            eos_token_id=eos,
+            eos_token_ids=() if eos is None else (eos,),
             preemption_mode=mode,
             enable_prefix_caching=True,
         ),
