@@ -88,3 +88,15 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out64).all():
         return math.inf
     return float((out64 - ref64).norm() / ref64.norm())
+
+
+def random_block_pairs(
+    gen: torch.Generator, num_src_blocks: int, num_dst_blocks: int, num_pairs: int, disjoint: bool
+) -> torch.Tensor:
+    """[num_pairs, 2] int64 (src, dst) with distinct dsts; `disjoint`: within one cache, no dst is
+    also a src (so the result does not depend on the order the pairs are copied in)."""
+    if disjoint:
+        ids = torch.randperm(num_src_blocks, generator=gen)
+        return torch.stack([ids[:num_pairs], ids[num_pairs : 2 * num_pairs]], dim=1)
+    src = torch.randint(0, num_src_blocks, (num_pairs,), generator=gen)
+    return torch.stack([src, torch.randperm(num_dst_blocks, generator=gen)[:num_pairs]], dim=1)

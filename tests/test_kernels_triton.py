@@ -20,7 +20,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 from triton.runtime import interpreter  # noqa: E402
 
 from kernels import reference, triton_attention, triton_cache  # noqa: E402
-from kernels.testing import make_paged_case, relative_error  # noqa: E402
+from kernels.testing import make_paged_case, random_block_pairs, relative_error  # noqa: E402
 
 if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":  # imported earlier
     triton_attention = importlib.reload(triton_attention)
@@ -115,19 +115,10 @@ def test_reshape_and_cache_matches_reference(seed):
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1]), f"seed {seed}"
 
 
-def _random_pairs(gen, num_src_blocks, num_dst_blocks, num_pairs, disjoint):
-    """[num_pairs, 2] int64 (src, dst), distinct dsts; disjoint: no dst is also a src (one cache)."""
-    if disjoint:
-        ids = torch.randperm(num_src_blocks, generator=gen)
-        return torch.stack([ids[:num_pairs], ids[num_pairs : 2 * num_pairs]], dim=1)
-    src = torch.randint(0, num_src_blocks, (num_pairs,), generator=gen)
-    return torch.stack([src, torch.randperm(num_dst_blocks, generator=gen)[:num_pairs]], dim=1)
-
-
 def test_copy_blocks_matches_reference(seed):
     gen = torch.Generator().manual_seed(seed)
     kv = torch.randn(3, 2, 12, 8, 2, 16, generator=gen)  # [L, 2, blocks, bs, kvh, d]
-    mapping = _random_pairs(gen, 12, 12, 5, disjoint=True)
+    mapping = random_block_pairs(gen, 12, 12, 5, disjoint=True)
     want = kv.clone()
     reference.copy_blocks(want, mapping)
     triton_cache.copy_blocks(kv, mapping)
@@ -138,7 +129,7 @@ def test_swap_blocks_matches_reference(seed):
     gen = torch.Generator().manual_seed(seed)
     src = torch.randn(2, 2, 10, 8, 2, 16, generator=gen)
     dst = torch.randn(2, 2, 6, 8, 2, 16, generator=gen)
-    mapping = _random_pairs(gen, 10, 6, 4, disjoint=False)
+    mapping = random_block_pairs(gen, 10, 6, 4, disjoint=False)
     want = dst.clone()
     reference.swap_blocks(src, want, mapping)
     triton_cache.swap_blocks(src, dst, mapping)

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 import kernels  # noqa: E402
 from kernels import reference, triton_attention, triton_cache  # noqa: E402
 from kernels.bench import PREFILL_TILES  # noqa: E402
-from kernels.testing import make_paged_case, relative_error  # noqa: E402
+from kernels.testing import make_paged_case, random_block_pairs, relative_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -104,18 +104,10 @@ def test_reshape_and_cache_bf16(seed, num_kv_heads, head_dim, block_size):
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1]), f"seed {seed}"
 
 
-def _pairs(gen, num_src, num_dst, num_pairs, disjoint):
-    if disjoint:
-        ids = torch.randperm(num_src, generator=gen)
-        return torch.stack([ids[:num_pairs], ids[num_pairs : 2 * num_pairs]], dim=1)
-    src = torch.randint(0, num_src, (num_pairs,), generator=gen)
-    return torch.stack([src, torch.randperm(num_dst, generator=gen)[:num_pairs]], dim=1)
-
-
 def test_copy_blocks_bf16(seed):
     gen = torch.Generator().manual_seed(seed)
     kv = torch.randn(4, 2, 64, 16, 8, 128, generator=gen).bfloat16().to(DEVICE)  # [L, 2, blocks, bs, kvh, d]
-    mapping = _pairs(gen, 64, 64, 20, disjoint=True)
+    mapping = random_block_pairs(gen, 64, 64, 20, disjoint=True)
     want = kv.clone()
     reference.copy_blocks(want, mapping)
     kernels.copy_blocks(kv, mapping)
@@ -128,14 +120,14 @@ def test_swap_out_and_in_bf16(seed, pinned):
     gpu = torch.randn(3, 2, 40, 16, 4, 64, generator=gen).bfloat16().to(DEVICE)
     cpu = torch.randn(3, 2, 25, 16, 4, 64, generator=gen).bfloat16()
     cpu = cpu.pin_memory() if pinned else cpu
-    out_map = _pairs(gen, 40, 25, 12, disjoint=False)
+    out_map = random_block_pairs(gen, 40, 25, 12, disjoint=False)
     want_cpu = cpu.clone()
     reference.swap_blocks(gpu, want_cpu, out_map)
     kernels.swap_blocks(gpu, cpu, out_map)
     torch.cuda.synchronize()
     assert torch.equal(cpu, want_cpu), f"seed {seed}: swap out"
 
-    in_map = _pairs(gen, 25, 40, 9, disjoint=False)
+    in_map = random_block_pairs(gen, 25, 40, 9, disjoint=False)
     want_gpu = gpu.clone()
     reference.swap_blocks(cpu, want_gpu, in_map)
     kernels.swap_blocks(cpu, gpu, in_map)
