@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from scheduler_svc.kv_policies import PAGED, POLICIES, check_policy_options
+
 CACHE_DIR = pathlib.Path(os.environ.get("PAGEDSERVE_CACHE", "~/.cache/pagedserve")).expanduser()
 DEFAULT_MODEL_DIR = CACHE_DIR / "tiny-llama"
 
@@ -32,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="executor ranks (one per GPU)")
     parser.add_argument("--preemption", choices=("swap", "recompute"), default="recompute")
+    parser.add_argument("--kv-policy", choices=POLICIES, default=PAGED,
+                        help="KV memory: paged, or a contiguous reservation baseline of the paper's "
+                             "section 6 (reserve-oracle reserves each request's max_tokens; no swap, "
+                             "no prefix cache)")
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profiled number")
     parser.add_argument("--num-cpu-blocks", type=int, default=None, help="override the swap space size")
     parser.add_argument("--block-size", type=int, default=16)
@@ -89,7 +95,8 @@ def executor_command(args: argparse.Namespace, model: str, rank: int, port: int,
 def scheduler_command(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "scheduler_svc.server", "--model", model, "--host", args.host,
            "--port", str(args.port), "--executors", ",".join(executor_targets),
-           "--preemption", args.preemption, "--max-num-seqs", str(args.max_num_seqs),
+           "--preemption", args.preemption, "--kv-policy", args.kv_policy,
+           "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     for flag, value in (("--num-gpu-blocks", args.num_gpu_blocks), ("--num-cpu-blocks", args.num_cpu_blocks),
                         ("--max-model-len", args.max_model_len), ("--metrics-port", args.metrics_port),
@@ -105,6 +112,15 @@ def scheduler_command(args: argparse.Namespace, model: str, executor_targets: li
         if value:
             cmd += [flag, str(pathlib.Path(value).resolve())]
     return cmd
+
+
+def check_options(args: argparse.Namespace) -> str | None:
+    """Why these serve options cannot run (before any process starts), or None."""
+    try:
+        check_policy_options(args.kv_policy, args.preemption)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def wait_serving(
@@ -163,6 +179,9 @@ def start_executors(args: argparse.Namespace, model: str, ports: list[int]) -> l
 
 
 def run(args: argparse.Namespace) -> int:
+    if (problem := check_options(args)) is not None:
+        print(f"pagedserve serve: {problem}", file=sys.stderr)
+        return 2
     model = str(pathlib.Path(args.model).resolve()) if args.model else str(ensure_default_model())
     stop_requested = False
 

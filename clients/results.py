@@ -120,3 +120,5 @@ class ServerStats:
     num_running_seqs: int
     num_swapped_out_blocks: int
     num_swapped_in_blocks: int
+    num_shared_block_refs: int = 0  # blocks saved by sharing (samples, beams, common prefixes)
+    kv_policy: str = ""

@@ -153,6 +153,8 @@ class Engine:
         return found or request is not None
 
     def stats(self) -> EngineStats:
+        from scheduler_svc.kv_policies import policy_name  # kv_policies imports the scheduler
+
         s, kv = self.scheduler, self.scheduler.kv
         cpu = getattr(kv, "cpu", None)
         return EngineStats(
@@ -166,6 +168,8 @@ class Engine:
             num_running_seqs=sum(len(g.seqs) for g in s.running),
             num_swapped_out_blocks=self.num_swapped_out_blocks,
             num_swapped_in_blocks=self.num_swapped_in_blocks,
+            num_shared_block_refs=kv.num_shared_block_refs,
+            kv_policy=policy_name(kv),
         )
 
     # ---- the loop ------------------------------------------------------------------------------

@@ -79,3 +79,5 @@ class EngineStats:
     num_running_seqs: int
     num_swapped_out_blocks: int
     num_swapped_in_blocks: int
+    num_shared_block_refs: int = 0  # blocks saved by sharing (kv_manager.num_shared_block_refs)
+    kv_policy: str = "paged"

@@ -31,6 +31,7 @@ from scheduler_svc.grpc_serving import (
     read_auth_token,
     server_credentials,
 )
+from scheduler_svc.kv_policies import PAGED, POLICIES, check_policy_options, make_kv_manager
 from scheduler_svc.sampling_params import MAX_BEAM_WIDTH, MAX_N
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.servicer import GenerationServicer
@@ -47,6 +48,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 50051
     preemption: str = "recompute"
+    kv_policy: str = PAGED  # kv_policies.POLICIES; a reservation policy serves without prefix caching
     num_gpu_blocks: int | None = None
     num_cpu_blocks: int | None = None
     max_num_seqs: int = 256
@@ -68,6 +70,7 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if not self.executors:
             raise ValueError("executors: at least one HOST:PORT is needed")
+        check_policy_options(self.kv_policy, self.preemption)
         if self.drain_grace_period_s < 0 or self.recovery_timeout_s < 0:
             raise ValueError("drain_grace_period_s and recovery_timeout_s must be >= 0")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
@@ -100,7 +103,7 @@ async def build_engine(opts: ServeOptions) -> Engine:
         max_num_seqs=opts.max_num_seqs,
         max_model_len=max_model_len,
         preemption_mode=opts.preemption,
-        enable_prefix_caching=opts.enable_prefix_caching,
+        enable_prefix_caching=opts.enable_prefix_caching and opts.kv_policy == PAGED,
         eos_token_ids=tuple(eos),
     )
     limits = ModelLimits(
@@ -128,7 +131,8 @@ async def build_engine(opts: ServeOptions) -> Engine:
         metrics = SchedulerMetrics(limits.model_name)
         metrics.serve(opts.metrics_port, addr=opts.host)
     recovery = RecoveryOptions(recovery_timeout_s=opts.recovery_timeout_s)
-    return Engine(Scheduler(config), pool, tokenizer, limits, metrics, recovery)
+    scheduler = Scheduler(config, make_kv_manager(config, opts.kv_policy))
+    return Engine(scheduler, pool, tokenizer, limits, metrics, recovery)
 
 
 def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
@@ -252,6 +256,8 @@ def parse_args(argv: list[str] | None = None) -> ServeOptions:
     p.add_argument("--host", default="127.0.0.1", help="where the public API and /metrics listen")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--kv-policy", choices=POLICIES, default=PAGED,
+                   help="KV memory: paged, or a contiguous reservation baseline (no swap, no prefix cache)")
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--num-cpu-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -274,7 +280,8 @@ def parse_args(argv: list[str] | None = None) -> ServeOptions:
     a = parse_args_with_config(p, argv)
     return ServeOptions(
         model=a.model, executors=tuple(t for t in a.executors.split(",") if t), host=a.host, port=a.port,
-        preemption=a.preemption, num_gpu_blocks=a.num_gpu_blocks, num_cpu_blocks=a.num_cpu_blocks,
+        preemption=a.preemption, kv_policy=a.kv_policy, num_gpu_blocks=a.num_gpu_blocks,
+        num_cpu_blocks=a.num_cpu_blocks,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching, max_n=a.max_n,
         max_beam_width=a.max_beam_width, metrics_port=a.metrics_port,

@@ -108,4 +108,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_running_seqs=stats.num_running_seqs,
             num_swapped_out_blocks=stats.num_swapped_out_blocks,
             num_swapped_in_blocks=stats.num_swapped_in_blocks,
+            num_shared_block_refs=stats.num_shared_block_refs,
+            kv_policy=stats.kv_policy,
         )

@@ -155,7 +155,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerStatsResponse(_message.Message):
-    __slots__ = ("num_free_gpu_blocks", "num_free_cpu_blocks", "num_waiting", "num_running", "num_swapped", "num_steps", "num_preemptions", "num_running_seqs", "num_swapped_out_blocks", "num_swapped_in_blocks")
+    __slots__ = ("num_free_gpu_blocks", "num_free_cpu_blocks", "num_waiting", "num_running", "num_swapped", "num_steps", "num_preemptions", "num_running_seqs", "num_swapped_out_blocks", "num_swapped_in_blocks", "num_shared_block_refs", "kv_policy")
     NUM_FREE_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,8 @@ class GetServerStatsResponse(_message.Message):
     NUM_RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_BLOCK_REFS_FIELD_NUMBER: _ClassVar[int]
+    KV_POLICY_FIELD_NUMBER: _ClassVar[int]
     num_free_gpu_blocks: int
     num_free_cpu_blocks: int
     num_waiting: int
@@ -176,4 +178,6 @@ class GetServerStatsResponse(_message.Message):
     num_running_seqs: int
     num_swapped_out_blocks: int
     num_swapped_in_blocks: int
-    def __init__(self, num_free_gpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., num_swapped_out_blocks: _Optional[int] = ..., num_swapped_in_blocks: _Optional[int] = ...) -> None: ...
+    num_shared_block_refs: int
+    kv_policy: str
+    def __init__(self, num_free_gpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., num_swapped_out_blocks: _Optional[int] = ..., num_swapped_in_blocks: _Optional[int] = ..., num_shared_block_refs: _Optional[int] = ..., kv_policy: _Optional[str] = ...) -> None: ...
