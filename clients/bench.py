@@ -3,10 +3,16 @@
     pagedserve bench throughput --workload sharegpt --requests 400 --model llama3-8b \\
         --prefixes 32,100 --compare hf-static,hf-cb --static-requests 32 --cb-requests 100
     pagedserve bench serve --workload sharegpt --requests 200 --rates 1,2,4,8 --plot sweep.png
+    pagedserve bench throughput --workload alpaca --n 4          (every request: 4 parallel samples)
+    pagedserve bench paper --model llama2-13b --kv-cache-gib 12 --rates 0.5,1,1.5,2 \
+        --policies paged,reserve-oracle,reserve-pow2,reserve-max      (clients/bench_paper.py)
 
 `throughput` sends every request at t = 0 (offline); `serve` sends Poisson arrivals, one run per
-rate. Without --server the command launches the executor and the scheduler itself (the options of
-`pagedserve serve` apply) with prefix caching off, so repeating a request set is not a cache hit.
+rate; `paper` runs the `serve` sweep once per KV policy, each on a fresh server. `--n K` /
+`--beam-width K` apply to every request (clients/bench_load.Decoding says how tokens are counted);
+the results then show the KV blocks saved by sharing. Without --server the command launches the
+executor and the scheduler itself (the options of `pagedserve serve` apply) with prefix caching
+off, so repeating a request set is not a cache hit.
 `--model` is a model folder or a named shape of WORKLOADS.md (`llama3-8b`, `llama2-13b`, from
 scheduler_svc/sim_models.py): a folder with only config.json is written and served with dummy
 weights and no tokenizer (token-id prompts, empty text).
@@ -31,7 +37,7 @@ import sys
 import tempfile
 
 from clients import launcher
-from clients.bench_load import run_load
+from clients.bench_load import Decoding, run_load
 from clients.bench_report import gpu_idle, ideal_time, read_step_trace, summarize
 from scheduler_svc.sim_models import MODELS, ModelSpec
 from scheduler_svc.workloads import WORKLOADS, make_workload
@@ -44,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for mode, help_text in (
         ("throughput", "all requests at t=0"),
         ("serve", "Poisson arrivals, a sweep of rates"),
+        ("paper", "the serve sweep for each KV policy (the paper's Fig. 12 comparison)"),
     ):
         sub = modes.add_parser(mode, help=help_text)
         launcher.add_arguments(sub)
@@ -60,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument(
             "--warmup", type=int, default=64, help="requests (8 tokens each, not measured) sent first"
         )
+        sub.add_argument("--n", type=int, default=1, help="parallel samples of every request")
+        sub.add_argument("--beam-width", type=int, default=1, help="beam search width of every request")
         if mode == "throughput":
             sub.add_argument("--prefixes", default="", help="also run the first K requests, e.g. 32,100")
             sub.add_argument("--compare", default="", help=f"peers to run after ours: {','.join(PEERS)}")
@@ -70,6 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             sub.add_argument("--rates", default="1,2,4", help="requests per second, comma-separated")
             sub.add_argument("--plot", default=None, help="PNG of the sweep (needs matplotlib)")
+            sub.add_argument(
+                "--max-duration-s",
+                type=float,
+                default=None,
+                help="cap each rate point's arrivals to this span: min(--requests, rate x this) requests",
+            )
+        if mode == "paper":
+            from clients.bench_paper import add_paper_arguments
+
+            add_paper_arguments(sub)
 
 
 # ---- model ---------------------------------------------------------------------------------------
@@ -145,8 +164,13 @@ def warm_up(args, target: str, vocab_size: int) -> None:
         asyncio.run(run_load(target, warm, "warm-up", show_progress=False))
 
 
+def decoding_of(args) -> Decoding:
+    return Decoding(args.n, args.beam_width)
+
+
 def run_ours(args, target: str, requests, label: str, trace_path: str) -> dict:
-    run = asyncio.run(run_load(target, requests, label, show_progress=not args.no_progress))
+    show = not args.no_progress
+    run = asyncio.run(run_load(target, requests, label, show_progress=show, decoding=decoding_of(args)))
     summary = {"label": label, **summarize(run)}
     if os.path.exists(trace_path) and not args.server:
         steps = read_step_trace(trace_path, run.start_s, run.end_s)
@@ -212,7 +236,39 @@ def add_ideal(spec: ModelSpec, requests_by_size: dict[int, list], runs: dict[int
 # ---- the command ---------------------------------------------------------------------------------
 
 
+def sweep_rates(args, target: str, vocab_size: int, trace_path: str, stop_factor: float | None = None):
+    """One `run_ours` per rate of --rates (Poisson arrivals), at most --max-duration-s of arrivals
+    each; with `stop_factor`, the rates after one whose normalized latency exceeds stop_factor x the
+    first rate's are skipped (past the knee: they would only take long)."""
+    runs: list[dict] = []
+    for rate in [float(r) for r in args.rates.split(",") if r]:
+        num = args.requests
+        if args.max_duration_s is not None:
+            num = max(1, min(num, round(rate * args.max_duration_s)))
+        reqs = make_workload(args.workload, num, vocab_size=vocab_size, seed=args.seed, rate_per_s=rate)
+        runs.append({"rate_per_s": rate, **run_ours(args, target, reqs, f"rate {rate}", trace_path)})
+        latency = [r["normalized_latency_s_per_token"] for r in runs]
+        if stop_factor is not None and latency[-1] > stop_factor * latency[0]:
+            break
+    return runs
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Why these options cannot run (before any process starts), or None."""
+    try:
+        decoding_of(args)
+        [float(r) for r in getattr(args, "rates", "").split(",") if r]
+    except ValueError as err:
+        return str(err)
+    if (args.n > 1 or args.beam_width > 1) and getattr(args, "compare", ""):
+        return "--compare runs greedy peers: it cannot be combined with --n or --beam-width"
+    return launcher.check_options(args)
+
+
 def run(args: argparse.Namespace) -> int:
+    if (problem := check_args(args)) is not None:
+        print(f"pagedserve bench: {problem}", file=sys.stderr)
+        return 2
     model, spec = resolve_model(args)
     result: dict = {
         "mode": args.mode,
@@ -221,7 +277,14 @@ def run(args: argparse.Namespace) -> int:
         "requests": args.requests,
         "seed": args.seed,
         "max_num_seqs": args.max_num_seqs,
+        "kv_policy": args.kv_policy,
+        "n": args.n,
+        "beam_width": args.beam_width,
     }
+    if args.mode == "paper":
+        from clients.bench_paper import run_paper
+
+        return run_paper(args, model, spec, result)
     with tempfile.TemporaryDirectory() as tmp:
         trace_path = args.trace or os.path.join(tmp, "steps.trace")
         if args.mode == "throughput":
@@ -241,27 +304,20 @@ def run(args: argparse.Namespace) -> int:
             if args.compare and ours_ok:
                 result["peers"] = run_peers(args, model, requests, runs)
         else:
-            rates = [float(r) for r in args.rates.split(",") if r]
-            result["runs"] = []
             with servers(args, model, trace_path) as target:
                 warm_up(args, target, spec.vocab_size)
-                for rate in rates:
-                    reqs = make_workload(
-                        args.workload,
-                        args.requests,
-                        vocab_size=spec.vocab_size,
-                        seed=args.seed,
-                        rate_per_s=rate,
-                    )
-                    result["runs"].append(
-                        {"rate_per_s": rate, **run_ours(args, target, reqs, f"rate {rate}", trace_path)}
-                    )
+                result["runs"] = sweep_rates(args, target, spec.vocab_size, trace_path)
             if args.plot:
                 plot_sweep(result["runs"], args.plot)
+    return report(args, result, format_table(result))
+
+
+def report(args, result: dict, table: str) -> int:
+    """Prints the table (or the JSON with --json), writes --out; 1 when a run lost requests or tokens."""
     text = json.dumps(result, indent=2)
     if args.out:
         pathlib.Path(args.out).write_text(text + "\n")
-    print(text if args.json else format_table(result), flush=True)
+    print(text if args.json else table, flush=True)
     failed = any(r["num_failed"] or r["output_tokens"] != r["expected_output_tokens"] for r in result["runs"])
     return 1 if failed else 0
 
@@ -275,11 +331,16 @@ def _cuda_available() -> bool:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"pagedserve bench {result['mode']}: {result['model']}, {result['workload']}"]
+    lines = [
+        f"pagedserve bench {result['mode']}: {result['model']}, {result['workload']}, "
+        f"kv policy {result['kv_policy']}, n {result['n']}, beam width {result['beam_width']}"
+    ]
+    if result["n"] > 1 or result["beam_width"] > 1:
+        lines.append("(shared = mean KV blocks saved by sharing / (used + saved) while blocks are in use)")
     head = (
         f"{'run':>12} {'reqs':>5} {'out tok/s':>10} {'req/s':>7} {'TTFT p50/p99 ms':>17} "
         f"{'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'norm lat s/tok':>14} {'avg batch':>9} "
-        f"{'KV max':>6} {'preempt':>7} {'GPU idle':>8} {'ideal':>6}"
+        f"{'KV max':>6} {'shared':>6} {'preempt':>7} {'GPU idle':>8} {'ideal':>6}"
     )
     lines.append(head)
     for r in result["runs"]:
@@ -291,7 +352,8 @@ def format_table(result: dict) -> str:
             f"{label:>12} {r['num_requests']:>5} {r['output_tok_s']:>10.1f} {r['request_per_s']:>7.2f} "
             f"{ttft['p50']:>8.1f}/{ttft['p99']:<8.1f} {tpot['p50']:>7.2f}/{tpot['p99']:<8.2f} "
             f"{itl['p50']:>6.2f}/{itl['p99']:<8.2f} {r['normalized_latency_s_per_token']:>14.4f} "
-            f"{r['avg_running_seqs']:>9.1f} {r['kv_usage']['max']:>6.1%} {r['preemptions']:>7} "
+            f"{r['avg_running_seqs']:>9.1f} {r['kv_usage']['max']:>6.1%} "
+            f"{r['sharing_saving']['mean']:>6.1%} {r['preemptions']:>7} "
             f"{idle:>8.1%} {ideal:>6.2f}"
         )
         full = r.get("gpu_idle", {})

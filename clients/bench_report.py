@@ -6,7 +6,10 @@ Definitions (docs/benchmarks.md, "Serving throughput"):
 - TTFT: first token - arrival; TPOT: (last token - first token) / (output tokens - 1) per request;
   ITL: gaps between consecutive token messages of a request; p50 / p99 over requests (TTFT, TPOT) or
   over all gaps (ITL);
-- normalized latency (paper §6.1): mean over requests of end-to-end latency / output tokens;
+- normalized latency (paper §6.1): mean over requests of end-to-end latency / output length (with
+  n parallel samples, a request's output tokens / n; with beam search, the best beam's length);
+- sharing saving (paper §6.3): mean over the server's stats samples taken while KV blocks are in use
+  of blocks_saved_by_sharing / (used blocks + blocks_saved_by_sharing);
 - GPU idle: from the trace, the time from the end of one step's GPU work (the executor synchronized)
   to the launch of the next step's forward pass, summed, over the span of the steps.
 """
@@ -41,24 +44,26 @@ def summarize(run: LoadRun) -> dict:
     output_tokens = sum(r.num_output_tokens for r in run.records)
     prompt_tokens = sum(r.prompt_len for r in done)
     ttft = [r.token_times_s[0] - r.arrival_s for r in done if r.token_times_s]
-    tpot = [
-        (r.token_times_s[-1] - r.token_times_s[0]) / (r.num_output_tokens - 1)
-        for r in done
-        if r.num_output_tokens > 1
-    ]
+    tpot = [(r.token_times_s[-1] - r.token_times_s[0]) / (r.output_len - 1) for r in done if r.output_len > 1]
     itl = []
     for r in done:
         times = sorted(set(r.token_times_s))
         itl.extend(b - a for a, b in zip(times, times[1:], strict=False))
-    normalized = [(r.end_s - r.arrival_s) / r.num_output_tokens for r in done if r.num_output_tokens]
+    normalized = [(r.end_s - r.arrival_s) / r.output_len for r in done if r.num_output_tokens]
     during = [s for s in run.stats[1:-1] if run.start_s <= s.time_s <= run.end_s] or run.stats[-1:]
     kv_used = [1.0 - s.num_free_gpu_blocks / run.num_gpu_blocks for s in during]
+    used_and_saved = [
+        (run.num_gpu_blocks - s.num_free_gpu_blocks, s.num_shared_block_refs)
+        for s in during
+        if s.num_free_gpu_blocks < run.num_gpu_blocks
+    ]
+    saving = [saved / (used + saved) for used, saved in used_and_saved]
     return {
         "num_requests": len(run.records),
         "num_failed": len(run.records) - len(done),
         "errors": sorted({r.error for r in run.records if r.error})[:3],
         "output_tokens": output_tokens,
-        "expected_output_tokens": sum(r.max_tokens for r in run.records),
+        "expected_output_tokens": sum(r.expected_output_tokens for r in run.records),
         "prompt_tokens": prompt_tokens,
         "wall_s": round(wall_s, 4),
         "request_per_s": round(len(done) / wall_s, 3),
@@ -72,6 +77,10 @@ def summarize(run: LoadRun) -> dict:
         "kv_usage": {
             "mean": round(sum(kv_used) / max(1, len(kv_used)), 4),
             "max": round(max(kv_used, default=0), 4),
+        },
+        "sharing_saving": {
+            "mean": round(sum(saving) / max(1, len(saving)), 4),
+            "max": round(max(saving, default=0), 4),
         },
         "preemptions": run.stats[-1].num_preemptions - run.stats[0].num_preemptions,
         "steps": run.stats[-1].num_steps - run.stats[0].num_steps,
