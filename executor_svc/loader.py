@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from executor_svc.layers.linear import VocabParallelEmbedding
 from executor_svc.model_config import ModelConfig
 from executor_svc.models import model_class
 
@@ -166,7 +167,11 @@ def _load_one(param: nn.Parameter, tensor: CheckpointTensor, shard_id) -> None:
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY_STD) -> None:
     """Random weights of the real shapes, generated in place in the parameter's dtype and device.
 
-    Norm scales are 1 and biases 0, so activations keep a sane size through many layers.
+    Each tensor-parallel rank draws only its own shards, where they already are (a 70B model at
+    TP = 2 never exists whole, neither on the CPU nor on one GPU). The seed of a parameter depends on
+    its name alone, so replicated tensors (OPT's positions) are equal on every rank, as they must be.
+    Norm scales are 1 and biases 0, so activations keep a sane size through many layers. The padding
+    rows of a vocabulary shard are zero, as the safetensors loader leaves them.
     """
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -178,6 +183,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = DUMMY_STD) 
                 gen = torch.Generator(device=param.device)
                 gen.manual_seed(seed + hash_name(name))
                 param.normal_(0.0, std, generator=gen)
+        for module in model.modules():
+            if isinstance(module, VocabParallelEmbedding):
+                real_rows = max(0, min(module.num_rows, module.vocab_size - module.vocab_start))
+                module.weight[real_rows:].zero_()
 
 
 def hash_name(name: str) -> int:
