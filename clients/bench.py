@@ -297,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
                     k: run_ours(args, target, requests[:k], f"ours[{k}]", trace_path) for k in sorted(sizes)
                 }
             result["runs"] = list(runs.values())
-            gpu = _cuda_available() and not args.no_ideal and args.device != "cpu"
+            greedy = args.n == 1 and args.beam_width == 1  # the ideal time models one sequence per request
+            gpu = greedy and _cuda_available() and not args.no_ideal and args.device != "cpu"
             if gpu:
                 result["device_rates"] = add_ideal(spec, {k: requests[:k] for k in sizes}, runs)
             ours_ok = all(r["output_tokens"] == r["expected_output_tokens"] for r in result["runs"])

@@ -4,12 +4,13 @@ tiny Llama's config.json alone: dummy weights, no tokenizer)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import pytest
 
 from clients import bench, bench_load
-from clients.bench_paper import compare, kv_cache_blocks
+from clients.bench_paper import compare, kv_cache_blocks, plot_paper
 from clients.client import Client
 from scheduler_svc.server import ServeOptions
 from scheduler_svc.sim_models import MODELS
@@ -100,7 +101,7 @@ def test_bench_paper_sweeps_each_policy(config_only_model, tmp_path, capsys):
     assert "rate ratio paged/reserve-max" in table
 
 
-def test_compare_picks_the_highest_rate_within_the_latency_factor():
+def test_compare_picks_the_highest_rate_within_the_latency_factor(tmp_path):
     def runs(*latency):
         return [
             {"rate_per_s": rate, "normalized_latency_s_per_token": v, "num_failed": 0}
@@ -114,6 +115,8 @@ def test_compare_picks_the_highest_rate_within_the_latency_factor():
     assert out["ratios"] == {"paged/reserve-oracle": 2.0, "paged/reserve-max": 2.0}
     assert out["normalized_latency_s_per_token"]["paged"] == {"1": 0.1, "2": 0.14, "3": 0.16}
     assert kv_cache_blocks(MODELS["llama2-13b"], 12, 16) == 12 * 2**30 // (819200 * 16)
+    plot_paper(out["normalized_latency_s_per_token"], str(tmp_path / "paper.png"))
+    assert (tmp_path / "paper.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
 @pytest.mark.parametrize(
