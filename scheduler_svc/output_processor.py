@@ -65,7 +65,7 @@ def process_samples(
     out = RequestOutput(group.request_id)
     for seq, sample in samples:
         token_id = sample.token_id
-        seq.append_token(token_id, sample.logprob)
+        seq.take_sample(token_id, sample.logprob)
         reason = None
         if token_id in stop_token_ids:
             reason = FinishReason.STOP
@@ -84,9 +84,7 @@ def process_single_sample(
 ) -> RequestOutput:
     """The common case of `process_samples`: a sampling group with one live sequence."""
     token_id, logprob = sample.token_id, sample.logprob
-    seq.token_ids.append(token_id)
-    seq.cumulative_logprob += logprob
-    seq.output_logprobs.append(logprob)
+    seq.take_sample(token_id, logprob)
     reason = None
     if token_id in group.stop_token_ids:
         reason = FinishReason.STOP

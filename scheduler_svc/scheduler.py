@@ -18,6 +18,15 @@ Parallel sampling (n > 1): sequence 0 alone prefills the prompt except its last 
 children are forked (sharing every prompt block) and all n compute the last prompt token in one
 step, each sampling its own first token (its own `sample_index` stream). The shared last block is
 copied on write. Beam search: see beam_search.py and output_processor.py.
+
+Async scheduling (`schedule()` while a plan is in flight, when `can_schedule_ahead()`): every
+sequence that the step in flight will sample gets a placeholder token (PENDING_TOKEN, see
+step_plan.py), so it is scheduled as a decode of that unknown token; `process_result` puts the real
+token in its place. A sequence that then turns out to be finished (a stop token) has one wasted
+token computed in the plan ahead; its result is ignored. A sequence sampling its last token (its
+max_tokens) gets no placeholder, so it is not scheduled ahead. Beam search needs every step's
+result to choose the next tokens: while a beam group runs, plans are built one at a time. At most
+two plans are in flight.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler_config import RequestRejectedError, SchedulerConfig
 from scheduler_svc.scheduling_pass import SchedulingPass, arrival_order, preempt_by_recompute
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
-from scheduler_svc.step_plan import StepPlan, StepResult
+from scheduler_svc.step_plan import PENDING_TOKEN, StepPlan, StepResult
 
 __all__ = ["RequestRejectedError", "Scheduler", "SchedulerConfig"]
 
@@ -69,7 +78,9 @@ class Scheduler:
         self._next_seq_id = 0
         self._next_arrival_index = 0
         self._step_id = 0
-        self._in_flight: list[Sequence] | None = None  # sequences scheduled by the last plan
+        # Sequences scheduled by each plan in flight (oldest first), and whether its successor was
+        # built ahead (its sampled sequences hold placeholders).
+        self._in_flight: deque[tuple[list[Sequence], bool]] = deque()
         self._finished_ids: list[int] = []  # executor state to drop, sent with the next plan
         self._pending_forks: dict[int, tuple[Sequence, Sequence]] = {}  # child id -> (child, parent)
         self._outputs: list[RequestOutput] = []  # produced outside process_result
@@ -160,9 +171,13 @@ class Scheduler:
         self.swapped.clear()
         self.waiting.clear()
         for group in groups:
+            for seq in group.seqs:
+                if seq.pending:  # its token was lost with the step in flight (never streamed)
+                    seq.token_ids.pop()
+                    seq.pending = False
             preempt_by_recompute(self, group)
             self.waiting.append(group)
-        self._in_flight = None
+        self._in_flight.clear()
         self._finished_ids.clear()  # the reset executors hold no state to drop
         self._pending_forks.clear()
         for pool in (getattr(self.kv, "gpu", None), getattr(self.kv, "cpu", None)):  # paged policy
@@ -184,6 +199,7 @@ class Scheduler:
         del self._seqs[seq.seq_id]
 
     def fork_seq(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        assert not parent.pending, "a sequence waiting for its sampled token is never forked"
         child = Sequence(
             self._new_seq_id(),
             list(parent.token_ids),
@@ -218,34 +234,69 @@ class Scheduler:
                 break
 
     # ---- scheduling ------------------------------------------------------------------------------
+    def can_schedule_ahead(self) -> bool:
+        """Whether `schedule()` may build the next plan now, before the result of the plan in
+        flight: exactly one is in flight, some request is unfinished, and no beam group runs (beam
+        search picks each step's tokens from the previous step's candidates)."""
+        return (
+            len(self._in_flight) == 1
+            and bool(self._groups)
+            and not any(g.beam is not None for g in self.running)
+        )
+
     def schedule(self) -> StepPlan:
-        if self._in_flight is not None:
-            raise RuntimeError("schedule() called twice without process_result()")
+        if self._in_flight:
+            if not self.can_schedule_ahead():
+                raise RuntimeError("schedule() called with a plan in flight that cannot be planned ahead of")
+            last = self._in_flight[-1][0]
+            self._add_placeholders(last)
+            self._in_flight[-1] = (last, True)
         self._step_id += 1
         plan = StepPlan(self._step_id)
-        self._in_flight = SchedulingPass(self, plan).run()
+        self._in_flight.append((SchedulingPass(self, plan).run(), False))
         plan.finished_seq_ids = self._finished_ids
         self._finished_ids = []
         plan.forks = [(child.seq_id, parent.seq_id) for child, parent in self._pending_forks.values()]
         self._pending_forks.clear()
         return plan
 
+    def _add_placeholders(self, in_flight: list[Sequence]) -> None:
+        """Each sequence the step in flight samples gets PENDING_TOKEN as its next token, unless that
+        sample is its last (max_tokens)."""
+        running, seqs = SequenceStatus.RUNNING, self._seqs
+        for seq in in_flight:
+            num_tokens = len(seq.token_ids)
+            if seq.status is not running or seq.num_computed_tokens != num_tokens or seq.pending:
+                continue
+            group = seqs[seq.seq_id][1]
+            if num_tokens + 1 - seq.prompt_len >= group.sampling_params.max_tokens:
+                continue
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.pending = True
+
     def process_result(self, result: StepResult) -> list[RequestOutput]:
-        if self._in_flight is None or result.step_id != self._step_id:
-            raise RuntimeError(f"result for step {result.step_id} does not answer the plan in flight")
+        oldest = self._step_id - len(self._in_flight) + 1
+        if not self._in_flight or result.step_id != oldest:
+            raise RuntimeError(f"result for step {result.step_id} does not answer the oldest plan in flight")
+        in_flight, ahead = self._in_flight.popleft()
+        seqs = self._seqs
+        if ahead:  # the real tokens first: prefix-cache hashes below read them
+            for sample in result.samples:
+                entry = seqs.get(sample.seq_id)
+                if entry is not None and entry[0].pending:
+                    entry[0].token_ids[-1] = sample.token_id
         running = SequenceStatus.RUNNING
-        self.kv.mark_computed_many([s for s in self._in_flight if s.status is running])
-        self._in_flight = None
+        self.kv.mark_computed_many([s for s in in_flight if s.status is running])
         outputs, self._outputs = self._outputs, []
         multi: dict[int, tuple[SequenceGroup, list]] = {}
-        seqs = self._seqs
         now = None
         for sample in result.samples:
             entry = seqs.get(sample.seq_id)
             if entry is None:
                 continue  # aborted or finished meanwhile
             seq, group = entry
-            if seq.num_computed_tokens != len(seq.token_ids):
+            # (A sequence preempted by the plan built ahead is WAITING or SWAPPED by now.)
+            if seq.status is running and seq.num_computed_tokens < len(seq.token_ids) - seq.pending:
                 raise RuntimeError(f"seq {seq.seq_id} got a token before its prefill completed")
             if group.first_token_time is None:
                 group.first_token_time = now = now or self.clock()

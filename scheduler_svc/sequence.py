@@ -54,6 +54,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     executor_num_tokens: int = -1
     executor_num_blocks: int = 0
+    # Async scheduling: token_ids[-1] is PENDING_TOKEN, the token the step in flight is sampling (the
+    # next plan was built before its result); `take_sample` puts the real one in its place.
+    pending: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +84,17 @@ class Sequence:
 
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        self.output_logprobs.append(logprob)
+
+    def take_sample(self, token_id: int, logprob: float) -> None:
+        """The token sampled for this sequence: it replaces the pending placeholder, if there is one,
+        else it is appended."""
+        if self.pending:
+            self.token_ids[-1] = token_id
+            self.pending = False
+        else:
+            self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
         self.output_logprobs.append(logprob)
 

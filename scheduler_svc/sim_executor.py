@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 
 from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.step_plan import SampledToken, StepPlan, StepResult
+from scheduler_svc.step_plan import PENDING_TOKEN, SampledToken, StepPlan, StepResult
 from scheduler_svc.workloads import MIN_TOKEN_ID
 
 
@@ -27,6 +27,15 @@ class _SeqState:
     num_computed_tokens: int
     params: SamplingParams
     prefix_keys: list[int] = field(default_factory=list)  # verify_kv only
+    last_sampled: int | None = None  # the token sampled in this sequence's last step
+
+    def resolve(self, token_id: int) -> int:
+        """PENDING_TOKEN stands for the token sampled in the previous step (async scheduling)."""
+        if token_id != PENDING_TOKEN:
+            return token_id
+        if self.last_sampled is None:
+            raise ValueError("a pending token for a sequence that sampled nothing yet")
+        return self.last_sampled
 
     def key(self, position: int) -> int:
         keys = self.prefix_keys
@@ -105,14 +114,14 @@ class SimExecutor:
             scheduled.append((new.seq_id, state, new.num_new_tokens))
         for cont in plan.cont_seqs:
             state = states[cont.seq_id]
-            state.token_ids.extend(cont.new_token_ids)
+            state.token_ids.extend(state.resolve(t) for t in cont.new_token_ids)
             if cont.block_table_start > len(state.block_table):
                 raise ValueError(f"seq {cont.seq_id}: block_table_start past the end of its table")
             state.block_table[cont.block_table_start :] = cont.block_ids
             scheduled.append((cont.seq_id, state, cont.num_new_tokens))
         for seq_id, token_id in zip(plan.decode_seq_ids, plan.decode_token_ids, strict=True):
             state = states[seq_id]
-            state.token_ids.append(token_id)
+            state.token_ids.append(state.resolve(token_id))
             scheduled.append((seq_id, state, 1))
         if len({seq_id for seq_id, _, _ in scheduled}) != len(scheduled):
             raise ValueError("a sequence is scheduled twice in one plan")
@@ -131,7 +140,9 @@ class SimExecutor:
             work.num_tokens += num_new_tokens
             work.kv_context_tokens += end
             if end == len(state.token_ids):
-                result.samples.append(self._sample(seq_id, state.params))
+                sample = self._sample(seq_id, state.params)
+                state.last_sampled = sample.token_id
+                result.samples.append(sample)
         return result, work
 
     def check_scheduled(self, seq_id: int, state: _SeqState) -> None:

@@ -22,7 +22,14 @@ A sequence scheduled in a step appears in exactly one of `new_seqs` / `cont_seqs
 continuing sequence that appended exactly one token since the executor last saw it (the one sampled
 in its previous step), computes exactly that token, and keeps its block table unchanged. Every
 other continuing sequence (a new block, copy-on-write, swap-in, a prefill chunk) is a
-`ContinuingSequence`. A sequence not
+`ContinuingSequence`.
+
+Async scheduling: the scheduler may build plan i+1 before the result of step i is back (so the
+executor can prepare it while the GPU runs step i). The token a sequence samples in step i is then
+unknown when plan i+1 is built; the plan carries `PENDING_TOKEN` (-1) in its place (in
+`decode_token_ids`, or as the last of a `ContinuingSequence`'s `new_token_ids`), meaning "the token
+this executor sampled for this sequence in the step just before this one". The executor fills it
+in on the device and in its own copy of the token ids. A sequence not
 scheduled in a step (e.g. swapped out) keeps its executor state untouched. A group is swapped in only
 in a step that schedules it; its sequences then come as `ContinuingSequence`s with
 `block_table_start=0` and their whole new GPU block table.
@@ -33,6 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_svc.sampling_params import SamplingParams
+
+# A token id not known yet when the plan was built: the one the executor sampled for the sequence in
+# the previous step (async scheduling, see above).
+PENDING_TOKEN = -1
 
 
 @dataclass(slots=True)

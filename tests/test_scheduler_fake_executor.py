@@ -6,9 +6,11 @@ wrong share, a missed copy-on-write or a bad swap is caught."""
 
 from __future__ import annotations
 
+from collections import deque
+
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sim_executor import SimExecutor
-from scheduler_svc.step_plan import StepPlan, StepResult
+from scheduler_svc.step_plan import PENDING_TOKEN, StepPlan, StepResult
 
 
 class FakeExecutor(SimExecutor):
@@ -29,21 +31,35 @@ class FakeExecutor(SimExecutor):
         entry = self.sched._seqs.get(seq_id)  # None: aborted after the plan was made
         if entry is not None:
             seq = entry[0]
-            assert state.token_ids == seq.token_ids, f"seq {seq_id}: executor tokens differ"
+            if seq.pending:  # planned ahead: the executor knows the token the scheduler does not yet
+                assert seq.token_ids[-1] == PENDING_TOKEN and state.token_ids[-1] == state.last_sampled
+                assert state.token_ids[:-1] == seq.token_ids[:-1], f"seq {seq_id}: executor tokens differ"
+            else:
+                assert state.token_ids == seq.token_ids, f"seq {seq_id}: executor tokens differ"
             assert state.block_table == self.sched.kv.block_table(seq), f"seq {seq_id}: tables differ"
+
+    def step_ahead(self, in_flight: deque, ahead: bool) -> None:
+        """Runs a new plan when none is in flight, and one more ahead when `ahead` and allowed."""
+        if not in_flight:
+            in_flight.append(self.step(self.sched.schedule()))
+        if ahead and self.sched.can_schedule_ahead():
+            in_flight.append(self.step(self.sched.schedule()))
 
     def step(self, plan: StepPlan) -> StepResult:
         result, work = super().step(plan)
         self.token_counts.append(work.num_tokens)
         return result
 
-    def run_until_done(self, max_steps: int = 2000, check=None) -> list:
+    def run_until_done(self, max_steps: int = 2000, check=None, ahead: bool = False) -> list:
+        """Steps until every request finished. `ahead`: async scheduling, the next plan is built
+        (and run here) before the previous result is processed whenever the scheduler allows it."""
         outputs = []
+        in_flight: deque[StepResult] = deque()
         for _ in range(max_steps):
-            if not self.sched.has_unfinished():
+            if not self.sched.has_unfinished() and not in_flight:
                 break
-            plan = self.sched.schedule()
-            outputs += self.sched.process_result(self.step(plan))
+            self.step_ahead(in_flight, ahead)
+            outputs += self.sched.process_result(in_flight.popleft())
             if check:
                 check()
         else:

@@ -1,8 +1,11 @@
 """Property-based test: random configurations and request streams (n samples, beams, shared
 prefixes, EOS, aborts, tiny caches that force preemption by recompute and swap) driven through the
-real Scheduler and BlockManager and a checking fake executor. After every step: check_integrity()
-and the executor's own checks (state equals the scheduler's, every attended KV slot is right);
-at the end: every request finished, no block leaked, no executor state left."""
+real Scheduler and BlockManager and a checking fake executor, one plan at a time or with async
+scheduling (the next plan built before the previous result, with placeholder tokens). After every
+step: check_integrity() and the executor's own checks (state equals the scheduler's, every attended
+KV slot is right); at the end: every request finished, no block leaked, no executor state left."""
+
+from collections import deque
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -46,14 +49,21 @@ request = st.tuples(
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=configs(), requests=st.lists(request, min_size=2, max_size=10), seed=st.integers(0, 99))
-def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed):
+@given(
+    cfg=configs(),
+    requests=st.lists(request, min_size=2, max_size=10),
+    seed=st.integers(0, 99),
+    ahead=st.booleans(),
+)
+def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed, ahead):
     sched = Scheduler(cfg, clock=lambda: 0.0)
     ex = FakeExecutor(sched, seed=seed, eos_prob=0.03)
     pending = sorted(enumerate(requests), key=lambda r: r[1][4])
     aborts: dict[int, list[str]] = {}
     finished: set[str] = set()
     accepted: set[str] = set()
+    in_flight: deque = deque()
+    num_ahead = 0
     for step in range(1000):
         while pending and pending[0][1][4] <= step:
             i, (prefix, suffix, max_tokens, (n, beam), _, abort_after) = pending.pop(0)
@@ -69,13 +79,18 @@ def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed):
             if sched.abort(rid):
                 finished.add(rid)
             sched.kv.check_integrity()
-        if not sched.has_unfinished() and not pending:
+        if not sched.has_unfinished() and not pending and not in_flight:
             break
-        plan = sched.schedule()
-        sched.kv.check_integrity()
-        assert plan.num_scheduled_tokens <= cfg.max_num_batched_tokens
-        assert plan.num_scheduled_seqs <= cfg.max_num_seqs
-        for out in sched.process_result(ex.step(plan)):
+        for _ in range(2):
+            if in_flight and not (ahead and sched.can_schedule_ahead()):
+                break
+            num_ahead += bool(in_flight)
+            plan = sched.schedule()
+            sched.kv.check_integrity()
+            assert plan.num_scheduled_tokens <= cfg.max_num_batched_tokens
+            assert plan.num_scheduled_seqs <= cfg.max_num_seqs
+            in_flight.append(ex.step(plan))
+        for out in sched.process_result(in_flight.popleft()):
             if out.finished:
                 finished.add(out.request_id)
         sched.kv.check_integrity()
@@ -86,6 +101,7 @@ def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed):
     event(f"swapped: {any(ex._cpu)}")
     event(f"steps > 40: {step > 40}")
     event(f"accepted >= 2: {len(accepted) >= 2}")
+    event(f"planned ahead: {num_ahead > 0}")
     ex.step(sched.schedule())  # delivers the last finished ids
     assert ex.states == {}
     assert sched.kv.num_free_blocks == cfg.num_gpu_blocks
