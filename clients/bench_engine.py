@@ -59,8 +59,8 @@ class DeterministicSimExecutor(SimExecutor):
         result, work = super().step(plan)
         states = self.states
         for sample in result.samples:
-            token_ids = states[sample.seq_id].token_ids
-            sample.token_id = expected_token(token_ids[0], len(token_ids))
+            state = states[sample.seq_id]
+            sample.token_id = state.last_sampled = expected_token(state.token_ids[0], len(state.token_ids))
         return result, work
 
 

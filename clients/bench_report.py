@@ -95,6 +95,10 @@ class StepTrace:
     end_s: float
     num_seqs: int
     num_tokens: int
+    # From CUDA events (-1 when the trace has none): GPU time from the previous step's end to this
+    # step's forward pass, and of this step's forward pass + sampling.
+    gpu_gap_s: float = -1.0
+    gpu_busy_s: float = -1.0
 
     @property
     def is_decode(self) -> bool:
@@ -107,9 +111,11 @@ def read_step_trace(path: str, start_s: float, end_s: float) -> list[StepTrace]:
     with open(path) as trace:
         for line in trace:
             fields = line.split()
-            if len(fields) != 6:
+            if len(fields) not in (6, 8):
                 continue  # a line being written
-            step = StepTrace(int(fields[0]), *map(float, fields[1:4]), int(fields[4]), int(fields[5]))
+            events = [float(f) / 1e3 if float(f) >= 0 else -1.0 for f in fields[6:8]]
+            times = map(float, fields[1:4])
+            step = StepTrace(int(fields[0]), *times, int(fields[4]), int(fields[5]), *events)
             if step.end_s >= start_s and step.start_s <= end_s:
                 steps.append(step)
     return steps
@@ -119,28 +125,29 @@ def gpu_idle(steps: list[StepTrace], full_batch: int) -> dict:
     """Idle gaps between consecutive steps: overall, and over pure-decode steps of >= full_batch
     sequences (each gap is charged to the step that follows it)."""
     gaps = [
-        (b.launch_s - a.end_s, b)
+        (b.gpu_gap_s if b.gpu_gap_s >= 0 else max(0.0, b.launch_s - a.end_s), b)
         for a, b in zip(steps, steps[1:], strict=False)
         if b.step_id == a.step_id + 1
     ]
     if not gaps:
         return {"num_steps": len(steps)}
-    span = steps[-1].end_s - steps[0].launch_s
-    idle = sum(max(0.0, g) for g, _ in gaps)
+    idle = sum(g for g, _ in gaps)
+    busy = sum(_busy(s) for _, s in gaps)
     full = [(g, s) for g, s in gaps if s.is_decode and s.num_seqs >= full_batch]
     out = {
         "num_steps": len(steps),
-        "idle_fraction": round(idle / span, 4) if span > 0 else math.nan,
+        "gap_source": "cuda events" if steps[-1].gpu_gap_s >= 0 else "host clock",
+        "idle_fraction": round(idle / (idle + busy), 4) if idle + busy > 0 else math.nan,
         "mean_gap_ms": _ms(idle / len(gaps)),
-        "mean_gpu_step_ms": _ms(sum(s.end_s - s.launch_s for s in steps) / len(steps)),
+        "mean_gpu_step_ms": _ms(sum(_busy(s) for s in steps) / len(steps)),
         "mean_executor_prep_ms": _ms(sum(s.launch_s - s.start_s for s in steps) / len(steps)),
         "mean_seqs_per_step": round(sum(s.num_seqs for s in steps) / len(steps), 2),
         "full_decode_batch": full_batch,
         "num_full_decode_steps": len(full),
     }
     if full:
-        full_idle = sum(max(0.0, g) for g, _ in full)
-        full_busy = sum(s.end_s - s.launch_s for _, s in full)
+        full_idle = sum(g for g, _ in full)
+        full_busy = sum(_busy(s) for _, s in full)
         full_prep = sum(s.launch_s - s.start_s for _, s in full)
         out |= {
             "full_decode_idle_fraction": round(full_idle / (full_idle + full_busy), 4),
@@ -149,6 +156,11 @@ def gpu_idle(steps: list[StepTrace], full_batch: int) -> dict:
             "full_decode_executor_prep_ms": _ms(full_prep / len(full)),
         }
     return out
+
+
+def _busy(step: StepTrace) -> float:
+    """The step's GPU time: from its events, else from the host clock (launch to seen done)."""
+    return step.gpu_busy_s if step.gpu_busy_s >= 0 else step.end_s - step.launch_s
 
 
 @dataclass(frozen=True, slots=True)

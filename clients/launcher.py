@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="build each plan only after the previous step's result")
     parser.add_argument("--max-n", type=int, default=None, help="largest n a request may ask for")
     parser.add_argument("--max-beam-width", type=int, default=None, help="largest beam width allowed")
     parser.add_argument("--dtype", default="auto")
@@ -105,6 +107,8 @@ def scheduler_command(args: argparse.Namespace, model: str, executor_targets: li
             cmd += [flag, str(value)]
     if args.no_prefix_caching:
         cmd.append("--no-prefix-caching")
+    if args.no_async_scheduling:
+        cmd.append("--no-async-scheduling")
     cmd += ["--drain-grace-period-s", str(args.drain_grace_period_s),
             "--recovery-timeout-s", str(args.recovery_timeout_s)]
     for flag, value in (("--tls-cert-file", args.tls_cert_file), ("--tls-key-file", args.tls_key_file),

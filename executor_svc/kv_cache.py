@@ -15,6 +15,7 @@ import torch
 
 import kernels
 from executor_svc.errors import PlanError
+from executor_svc.host_to_device import to_device
 
 GIB = 1 << 30
 
@@ -96,7 +97,7 @@ class KVCache:
         """(src device block, dst device block) pairs, every layer, K and V."""
         self._check(pairs, self.num_blocks, self.num_blocks, "copies")
         if pairs:
-            kernels.copy_blocks(self.device_cache, _mapping(pairs).to(self.device_cache.device))
+            kernels.copy_blocks(self.device_cache, to_device(_mapping(pairs), self.device_cache.device))
 
     @staticmethod
     def _check(pairs, num_src: int, num_dst: int, what: str) -> None:

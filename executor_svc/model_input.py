@@ -13,9 +13,11 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from executor_svc.errors import PlanError
+from executor_svc.host_to_device import to_device
 from executor_svc.layers.attention import AttentionMetadata
 from executor_svc.sampler import SamplingMetadata
 from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.step_plan import PENDING_TOKEN
 
 
 @dataclass(slots=True)
@@ -72,6 +74,13 @@ class ModelInput:
     logits_indices: torch.Tensor  # [S] int64 rows of the hidden states to sample
     sampling: SamplingMetadata  # per sampled row
     sampled_seq_ids: tuple[int, ...]  # [S] the sequence of each sampled row
+    # Async scheduling: positions in input_ids (host tensor [P]) holding PENDING_TOKEN, the token the
+    # previous step sampled for the sequence named in pending_seq_ids; the worker fills them in.
+    pending_token_indices: torch.Tensor | None = None
+    pending_seq_ids: tuple[int, ...] = ()
+    # Host copies of sampling.num_logprobs / num_beam_candidates, when any row asks for them.
+    num_logprobs: tuple[int, ...] | None = None
+    num_beam_candidates: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -125,20 +134,27 @@ def build_model_input(
     sampling = _sampling_metadata([scheduled[i].state for i in sampled], generator)
 
     attn = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        block_tables=block_tables.to(device=device, dtype=torch.int32),
-        seq_lens=seq_lens.to(device=device, dtype=torch.int32),
-        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+        slot_mapping=to_device(slot_mapping, device),
+        block_tables=to_device(block_tables.to(torch.int32), device),
+        seq_lens=to_device(seq_lens.to(torch.int32), device),
+        query_start_loc=to_device(query_start_loc.to(torch.int32), device),
         max_query_len=int(q_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
     )
+    holes = (input_ids == PENDING_TOKEN).nonzero().flatten()  # [P] tokens planned ahead (async)
     return ModelInput(
-        input_ids=input_ids.to(device),
-        positions=positions.to(device),
+        input_ids=to_device(input_ids, device),
+        positions=to_device(positions, device),
         attn=attn,
-        logits_indices=logits_indices.to(device),
+        logits_indices=to_device(logits_indices, device),
         sampling=_to_device(sampling, device),
         sampled_seq_ids=tuple(scheduled[i].seq_id for i in sampled),
+        num_logprobs=tuple(sampling.num_logprobs.tolist()) if sampling.max_num_logprobs else None,
+        num_beam_candidates=(
+            tuple(sampling.num_beam_candidates.tolist()) if sampling.max_num_beam_candidates else None
+        ),
+        pending_token_indices=holes,
+        pending_seq_ids=tuple(scheduled[i].seq_id for i in seq_of_token[holes].tolist()),
     )
 
 
@@ -188,5 +204,5 @@ def _to_device(meta: SamplingMetadata, device: torch.device) -> SamplingMetadata
     moved = {name: getattr(meta, name) for name in SamplingMetadata.__slots__}
     for name, value in moved.items():
         if isinstance(value, torch.Tensor):
-            moved[name] = value.to(device)
+            moved[name] = to_device(value, device)
     return SamplingMetadata(**moved)

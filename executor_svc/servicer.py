@@ -58,8 +58,47 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     @maps_errors(ERROR_CODES)
     async def StepStream(self, request_iterator, context):
-        async for request in request_iterator:
-            yield await self._step(request)
+        """Plans in, results out, in order. When plan i+1 arrives while the GPU still runs step i
+        (the scheduler plans ahead), step i+1 is launched before step i's result is collected, so
+        the GPU goes from one step to the next without waiting for the host."""
+        if not hasattr(self._worker, "launch"):  # a worker without launch/finish: one step at a time
+            async for request in request_iterator:
+                yield await self._step(request)
+            return
+        plans = aiter(request_iterator)
+        next_plan = asyncio.ensure_future(anext(plans, None))
+        launched = None
+        try:
+            while True:
+                if launched is None:
+                    request = await next_plan
+                    if request is None:
+                        return
+                    next_plan = asyncio.ensure_future(anext(plans, None))
+                    launched = await self._launch(request)
+                gpu_done = asyncio.ensure_future(asyncio.to_thread(self._worker.wait, launched[0]))
+                await asyncio.wait({gpu_done, next_plan}, return_when=asyncio.FIRST_COMPLETED)
+                following = None
+                if next_plan.done() and next_plan.result() is not None:
+                    request = next_plan.result()
+                    next_plan = asyncio.ensure_future(anext(plans, None))
+                    following = await self._launch(request)
+                await gpu_done
+                yield await self._finish(launched)
+                launched = following
+        finally:
+            next_plan.cancel()
+
+    async def _launch(self, request: executor_pb2.StepPlan):
+        start = time.perf_counter()
+        return await self._call(self._worker.launch, step_plan_from_pb(request)), start
+
+    async def _finish(self, launched) -> executor_pb2.StepResult:
+        step, start = launched
+        reply = step_result_to_pb(await self._call(self._worker.finish, step))
+        if self._metrics is not None:
+            self._metrics.observe_step(time.perf_counter() - start)
+        return reply
 
     async def _step(self, request: executor_pb2.StepPlan) -> executor_pb2.StepResult:
         start = time.perf_counter()

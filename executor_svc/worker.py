@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from executor_svc.errors import PlanError, StepOrderError
+from executor_svc.host_to_device import to_device
 from executor_svc.kv_cache import GIB, KVCache, blocks_from_profile, bytes_per_block
 from executor_svc.loader import load_model
 from executor_svc.model_config import DTYPES, ModelConfig
 from executor_svc.model_input import ScheduledSequence, SequenceState, build_model_input
 from executor_svc.model_runner import ModelRunner
 from executor_svc.worker_config import WorkerConfig, WorkerDescription
-from scheduler_svc.step_plan import SampledToken, StepPlan, StepResult
+from scheduler_svc.step_plan import PENDING_TOKEN, SampledToken, StepPlan, StepResult
 
 __all__ = ["PlanError", "StepOrderError", "Worker", "WorkerConfig", "WorkerDescription"]
 
@@ -67,13 +68,18 @@ class Worker:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.seqs: dict[int, SequenceState] = {}
         self.last_step_id: int | None = None
+        self._last_launched: LaunchedStep | None = None
+        self._last_end_event = None
         # Decode steps replay CUDA graphs on one GPU unless PAGEDSERVE_ENFORCE_EAGER=1.
         eager = os.environ.get("PAGEDSERVE_ENFORCE_EAGER") == "1"
         self.use_cuda_graphs = self.device.type == "cuda" and config.world_size == 1 and not eager
         # PAGEDSERVE_STEP_TRACE=FILE: one line per step, "step_id t_start t_launch t_end num_seqs
-        # num_tokens" (time.perf_counter seconds; t_launch: the forward pass is launched; t_end: the
-        # GPU is done), read by `pagedserve bench` for the GPU idle time between steps. Rank 0 alone
-        # writes it (the ranks of a tensor-parallel set step together).
+        # num_tokens gpu_gap_ms gpu_busy_ms" (time.perf_counter seconds; t_launch: the forward pass is
+        # launched; t_end: the host saw the GPU done; on CUDA, from events on the stream: the time from
+        # the previous step's end to this step's forward pass (the GPU idles but for this step's
+        # block operations and input copies), and the forward pass + sampling; -1 elsewhere), read by
+        # `pagedserve bench` for the GPU idle time between steps.
+        # Rank 0 alone writes it (the ranks of a tensor-parallel set step together).
         trace_path = os.environ.get("PAGEDSERVE_STEP_TRACE") if config.rank == 0 else None
         self._trace = open(trace_path, "a", buffering=1) if trace_path else None  # noqa: SIM115
 
@@ -123,6 +129,8 @@ class Worker:
         """Drops every sequence's state and the step count; the next plan may carry any step_id."""
         self.seqs.clear()
         self.last_step_id = None
+        self._last_launched = None
+        self._last_end_event = None
 
     @property
     def kv_cache(self) -> KVCache:
@@ -131,12 +139,19 @@ class Worker:
     # ---- one step --------------------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Runs one step to the end (`launch`, then `finish`)."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Applies the plan and queues the step's GPU work (block operations, forward pass, sampling,
+        copy of the samples to the host) without waiting for it, so the host can go on to the next
+        plan while the GPU runs this one. Steps are finished in the order they were launched."""
         if self.last_step_id is not None and plan.step_id != self.last_step_id + 1:
             raise StepOrderError(
                 f"step {plan.step_id} does not follow step {self.last_step_id}; expected "
                 f"{self.last_step_id + 1} (reset the executor to start over)"
             )
-        start = time.perf_counter()
+        step = LaunchedStep(plan.step_id, time.perf_counter())
         runner = self._ensure_cache()
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
@@ -145,25 +160,90 @@ class Worker:
         runner.kv_cache.swap_in(plan.swap_in)
         runner.kv_cache.copy(plan.copies)
         scheduled = self._apply_sequences(plan)
-        samples: list[SampledToken] = []
-        launch = start
+        batch = None
         if scheduled:
             batch = build_model_input(scheduled, self.cache_config.block_size, self.device, self.generator)
-            launch = time.perf_counter()
+            if batch.pending_seq_ids:
+                self._fill_pending_tokens(batch, step.step_id)
+        # The start event goes on the stream just before the forward pass: the GPU is idle from the
+        # previous step's end to it unless this step was queued while that one ran.
+        start_event = self._record_event()
+        step.launch = time.perf_counter()
+        if batch is not None:
             output = runner.execute(batch)
             for s in scheduled:
                 s.state.num_computed_tokens += s.num_new_tokens
             if output is not None:
-                samples = _to_samples(batch, output)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+                step.rows = {seq_id: row for row, seq_id in enumerate(batch.sampled_seq_ids)}
+                step.token_ids = output.token_ids
+                step.host = _copy_to_host(batch, output)
+        step.num_seqs, step.num_tokens = len(scheduled), sum(s.num_new_tokens for s in scheduled)
+        step.events = (start_event, self._record_event())
         self.last_step_id = plan.step_id
+        self._last_launched = step
+        return step
+
+    def wait(self, step: LaunchedStep) -> None:
+        """Blocks until the GPU is done with `step` (not with steps launched after it)."""
+        if step.events is not None and step.events[1] is not None:
+            step.events[1].synchronize()
+
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """The step's samples, once the GPU is done with it; also fills in the tokens that later
+        steps took from it on the device."""
+        self.wait(step)
         end = time.perf_counter()
+        samples = _to_samples(*step.host) if step.host is not None else []
+        step.sampled_token_ids = [s.token_id for s in samples]
+        for state, index, row in step.pending_fixes:
+            state.token_ids[index] = step.sampled_token_ids[row]
+        step.pending_fixes.clear()
         if self._trace is not None:
-            num_tokens = sum(s.num_new_tokens for s in scheduled)
-            times = f"{start:.6f} {launch:.6f} {end:.6f}"
-            self._trace.write(f"{plan.step_id} {times} {len(scheduled)} {num_tokens}\n")
-        return StepResult(plan.step_id, samples, end - start)
+            gap_ms = busy_ms = -1.0
+            if step.events is not None and step.events[0] is not None:
+                busy_ms = step.events[0].elapsed_time(step.events[1])
+                if self._last_end_event is not None:
+                    gap_ms = self._last_end_event.elapsed_time(step.events[0])
+                self._last_end_event = step.events[1]
+            times = f"{step.start:.6f} {step.launch:.6f} {end:.6f}"
+            self._trace.write(
+                f"{step.step_id} {times} {step.num_seqs} {step.num_tokens} {gap_ms:.4f} {busy_ms:.4f}\n"
+            )
+        return StepResult(step.step_id, samples, end - step.start)
+
+    def _fill_pending_tokens(self, batch, step_id: int) -> None:
+        """PENDING_TOKEN in the batch = the token the previous step sampled for that sequence: copied
+        into input_ids on the device (the previous step may still be running), and into the
+        sequence's token ids as soon as it is known on the host."""
+        prev = self._last_launched
+        if prev is None or prev.step_id != step_id - 1:
+            raise PlanError(f"step {step_id} takes tokens from a previous step this executor did not run")
+        rows = []
+        for seq_id in batch.pending_seq_ids:
+            row = prev.rows.get(seq_id)
+            if row is None:
+                raise PlanError(f"sequence {seq_id}: pending token, step {prev.step_id} sampled none for it")
+            rows.append(row)
+        source = torch.tensor(rows, dtype=torch.int64)
+        batch.input_ids[to_device(batch.pending_token_indices, self.device)] = prev.token_ids[
+            to_device(source, self.device)
+        ]
+        for seq_id, row in zip(batch.pending_seq_ids, rows, strict=True):
+            state = self.seqs[seq_id]
+            index = len(state.token_ids) - 1
+            if state.token_ids[index] != PENDING_TOKEN:
+                raise PlanError(f"sequence {seq_id}: a pending token that is not its last")
+            if prev.sampled_token_ids is not None:  # the previous step is finished already
+                state.token_ids[index] = prev.sampled_token_ids[row]
+            else:
+                prev.pending_fixes.append((state, index, row))
+
+    def _record_event(self):
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=self._trace is not None)
+        event.record()
+        return event
 
     def _apply_forks(self, forks: list[tuple[int, int]]) -> None:
         """child := copy of parent. Forks carry no sample index, so the k-th child forked from a parent
@@ -287,15 +367,41 @@ def _resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torc
     return torch.bfloat16 if saved == torch.float32 and device.type == "cuda" else saved
 
 
-def _to_samples(batch, output) -> list[SampledToken]:
-    token_ids = output.token_ids.tolist()
-    logprobs = output.logprobs.tolist()
-    top_ids, top_lps = output.top_token_ids.tolist(), output.top_logprobs.tolist()
-    beam_ids, beam_lps = output.beam_token_ids.tolist(), output.beam_logprobs.tolist()
-    num_top = batch.sampling.num_logprobs.tolist()
-    num_beam = batch.sampling.num_beam_candidates.tolist()
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step whose GPU work is queued (`Worker.launch`) and not yet collected (`Worker.finish`)."""
+
+    step_id: int
+    start: float  # perf_counter at launch
+    launch: float = 0.0  # perf_counter when the forward pass was queued
+    num_seqs: int = 0
+    num_tokens: int = 0
+    events: tuple | None = None  # CUDA events at the start and the end of the step's GPU work
+    rows: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled row
+    token_ids: torch.Tensor | None = None  # [S] sampled tokens on the device
+    host: tuple | None = None  # (sampled_seq_ids, host copies of the sampler's outputs)
+    sampled_token_ids: list[int] | None = None  # [S], once finished
+    # (state, index, row): token ids of later steps' sequences that are this step's samples
+    pending_fixes: list[tuple[SequenceState, int, int]] = field(default_factory=list)
+
+
+def _copy_to_host(batch, output) -> tuple:
+    """Queues copies of the samples into pinned host memory (read after the step's end event)."""
+    pin = output.token_ids.is_cuda
+    tensors = []
+    for t in (output.token_ids, output.logprobs, output.top_token_ids, output.top_logprobs,
+              output.beam_token_ids, output.beam_logprobs):
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        tensors.append(host.copy_(t, non_blocking=pin))
+    return batch.sampled_seq_ids, tensors, batch.num_logprobs, batch.num_beam_candidates
+
+
+def _to_samples(sampled_seq_ids, tensors, num_top, num_beam) -> list[SampledToken]:
+    token_ids, logprobs, top_ids, top_lps, beam_ids, beam_lps = (t.tolist() for t in tensors)
+    num_top = num_top or [0] * len(sampled_seq_ids)
+    num_beam = num_beam or [0] * len(sampled_seq_ids)
     samples = []
-    for row, seq_id in enumerate(batch.sampled_seq_ids):
+    for row, seq_id in enumerate(sampled_seq_ids):
         n_top, n_beam = max(0, num_top[row]), num_beam[row]
         samples.append(
             SampledToken(

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 
 from scheduler_svc.engine_api import (
@@ -32,6 +33,7 @@ from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_config import RequestRejectedError
 from scheduler_svc.sequence import FinishReason
+from scheduler_svc.step_plan import StepPlan
 
 __all__ = ["Engine", "EngineStats", "InvalidRequestError", "ModelLimits", "RequestFailedError",
            "RequestStream", "ServiceUnavailableError"]
@@ -68,8 +70,10 @@ class Engine:
         limits: ModelLimits,
         metrics=None,
         recovery: RecoveryOptions | None = None,
+        async_scheduling: bool = True,
     ):
         self.scheduler = scheduler
+        self.async_scheduling = async_scheduling
         self.executors = executors
         self.tokenizer = tokenizer
         self.limits = limits
@@ -174,33 +178,39 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Overlap: step i's outputs are streamed only once step i+1's plan is on its way to the
-        executors (streaming a delta to each of hundreds of requests takes milliseconds of this
-        thread, while the GPU would wait for the plan). Outputs of requests with stop strings are
-        streamed at once, since a stop string finishes its sequence before the next plan."""
+        """Overlap, two ways. Async scheduling (`async_scheduling`, when the scheduler allows it):
+        plan i+1 is built and sent before step i's result is back, so the executors prepare it while
+        the GPU runs step i and start it the moment step i ends. And step i's outputs are streamed
+        to the clients only once the next plan is on its way (streaming a delta to each of hundreds
+        of requests takes milliseconds of this thread). Outputs of requests with stop strings are
+        streamed at once (a stop string finishes its sequence)."""
         deferred: list[RequestOutput] = []
+        in_flight: deque[tuple[StepPlan, asyncio.Future, float]] = deque()
         while not self._stopping:
-            if deferred and (not self.healthy or not self.scheduler.has_unfinished()):
+            if deferred and not in_flight and (not self.healthy or not self.scheduler.has_unfinished()):
                 deferred = self._emit_all(deferred)
             if not self.healthy:
                 await self._await_executors()
                 continue
-            if not self.scheduler.has_unfinished():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            start = time.perf_counter()
-            plan = self.scheduler.schedule()
-            step = asyncio.ensure_future(self.executors.step(plan))  # an empty plan too: ids stay contiguous
+            if not in_flight:
+                if not self.scheduler.has_unfinished():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                self._send(in_flight)
+            if self.async_scheduling and self.scheduler.can_schedule_ahead():
+                self._send(in_flight)
             if deferred:
-                for _ in range(3):  # let the step task encode the plan and start its calls
+                for _ in range(3):  # let the step tasks encode the plans and start their calls
                     await asyncio.sleep(0)
                 deferred = self._emit_all(deferred)
+            plan, step, start = in_flight.popleft()
             try:
                 result = await step
             except Exception as err:  # noqa: BLE001 - a rank failed or missed the step deadline
                 _log.error("step %d failed (%s): recomputing every request once the executors are back",
                            plan.step_id, err)
+                await self._drop_in_flight(in_flight)
                 self._executors_failed()
                 continue
             outputs = self.scheduler.process_result(result)
@@ -215,11 +225,27 @@ class Engine:
                     deferred.append(out)
             if self.metrics is not None:
                 record_step(self.metrics, self, plan, time.perf_counter() - start)
-            if plan.is_empty:  # nothing runnable now: wait for a new request or an abort
+            if plan.is_empty and not in_flight:  # nothing runnable: wait for a new request or an abort
                 deferred = self._emit_all(deferred)
                 self._wakeup.clear()
                 await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=0.05)
+        for _, step, _ in in_flight:
+            step.cancel()
         self._emit_all(deferred)
+
+    def _send(self, in_flight: deque) -> None:
+        """Schedules the next plan and sends it (an empty plan too: step ids stay contiguous)."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        in_flight.append((plan, asyncio.ensure_future(self.executors.step(plan)), start))
+
+    @staticmethod
+    async def _drop_in_flight(in_flight: deque) -> None:
+        """After a failed step: the steps sent after it failed or are abandoned too."""
+        for _, step, _ in in_flight:
+            step.cancel()
+        await asyncio.gather(*(step for _, step, _ in in_flight), return_exceptions=True)
+        in_flight.clear()
 
     # ---- executor failure and drain -----------------------------------------------------------
     def _executors_failed(self) -> None:

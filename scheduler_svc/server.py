@@ -49,6 +49,7 @@ class ServeOptions:
     port: int = 50051
     preemption: str = "recompute"
     kv_policy: str = PAGED  # kv_policies.POLICIES; a reservation policy serves without prefix caching
+    async_scheduling: bool = True  # build plan i+1 while the executors run step i (scheduler.py)
     num_gpu_blocks: int | None = None
     num_cpu_blocks: int | None = None
     max_num_seqs: int = 256
@@ -132,7 +133,7 @@ async def build_engine(opts: ServeOptions) -> Engine:
         metrics.serve(opts.metrics_port, addr=opts.host)
     recovery = RecoveryOptions(recovery_timeout_s=opts.recovery_timeout_s)
     scheduler = Scheduler(config, make_kv_manager(config, opts.kv_policy))
-    return Engine(scheduler, pool, tokenizer, limits, metrics, recovery)
+    return Engine(scheduler, pool, tokenizer, limits, metrics, recovery, opts.async_scheduling)
 
 
 def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
@@ -264,6 +265,8 @@ def parse_args(argv: list[str] | None = None) -> ServeOptions:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="build each plan only after the previous step's result (default: one step ahead)")
     p.add_argument("--max-n", type=int, default=MAX_N)
     p.add_argument("--max-beam-width", type=int, default=MAX_BEAM_WIDTH)
     p.add_argument("--metrics-port", type=int, default=None)
@@ -283,7 +286,8 @@ def parse_args(argv: list[str] | None = None) -> ServeOptions:
         preemption=a.preemption, kv_policy=a.kv_policy, num_gpu_blocks=a.num_gpu_blocks,
         num_cpu_blocks=a.num_cpu_blocks,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching, max_n=a.max_n,
+        max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
+        async_scheduling=not a.no_async_scheduling, max_n=a.max_n,
         max_beam_width=a.max_beam_width, metrics_port=a.metrics_port,
         drain_grace_period_s=a.drain_grace_period_s, recovery_timeout_s=a.recovery_timeout_s,
         step_timeout_s=a.step_timeout_s, tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file,

@@ -13,7 +13,15 @@ import pytest
 
 from clients import bench, launcher
 from clients.bench_load import LoadRun, RequestRecord, StatsSample
-from clients.bench_report import DeviceRates, StepTrace, gpu_idle, ideal_time, percentile, summarize
+from clients.bench_report import (
+    DeviceRates,
+    StepTrace,
+    gpu_idle,
+    ideal_time,
+    percentile,
+    read_step_trace,
+    summarize,
+)
 from scheduler_svc.sim_models import MODELS, ModelSpec
 
 
@@ -33,12 +41,30 @@ def test_gpu_idle_charges_each_gap_to_the_following_step():
         StepTrace(9, 0.050, 0.051, 0.060, 4, 4),  # not consecutive: no gap
     ]
     out = gpu_idle(steps, full_batch=4)
-    span = 0.060 - 0.001
-    assert out["idle_fraction"] == round(0.011 / span, 4)
+    assert out["gap_source"] == "host clock"
+    assert out["idle_fraction"] == round(0.011 / (0.011 + 0.007 + 0.008 + 0.004), 4)
     assert out["num_full_decode_steps"] == 3
     assert out["full_decode_idle_fraction"] == round(0.011 / (0.011 + 0.007 + 0.008 + 0.004), 4)
     assert out["full_decode_gap_ms"] == pytest.approx(11 / 3, abs=1e-3)
     assert out["mean_seqs_per_step"] == 3.6
+
+
+def test_gpu_idle_reads_cuda_event_gaps_when_the_trace_has_them(tmp_path):
+    # Pipelined steps: each is launched before the previous one ends (host clock gap < 0); the
+    # events say the GPU idled 1 ms before step 2 and 0 before step 3.
+    trace = tmp_path / "steps.trace"
+    trace.write_text(
+        "1 0.000 0.001 0.020 4 4 -1 19.0\n"
+        "2 0.005 0.006 0.040 4 4 1.0 19.0\n"
+        "3 0.025 0.026 0.060 4 4 0.0 20.0\n"
+        "4 0.045 0.046\n"  # a line being written
+    )
+    steps = read_step_trace(str(trace), 0.0, 1.0)
+    assert [s.step_id for s in steps] == [1, 2, 3] and steps[1].gpu_gap_s == pytest.approx(0.001)
+    out = gpu_idle(steps, full_batch=4)
+    assert out["gap_source"] == "cuda events"
+    assert out["full_decode_idle_fraction"] == round(0.001 / (0.001 + 0.039), 4)
+    assert out["mean_gpu_step_ms"] == pytest.approx((19 + 19 + 20) / 3, abs=1e-3)
 
 
 def test_summarize_latencies_and_counts():
