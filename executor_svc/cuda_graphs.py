@@ -26,7 +26,7 @@ from executor_svc.kv_cache import KVCache
 from executor_svc.layers.attention import AttentionMetadata
 from executor_svc.model_input import ModelInput
 
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16))
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16), *range(288, 513, 32))
 
 
 class DecodeGraphs:

@@ -29,6 +29,7 @@ def run(
     eos=None,
     mode="recompute",
     ahead=False,
+    device="cpu",
 ):
     """requests: {request_id: (prompt, params)} -> (tokens per request and sample index, beams, scheduler)."""
     sched = Scheduler(
@@ -46,7 +47,7 @@ def run(
     )
     worker = Worker(
         str(model_dir),
-        device="cpu",
+        device=device,
         dtype="float32",
         num_gpu_blocks=num_gpu_blocks,
         num_cpu_blocks=num_cpu_blocks,
