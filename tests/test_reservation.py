@@ -158,8 +158,10 @@ def test_factory_picks_the_policy():
         make_kv_manager(config, "reserve-min")
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_mixed_requests_run_to_completion_with_correct_kv(policy):
+def test_mixed_requests_run_to_completion_with_correct_kv(policy, ahead):
+    """`ahead`: async scheduling, the next plan built before the previous result when allowed."""
     config = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_model_len=64, max_num_batched_tokens=64)
     sched = make_scheduler(config, policy)
     rng = random.Random(5)
@@ -174,13 +176,15 @@ def test_mixed_requests_run_to_completion_with_correct_kv(policy):
     executor = SimExecutor(vocab_size=200, block_size=4, seed=1, verify_kv=True)
     finished = set()
     num_copies = 0
+    in_flight = []
     for _ in range(500):
-        if not sched.has_unfinished():
+        if not sched.has_unfinished() and not in_flight:
             break
-        plan = sched.schedule()
-        num_copies += len(plan.copies)
-        result, _ = executor.step(plan)  # verify_kv: every KV read is checked
-        finished.update(out.request_id for out in sched.process_result(result) if out.finished)
+        while not in_flight or (ahead and sched.can_schedule_ahead()):
+            plan = sched.schedule()
+            num_copies += len(plan.copies)
+            in_flight.append(executor.step(plan)[0])  # verify_kv: every KV read is checked
+        finished.update(out.request_id for out in sched.process_result(in_flight.pop(0)) if out.finished)
         sched.kv.check_integrity()
     assert finished == {f"r{i}" for i in range(15)}
     assert sched.kv.num_free_blocks == 64
