@@ -146,7 +146,7 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
             targets.append(f"127.0.0.1:{port}")
         for target in targets:
             launcher.wait_serving(target, procs, args.startup_timeout)
-        procs.append(subprocess.Popen(launcher.scheduler_command(serve_args, model, targets)))
+        procs += launcher.start_public(serve_args, model, targets)
         public = f"127.0.0.1:{serve_args.port}"
         launcher.wait_serving(public, procs, args.startup_timeout)
         yield public

@@ -198,7 +198,7 @@ def instrument(engine, probe: Probe, num_requests: int, on_full_step: Callable[[
     """Wrap the engine's parts with the probe; `on_full_step()` runs at the start of each
     schedule() whose plan decodes the full batch."""
     from scheduler_svc import engine as engine_module
-    from scheduler_svc import executor_client, servicer
+    from scheduler_svc import executor_client, frontend_servicer, servicer
 
     sched = engine.scheduler
     schedule = probe.timed("schedule", sched.schedule)
@@ -218,6 +218,7 @@ def instrument(engine, probe: Probe, num_requests: int, on_full_step: Callable[[
     engine_module.record_output = probe.timed("metrics", engine_module.record_output)
     servicer.request_delta_to_pb = probe.count(
         "messages streamed", probe.timed("delta to protobuf", servicer.request_delta_to_pb))
+    frontend_servicer.request_delta_to_pb = servicer.request_delta_to_pb
     engine._emit = probe.count("deltas", engine._emit)
     executor_client.step_result_from_pb = probe.timed("result decode", executor_client.step_result_from_pb)
     to_pb = probe.timed("plan encode", executor_client.step_plan_to_pb)
@@ -290,7 +291,19 @@ async def bench(args: argparse.Namespace, model_dir: str, executor_target: str) 
     profiler = cProfile.Profile() if args.profile else None
     window = Window(probe, profiler)
     instrument(engine, probe, args.requests, window.mark)
-    cmd = [sys.executable, "-m", "clients.bench_engine", "--run-clients", f"127.0.0.1:{running.port}",
+    target = f"127.0.0.1:{running.port}"
+    frontend = None
+    if args.api_frontend:  # clients talk to a front-end process; this process writes one batch per step
+        from clients.launcher import free_port
+        from scheduler_svc.grpc_serving import health_status
+
+        port = free_port()
+        frontend = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "scheduler_svc.frontend_server", "--engine", target, "--port", str(port))
+        target = f"127.0.0.1:{port}"
+        while await asyncio.to_thread(health_status, target, "", 1.0) != "SERVING":
+            await asyncio.sleep(0.1)
+    cmd = [sys.executable, "-m", "clients.bench_engine", "--run-clients", target,
            "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
            "--prompt-len", str(args.prompt_len)]
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
@@ -301,6 +314,9 @@ async def bench(args: argparse.Namespace, model_dir: str, executor_target: str) 
         profiler.disable()
         profiler.dump_stats(args.profile)
     steps = engine.num_steps
+    if frontend is not None:
+        frontend.terminate()
+        await frontend.wait()
     await running.stop()
     if engine.metrics is not None:
         engine.metrics.close()
@@ -346,6 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--no-metrics", action="store_true", help="serve without /metrics")
+    parser.add_argument("--api-frontend", action="store_true",
+                        help="clients connect through an API front-end process (frontend_server.py)")
     parser.add_argument("--profile", default=None, help="write cProfile stats of the measured window")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--serve-executor", default=None, help=argparse.SUPPRESS)

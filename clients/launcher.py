@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="build each plan only after the previous step's result")
+    parser.add_argument("--api-frontend", action="store_true",
+                        help="serve clients from a separate front-end process (one batch per step from the "
+                        "scheduler instead of one message per request)")
     parser.add_argument("--max-n", type=int, default=None, help="largest n a request may ask for")
     parser.add_argument("--max-beam-width", type=int, default=None, help="largest beam width allowed")
     parser.add_argument("--dtype", default="auto")
@@ -116,6 +119,34 @@ def scheduler_command(args: argparse.Namespace, model: str, executor_targets: li
         if value:
             cmd += [flag, str(pathlib.Path(value).resolve())]
     return cmd
+
+
+def frontend_command(args: argparse.Namespace, engine_target: str) -> list[str]:
+    cmd = [sys.executable, "-m", "scheduler_svc.frontend_server", "--engine", engine_target,
+           "--host", args.host, "--port", str(args.port),
+           "--drain-grace-period-s", str(args.drain_grace_period_s)]
+    for flag, value in (("--tls-cert-file", args.tls_cert_file), ("--tls-key-file", args.tls_key_file),
+                        ("--auth-token-file", args.auth_token_file)):
+        if value:
+            cmd += [flag, str(pathlib.Path(value).resolve())]
+    return cmd
+
+
+def start_public(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[subprocess.Popen]:
+    """The process(es) clients talk to, on args.host:args.port: the scheduler, or with
+    --api-frontend the scheduler on a loopback port behind an API front-end process (the front-end
+    last: it is the one to drain first)."""
+    if not args.api_frontend:
+        return [subprocess.Popen(scheduler_command(args, model, executor_targets))]
+    inner = argparse.Namespace(**vars(args))
+    inner.host, inner.port, inner.tls_cert_file, inner.tls_key_file = "127.0.0.1", free_port(), None, None
+    scheduler = subprocess.Popen(scheduler_command(inner, model, executor_targets))
+    try:
+        wait_serving(f"127.0.0.1:{inner.port}", [scheduler], args.startup_timeout)
+    except BaseException:
+        stop_all([scheduler], grace_s=5.0)
+        raise
+    return [scheduler, subprocess.Popen(frontend_command(args, f"127.0.0.1:{inner.port}"))]
 
 
 def check_options(args: argparse.Namespace) -> str | None:
@@ -195,12 +226,14 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    procs: list[subprocess.Popen] = []
+    executors: list[subprocess.Popen] = []
+    public_procs: list[subprocess.Popen] = []
     ports = [free_port() for _ in range(args.tensor_parallel_size)]
     targets = [f"127.0.0.1:{port}" for port in ports]
     try:
-        procs += start_executors(args, model, ports)
-        procs.append(subprocess.Popen(scheduler_command(args, model, targets)))
+        executors += start_executors(args, model, ports)
+        public_procs += start_public(args, model, targets)
+        procs = executors + public_procs
         public = f"{'localhost' if args.host in ('127.0.0.1', '0.0.0.0') else args.host}:{args.port}"
         wait_serving(public, procs, args.startup_timeout, tls_root=args.tls_cert_file)
         print(f"pagedserve is serving {model} on {public} (gRPC: pagedserve.v1.Generation)", flush=True)
@@ -216,23 +249,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"try: pagedserve generate --server {public} --prompt 'Hello'   (Ctrl-C stops)", flush=True)
         num_restarts = 0
         while not stop_requested:
-            if procs[-1].poll() is not None:
-                print("pagedserve: the scheduler exited; stopping", file=sys.stderr)
+            if any(p.poll() is not None for p in public_procs):
+                print("pagedserve: the scheduler or the API front-end exited; stopping", file=sys.stderr)
                 return 1
-            if any(p.poll() is not None for p in procs[:-1]):
+            if any(p.poll() is not None for p in executors):
                 if num_restarts == MAX_EXECUTOR_RESTARTS:
                     print("pagedserve: executors keep failing; stopping", file=sys.stderr)
                     return 1
                 num_restarts += 1
                 print("pagedserve: an executor exited; restarting the executors (the scheduler keeps its "
                       "requests and recomputes them once they are back)", file=sys.stderr, flush=True)
-                stop_all(procs[:-1], grace_s=5.0)
-                procs[:-1] = start_executors(args, model, ports)
+                stop_all(executors, grace_s=5.0)
+                executors[:] = start_executors(args, model, ports)
             time.sleep(0.2)
         return 0
     except (RuntimeError, TimeoutError) as err:
         print(f"pagedserve serve: {err}", file=sys.stderr)
         return 1
     finally:
-        stop_all(procs, drain_s=args.drain_grace_period_s)
+        stop_all(executors + public_procs, drain_s=args.drain_grace_period_s)
 

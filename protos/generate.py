@@ -16,7 +16,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO_DIR = pathlib.Path("protos/pagedserve/v1")
-PROTO_FILES = ("generation.proto", "executor.proto")
+PROTO_FILES = ("generation.proto", "executor.proto", "frontend.proto")
 
 
 def generated_names() -> list[str]:

@@ -243,19 +243,22 @@ ErrorCodes = dict[type[BaseException], grpc.StatusCode]
 _log = logging.getLogger(__name__)
 
 
+def error_status(codes: ErrorCodes, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code of an exception type in `codes` (INTERNAL, logged, for any other) and the
+    message the caller gets."""
+    code = next((code for cls, code in codes.items() if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
+    if code is grpc.StatusCode.INTERNAL:
+        _log.error("internal error in a gRPC handler", exc_info=exc)
+    return code, str(exc) or type(exc).__name__
+
+
 def maps_errors(codes: ErrorCodes) -> Callable:
     """Decorates an async servicer method (unary or server-streaming): an exception of a type in
     `codes` aborts the call with that status code and the exception's message; any other exception
     gives INTERNAL (and is logged). The server keeps serving either way."""
 
-    def status_of(exc: BaseException) -> grpc.StatusCode:
-        return next((code for cls, code in codes.items() if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
-
     async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-        code = status_of(exc)
-        if code is grpc.StatusCode.INTERNAL:
-            _log.exception("internal error in a gRPC handler")
-        await context.abort(code, str(exc) or type(exc).__name__)
+        await context.abort(*error_status(codes, exc))
 
     def decorate(method: Callable) -> Callable:
         if inspect.isasyncgenfunction(method):

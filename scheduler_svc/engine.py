@@ -60,6 +60,11 @@ class RequestStream:
     def abort(self) -> bool:
         return self._engine.abort(self.request_id)
 
+    def set_sink(self, sink) -> None:
+        """Deltas go to `sink(delta)` as they are produced instead of `next_delta()` (one call per
+        delta, on the engine's thread; errors arrive as deltas with `error` set)."""
+        self._request.sink = sink
+
 
 class Engine:
     def __init__(
@@ -150,7 +155,7 @@ class Engine:
         request = self._requests.pop(request_id, None)
         found = self.scheduler.abort(request_id)
         if request is not None:
-            request.queue.put_nowait(request.abort_delta())
+            request.deliver(request.abort_delta())
             if self.metrics is not None:
                 self.metrics.inc("requests_finished", reason="abort")
         self._wakeup.set()
@@ -289,7 +294,7 @@ class Engine:
         for request_id, request in list(self._requests.items()):
             delta = RequestDelta(request_id, len(request.prompt_ids), finished=True, error=error,
                                  unavailable=unavailable)
-            request.queue.put_nowait(delta)
+            request.deliver(delta)
             self.scheduler.abort(request_id)
             if self.metrics is not None:
                 self.metrics.inc("requests_finished", reason="abort")
@@ -328,7 +333,7 @@ class Engine:
             del self._requests[out.request_id]
         if self.metrics is not None:
             record_output(self.metrics, request, delta, is_beam=bool(out.beams))
-        request.queue.put_nowait(delta)
+        request.deliver(delta)
 
     def _finish_sequence(self, request_id: str, sample_index: int) -> None:
         """A stop string ended this sample: finish its sequence so its blocks are freed now."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_svc.beam_search import BeamHypothesis
@@ -65,10 +66,19 @@ class RequestState:
         self.tokenizer = tokenizer
         self.group = group  # the scheduler's group (its scheduling timestamps feed the metrics)
         self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        # Where deltas go instead of the queue, when set (the API front-end link hands every
+        # step's deltas on in one batch: scheduler_svc/frontend_servicer.py).
+        self.sink: Callable[[RequestDelta], None] | None = None
         self.outputs: dict[int, OutputState] = {}
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None
         self.last_token_s: dict[int, float] = {}  # output index -> when its last token was streamed
+
+    def deliver(self, delta: RequestDelta) -> None:
+        if self.sink is not None:
+            self.sink(delta)
+        else:
+            self.queue.put_nowait(delta)
 
     def output(self, index: int) -> OutputState:
         if index not in self.outputs:

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import grpc
 from tokenizers import Tokenizer
 
-from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from protos.pagedserve.v1 import frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine import Engine, InvalidRequestError, ModelLimits
 from scheduler_svc.engine_api import RecoveryOptions
 from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorPool
+from scheduler_svc.frontend_servicer import FrontendLinkServicer
 from scheduler_svc.grpc_serving import (
     BearerTokenInterceptor,
     Health,
@@ -238,6 +239,7 @@ async def start_scheduler_server(
     server = grpc.aio.server(interceptors=interceptors, options=message_size_options(max_message_bytes))
     servicer = GenerationServicer(engine, model_info_pb(engine))
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    frontend_pb2_grpc.add_FrontendLinkServicer_to_server(FrontendLinkServicer(engine), server)
     health = Health(server, [SERVICE_NAME])
     add_reflection(server, [SERVICE_NAME, *health.reflection_names])
     address = f"{host}:{port}"

@@ -11,7 +11,13 @@ import grpc
 
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.convert import maps_errors, sampling_params_from_pb
-from scheduler_svc.engine import Engine, InvalidRequestError, RequestFailedError, ServiceUnavailableError
+from scheduler_svc.engine import (
+    Engine,
+    InvalidRequestError,
+    RequestFailedError,
+    RequestStream,
+    ServiceUnavailableError,
+)
 from scheduler_svc.engine_outputs import OutputDelta, RequestDelta
 from scheduler_svc.sampling_params import SamplingParamsError
 
@@ -45,10 +51,15 @@ def output_delta_to_pb(out: OutputDelta, msg: generation_pb2.OutputDelta) -> Non
         msg.logprobs.top_logprobs.extend(lp for t in top for _, lp in t)
 
 
-def request_delta_to_pb(delta: RequestDelta) -> generation_pb2.GenerateResponse:
-    msg = generation_pb2.GenerateResponse(
-        request_id=delta.request_id, prompt_tokens=delta.prompt_len, finished=delta.finished
-    )
+def request_delta_to_pb(
+    delta: RequestDelta, msg: generation_pb2.GenerateResponse | None = None
+) -> generation_pb2.GenerateResponse:
+    """The response of one delta; filled into `msg` (an empty submessage of a batch) when given."""
+    if msg is None:
+        msg = generation_pb2.GenerateResponse()
+    msg.request_id = delta.request_id
+    msg.prompt_tokens = delta.prompt_len
+    msg.finished = delta.finished
     add = msg.outputs.add
     for out in delta.outputs:
         output_delta_to_pb(out, add())
@@ -64,6 +75,15 @@ def prompt_from_pb(request: generation_pb2.GenerateRequest) -> str | list[int]:
     raise InvalidRequestError("prompt", "give the prompt as text or as token_ids")
 
 
+def add_request_from_pb(engine: Engine, request: generation_pb2.GenerateRequest) -> RequestStream:
+    """Validates a GenerateRequest and queues it (raises the errors of ERROR_CODES)."""
+    limits = engine.limits
+    params = sampling_params_from_pb(
+        request.sampling, max_n=limits.max_n, max_beam_width=limits.max_beam_width
+    )
+    return engine.add_request(prompt_from_pb(request), params, request.request_id)
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine, model_info: generation_pb2.GetModelInfoResponse):
         self._engine = engine
@@ -71,11 +91,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @maps_errors(ERROR_CODES)
     async def Generate(self, request, context):
-        limits = self._engine.limits
-        params = sampling_params_from_pb(
-            request.sampling, max_n=limits.max_n, max_beam_width=limits.max_beam_width
-        )
-        stream = self._engine.add_request(prompt_from_pb(request), params, request.request_id)
+        stream = add_request_from_pb(self._engine, request)
         finished = False
         try:
             while not finished:

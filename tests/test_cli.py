@@ -204,3 +204,31 @@ def test_serve_with_two_tensor_parallel_ranks_gives_the_same_tokens(tiny_llama_d
         seeded_one = client.generate(prompts[1], max_tokens=8, n=2, seed=4).outputs
     assert two_ranks == one_rank
     assert [o.token_ids for o in seeded] == [o.token_ids for o in seeded_one]
+
+
+def test_serve_with_an_api_frontend_gives_the_same_tokens_and_stops_on_sigterm(tiny_llama_dir, stack):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clients.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port),
+         "--device", "cpu", "--num-gpu-blocks", "64", "--api-frontend"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    prompts = [[5, 6, 7, 8], list(range(20, 61))]
+    try:
+        lines = _read_until(proc, "executors (pagedserve.v1.Executor):", timeout_s=150)
+        assert any("api front-end listening on" in line for line in lines)
+        with Client(f"localhost:{port}") as client:
+            via_frontend = [
+                client.generate(p, max_tokens=12, temperature=0.0).outputs[0].token_ids for p in prompts
+            ]
+            assert client.stats().num_free_gpu_blocks == 64
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    assert rc == 0
+    with Client(stack.target) as client:
+        direct = [client.generate(p, max_tokens=12, temperature=0.0).outputs[0].token_ids for p in prompts]
+    assert via_frontend == direct
