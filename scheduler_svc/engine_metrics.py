@@ -52,18 +52,21 @@ def record_output(
 ) -> None:
     """Generated tokens, time to first token, queue time, inter-token latency (per output), and at
     the end the end-to-end latency and finish reason. Beam search streams its hypotheses whole at the
-    end, so it counts neither generated tokens nor inter-token latency."""
+    end: their tokens (every returned beam's) count then, and no inter-token latency is observed."""
     m, now = metrics, time.monotonic()
     num_tokens = 0
     for out in delta.outputs:
-        if not out.token_ids or is_beam:
+        if is_beam:
+            num_tokens += len(out.token_ids)
+            continue
+        if not out.token_ids:
             continue
         num_tokens += len(out.token_ids)
         last = request.last_token_s.get(out.index)
         if last is not None:
             m.observe("inter_token_latency_seconds", (now - last) / len(out.token_ids))
         request.last_token_s[out.index] = now
-    if request.first_token_s is None and (num_tokens or (is_beam and delta.outputs)):
+    if request.first_token_s is None and (num_tokens or delta.outputs and is_beam):
         request.first_token_s = now
         m.observe("time_to_first_token_seconds", now - request.arrival_s)
         group = request.group

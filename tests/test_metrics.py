@@ -98,7 +98,14 @@ def test_metrics_agree_with_the_requests_served(tiny_llama_dir):
         assert diff(shared, end, "cow_copies_total") >= 1
         assert diff(shared, end, "generation_tokens_total") == 6
 
-        # 4. a stream the client leaves early counts as finished with reason abort
+        # 4. beam search: the returned beams' tokens count when the request finishes
+        beams = client.generate([1, 2, 3, 4, 5], beam_width=2, max_tokens=4, ignore_eos=True).outputs
+        after_beam = scrape(port)
+        assert [len(o.token_ids) for o in beams] == [4, 4]
+        assert diff(after_beam, shared, "generation_tokens_total") == 8
+        shared = after_beam
+
+        # 5. a stream the client leaves early counts as finished with reason abort
         stream = client.stream([5, 6, 7], max_tokens=150, ignore_eos=True)
         next(stream)
         stream.close()
