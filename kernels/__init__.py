@@ -15,7 +15,15 @@ import torch
 
 from kernels import reference
 
-__all__ = ["copy_blocks", "paged_attention", "reshape_and_cache", "swap_blocks"]
+__all__ = [
+    "copy_blocks",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "swap_blocks",
+]
 
 
 def _cuda_module(name: str):
@@ -49,3 +57,17 @@ def swap_blocks(src_cache, dst_cache, block_mapping) -> None:
     if src_cache.is_cuda or dst_cache.is_cuda:
         return _cuda_module("triton_cache").swap_blocks(src_cache, dst_cache, block_mapping)
     return reference.swap_blocks(src_cache, dst_cache, block_mapping)
+
+
+def rms_norm(x, weight, eps, residual=None) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = _cuda_module("triton_layers") if x.is_cuda else reference
+    return impl.rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(positions, query, key, cos_cache, sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = _cuda_module("triton_layers") if query.is_cuda else reference
+    return impl.rotary_embedding(positions, query, key, cos_cache, sin_cache)
+
+
+def silu_and_mul(x) -> torch.Tensor:
+    return (_cuda_module("triton_layers") if x.is_cuda else reference).silu_and_mul(x)

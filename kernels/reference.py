@@ -113,3 +113,46 @@ def swap_blocks(
     src_ids = block_mapping[:, 0].to(device=src_cache.device, dtype=torch.long)
     dst_ids = block_mapping[:, 1].to(device=dst_cache.device, dtype=torch.long)
     dst_cache[:, :, dst_ids] = src_cache[:, :, src_ids].to(dst_cache.device)
+
+
+# ---- layer ops (the model's elementwise steps; fused kernels in kernels/triton_layers.py) ----------
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, D]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of `x + residual` (of `x` without a residual) as Hugging Face computes it (float32
+    statistics, cast back, then the weight in the model's dtype), and the residual stream for the
+    next layer: `x + residual` (or `x`)."""
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype), x
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int64
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, KV, D]
+    cos_cache: torch.Tensor,  # [P, D / 2] float32
+    sin_cache: torch.Tensor,  # [P, D / 2] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-NeoX ("rotate half") rotary embedding of query and key, in their dtype as HF does."""
+    cos = cos_cache[positions].to(query.dtype).repeat(1, 2).unsqueeze(1)  # [T, 1, D]
+    sin = sin_cache[positions].to(query.dtype).repeat(1, 2).unsqueeze(1)  # [T, 1, D]
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2 I] (gate | up) -> silu(gate) * up [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

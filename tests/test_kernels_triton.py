@@ -19,12 +19,13 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 from triton.runtime import interpreter  # noqa: E402
 
-from kernels import reference, triton_attention, triton_cache  # noqa: E402
+from kernels import reference, triton_attention, triton_cache, triton_layers  # noqa: E402
 from kernels.testing import make_paged_case, random_block_pairs, relative_error  # noqa: E402
 
 if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":  # imported earlier
     triton_attention = importlib.reload(triton_attention)
     triton_cache = importlib.reload(triton_cache)
+    triton_layers = importlib.reload(triton_layers)
 
 _patch_lang_tensor = interpreter._patch_lang_tensor
 
@@ -42,6 +43,7 @@ interpreter._patch_lang_tensor = _patch_lang_tensor_for_numpy_2_4
 def test_kernels_are_interpreted():
     assert type(triton_attention._paged_attention_kernel).__name__ == "InterpretedFunction"
     assert type(triton_cache._copy_blocks_kernel).__name__ == "InterpretedFunction"
+    assert type(triton_layers._rms_norm_kernel).__name__ == "InterpretedFunction"
 
 
 @pytest.fixture
@@ -134,3 +136,47 @@ def test_swap_blocks_matches_reference(seed):
     reference.swap_blocks(src, want, mapping)
     triton_cache.swap_blocks(src, dst, mapping)
     assert torch.equal(dst, want), f"seed {seed}"
+
+
+# ---- layer kernels (kernels/triton_layers.py) ------------------------------------------------------
+
+LAYER_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim", [64, 96])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, dim, with_residual):
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(5, dim, generator=g).to(dtype)
+    residual = torch.randn(5, dim, generator=g).to(dtype) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(dim, generator=g)).to(dtype)
+    y, res = triton_layers.rms_norm(x, weight, 1e-5, residual)
+    y_ref, res_ref = reference.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(res, res_ref)  # the residual stream: one rounded add, as in torch
+    assert relative_error(y, y_ref) < LAYER_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_rotary_embedding_matches_reference_on_views_of_a_fused_qkv(dtype, head_dim):
+    g = torch.Generator().manual_seed(head_dim)
+    num_tokens, heads, kv_heads = 6, 4, 2
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)  # strided views, as in the model
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    freqs = torch.arange(100, dtype=torch.float32)[:, None] * torch.rand(head_dim // 2, generator=g)[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, 100, (num_tokens,), generator=g)
+    q_out, k_out = triton_layers.rotary_embedding(positions, q, k, cos, sin)
+    q_ref, k_ref = reference.rotary_embedding(positions, q, k, cos, sin)
+    assert relative_error(q_out, q_ref) < LAYER_TOLERANCE[dtype]
+    assert relative_error(k_out, k_ref) < LAYER_TOLERANCE[dtype]
+    assert not torch.equal(q_out, q)  # positions > 0 rotate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("inter", [48, 1100])  # one partial chunk; two chunks of 1024
+def test_silu_and_mul_matches_reference(dtype, inter):
+    x = torch.randn(3, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(dtype)
+    assert relative_error(triton_layers.silu_and_mul(x), reference.silu_and_mul(x)) < LAYER_TOLERANCE[dtype]

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from executor_svc.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -18,8 +19,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I/tp] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))  # gate | up: [T, 2 I/tp]
 
 
 class ReluMLP(nn.Module):

@@ -1,10 +1,15 @@
-"""RMSNorm (Llama/Qwen) and LayerNorm (OPT), numerically as Hugging Face computes them."""
+"""RMSNorm (Llama/Qwen) and LayerNorm (OPT), numerically as Hugging Face computes them.
+
+RMSNorm's math is `kernels.rms_norm` (reference on CPU, one fused Triton launch on CUDA);
+`add_and_norm` also adds the residual stream in that launch."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import kernels
 
 
 class RMSNorm(nn.Module):
@@ -14,9 +19,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)  # [D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """Any shape [..., D] (e.g. Qwen3's per-head norm of q and k)."""
+        return kernels.reference.rms_norm(x, self.weight, self.eps)[0]
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, D] -> (RMSNorm(x + residual), x + residual); residual None: (RMSNorm(x), x)."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class LayerNorm(nn.Module):

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+import kernels
 from executor_svc.model_config import RopeConfig
 
 
@@ -46,12 +47,5 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, KV, D], positions: [T] -> rotated (q, k)."""
-        cos = self.cos_cache[positions].to(q.dtype).repeat(1, 2).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin_cache[positions].to(q.dtype).repeat(1, 2).unsqueeze(1)  # [T, 1, D]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        """q: [T, H, D], k: [T, KV, D], positions: [T] -> rotated (q, k) (kernels.rotary_embedding)."""
+        return kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)

@@ -64,9 +64,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, kv_cache, meta):
+        """x: the previous layer's output (the embeddings for layer 0, residual None); returns this
+        layer's output and the residual stream before it (each norm adds the two in its launch)."""
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -80,9 +84,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta):
         x = self.embed_tokens(input_ids)  # [T, D]
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(positions, x, kv_cache[i], meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache[i], meta)
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
