@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from executor_svc.errors import PlanError, StepOrderError
 from executor_svc.host_to_device import to_device
 from executor_svc.kv_cache import GIB, KVCache, blocks_from_profile, bytes_per_block
+from executor_svc.launched_step import LaunchedStep, copy_to_host, to_samples
 from executor_svc.loader import load_model
 from executor_svc.model_config import DTYPES, ModelConfig
 from executor_svc.model_input import ScheduledSequence, SequenceState, build_model_input
 from executor_svc.model_runner import ModelRunner
 from executor_svc.worker_config import WorkerConfig, WorkerDescription
-from scheduler_svc.step_plan import PENDING_TOKEN, SampledToken, StepPlan, StepResult
+from scheduler_svc.step_plan import PENDING_TOKEN, StepPlan, StepResult
 
 __all__ = ["PlanError", "StepOrderError", "Worker", "WorkerConfig", "WorkerDescription"]
 
@@ -176,7 +177,7 @@ class Worker:
             if output is not None:
                 step.rows = {seq_id: row for row, seq_id in enumerate(batch.sampled_seq_ids)}
                 step.token_ids = output.token_ids
-                step.host = _copy_to_host(batch, output)
+                step.host = copy_to_host(batch, output)
         step.num_seqs, step.num_tokens = len(scheduled), sum(s.num_new_tokens for s in scheduled)
         step.events = (start_event, self._record_event())
         self.last_step_id = plan.step_id
@@ -193,7 +194,7 @@ class Worker:
         steps took from it on the device."""
         self.wait(step)
         end = time.perf_counter()
-        samples = _to_samples(*step.host) if step.host is not None else []
+        samples = to_samples(*step.host) if step.host is not None else []
         step.sampled_token_ids = [s.token_id for s in samples]
         for state, index, row in step.pending_fixes:
             state.token_ids[index] = step.sampled_token_ids[row]
@@ -365,51 +366,3 @@ def _resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torc
         return DTYPES[name]
     saved = DTYPES.get(config.torch_dtype, torch.float32)
     return torch.bfloat16 if saved == torch.float32 and device.type == "cuda" else saved
-
-
-@dataclass(slots=True, eq=False)
-class LaunchedStep:
-    """A step whose GPU work is queued (`Worker.launch`) and not yet collected (`Worker.finish`)."""
-
-    step_id: int
-    start: float  # perf_counter at launch
-    launch: float = 0.0  # perf_counter when the forward pass was queued
-    num_seqs: int = 0
-    num_tokens: int = 0
-    events: tuple | None = None  # CUDA events at the start and the end of the step's GPU work
-    rows: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled row
-    token_ids: torch.Tensor | None = None  # [S] sampled tokens on the device
-    host: tuple | None = None  # (sampled_seq_ids, host copies of the sampler's outputs)
-    sampled_token_ids: list[int] | None = None  # [S], once finished
-    # (state, index, row): token ids of later steps' sequences that are this step's samples
-    pending_fixes: list[tuple[SequenceState, int, int]] = field(default_factory=list)
-
-
-def _copy_to_host(batch, output) -> tuple:
-    """Queues copies of the samples into pinned host memory (read after the step's end event)."""
-    pin = output.token_ids.is_cuda
-    tensors = []
-    for t in (output.token_ids, output.logprobs, output.top_token_ids, output.top_logprobs,
-              output.beam_token_ids, output.beam_logprobs):
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        tensors.append(host.copy_(t, non_blocking=pin))
-    return batch.sampled_seq_ids, tensors, batch.num_logprobs, batch.num_beam_candidates
-
-
-def _to_samples(sampled_seq_ids, tensors, num_top, num_beam) -> list[SampledToken]:
-    token_ids, logprobs, top_ids, top_lps, beam_ids, beam_lps = (t.tolist() for t in tensors)
-    num_top = num_top or [0] * len(sampled_seq_ids)
-    num_beam = num_beam or [0] * len(sampled_seq_ids)
-    samples = []
-    for row, seq_id in enumerate(sampled_seq_ids):
-        n_top, n_beam = max(0, num_top[row]), num_beam[row]
-        samples.append(
-            SampledToken(
-                seq_id,
-                token_ids[row],
-                logprobs[row],
-                top_logprobs=list(zip(top_ids[row][:n_top], top_lps[row][:n_top], strict=True)),
-                beam_candidates=list(zip(beam_ids[row][:n_beam], beam_lps[row][:n_beam], strict=True)),
-            )
-        )
-    return samples
