@@ -31,6 +31,18 @@ def _cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
     )
 
 
+def _serve(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """`pagedserve serve ARGS` in the background, stdout and stderr merged into proc.stdout."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "clients.cli", "serve", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir):
     with Stack(tiny_llama_dir, num_gpu_blocks=64) as running:
@@ -101,30 +113,9 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> list[s
 def test_serve_starts_both_processes_with_the_default_model_and_stops_on_sigterm(tmp_path):
     port, metrics_port = free_port(), free_port()
     env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "clients.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-            "--num-gpu-blocks",
-            "64",
-            "--num-cpu-blocks",
-            "16",
-            "--metrics-port",
-            str(metrics_port),
-            "--preemption",
-            "swap",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = _serve(
+        "--port", str(port), "--device", "cpu", "--num-gpu-blocks", "64", "--num-cpu-blocks", "16",
+        "--metrics-port", str(metrics_port), "--preemption", "swap", env=env,
     )
     try:
         lines = _read_until(proc, "executors (pagedserve.v1.Executor):", timeout_s=150)
@@ -163,27 +154,9 @@ def test_serve_starts_both_processes_with_the_default_model_and_stops_on_sigterm
 
 def test_serve_with_two_tensor_parallel_ranks_gives_the_same_tokens(tiny_llama_dir, stack):
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "clients.cli",
-            "serve",
-            "--model",
-            str(tiny_llama_dir),
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-            "--tensor-parallel-size",
-            "2",
-            "--num-gpu-blocks",
-            "64",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = _serve(
+        "--model", str(tiny_llama_dir), "--port", str(port), "--device", "cpu",
+        "--tensor-parallel-size", "2", "--num-gpu-blocks", "64",
     )
     try:
         lines = _read_until(proc, "executors (pagedserve.v1.Executor):", timeout_s=150)
@@ -208,13 +181,9 @@ def test_serve_with_two_tensor_parallel_ranks_gives_the_same_tokens(tiny_llama_d
 
 def test_serve_with_an_api_frontend_gives_the_same_tokens_and_stops_on_sigterm(tiny_llama_dir, stack):
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clients.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port),
-         "--device", "cpu", "--num-gpu-blocks", "64", "--api-frontend"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = _serve(
+        "--model", str(tiny_llama_dir), "--port", str(port), "--device", "cpu", "--num-gpu-blocks", "64",
+        "--api-frontend",
     )
     prompts = [[5, 6, 7, 8], list(range(20, 61))]
     try:
