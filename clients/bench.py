@@ -39,7 +39,7 @@ import tempfile
 from clients import launcher
 from clients.bench_load import Decoding, run_load
 from clients.bench_report import gpu_idle, ideal_time, read_step_trace, summarize
-from scheduler_svc.sim_models import MODELS, ModelSpec
+from scheduler_svc.sim_models import ModelSpec
 from scheduler_svc.workloads import WORKLOADS, make_workload
 
 PEERS = ("hf-static", "hf-cb")
@@ -89,36 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             from clients.bench_paper import add_paper_arguments
 
             add_paper_arguments(sub)
-
-
-# ---- model ---------------------------------------------------------------------------------------
-
-
-def resolve_model(args: argparse.Namespace) -> tuple[str, ModelSpec]:
-    """The model folder to serve and its shape; a named shape becomes a config.json-only folder."""
-    if args.model in MODELS:
-        spec = MODELS[args.model]
-        folder = launcher.CACHE_DIR / "bench-models" / args.model
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(spec.hf_config(), indent=2) + "\n")
-        args.load_format = "dummy"
-        return str(folder), spec
-    folder = pathlib.Path(args.model) if args.model else launcher.ensure_default_model()
-    return str(folder.resolve()), spec_from_hf_config(json.loads((folder / "config.json").read_text()))
-
-
-def spec_from_hf_config(hf: dict) -> ModelSpec:
-    heads = hf["num_attention_heads"]
-    return ModelSpec(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        ffn_size=hf.get("intermediate_size") or hf["ffn_dim"],
-        vocab_size=hf["vocab_size"],
-        max_model_len=hf.get("max_position_embeddings", 2048),
-        gated_mlp=hf.get("model_type") != "opt",
-    )
 
 
 # ---- servers -------------------------------------------------------------------------------------
@@ -269,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if (problem := check_args(args)) is not None:
         print(f"pagedserve bench: {problem}", file=sys.stderr)
         return 2
-    model, spec = resolve_model(args)
+    model, spec = launcher.resolve_model(args)
     result: dict = {
         "mode": args.mode,
         "model": args.model or "tiny-llama",

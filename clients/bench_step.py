@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from clients.bench import resolve_model
+from clients.launcher import resolve_model
 from executor_svc.model_input import ScheduledSequence, SequenceState, build_model_input
 from executor_svc.worker import Worker
 from scheduler_svc.sampling_params import SamplingParams

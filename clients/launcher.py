@@ -13,6 +13,7 @@ first use (cached under ~/.cache/pagedserve).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import signal
@@ -22,13 +23,16 @@ import sys
 import time
 
 from scheduler_svc.kv_policies import PAGED, POLICIES, check_policy_options
+from scheduler_svc.sim_models import MODELS, ModelSpec
 
 CACHE_DIR = pathlib.Path(os.environ.get("PAGEDSERVE_CACHE", "~/.cache/pagedserve")).expanduser()
 DEFAULT_MODEL_DIR = CACHE_DIR / "tiny-llama"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face model folder (default: the tiny model)")
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model folder (default: the tiny model), or a named shape "
+                        f"served with dummy weights and token-id prompts only: {', '.join(MODELS)}")
     parser.add_argument("--host", default="127.0.0.1", help="address the public API listens on")
     parser.add_argument("--port", type=int, default=50051, help="public API port")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
@@ -81,6 +85,35 @@ def ensure_default_model(model_dir: pathlib.Path = DEFAULT_MODEL_DIR) -> pathlib
         cmd = [sys.executable, "-m", "clients.cli", "make-tiny-model", str(model_dir), "--family", "llama"]
         subprocess.run(cmd, check=True)
     return model_dir
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[str, ModelSpec]:
+    """The model folder to serve and its shape. A named shape of scheduler_svc/sim_models.py (e.g.
+    `llama3-8b`) becomes a folder with only config.json, served with dummy weights and no tokenizer
+    (token-id prompts only)."""
+    if args.model in MODELS:
+        spec = MODELS[args.model]
+        folder = CACHE_DIR / "bench-models" / args.model
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(spec.hf_config(), indent=2) + "\n")
+        args.load_format = "dummy"
+        return str(folder), spec
+    folder = pathlib.Path(args.model) if args.model else ensure_default_model()
+    return str(folder.resolve()), spec_from_hf_config(json.loads((folder / "config.json").read_text()))
+
+
+def spec_from_hf_config(hf: dict) -> ModelSpec:
+    heads = hf["num_attention_heads"]
+    return ModelSpec(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        ffn_size=hf.get("intermediate_size") or hf["ffn_dim"],
+        vocab_size=hf["vocab_size"],
+        max_model_len=hf.get("max_position_embeddings", 2048),
+        gated_mlp=hf.get("model_type") != "opt",
+    )
 
 
 def executor_command(args: argparse.Namespace, model: str, rank: int, port: int, dist_port: int) -> list[str]:
@@ -217,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     if (problem := check_options(args)) is not None:
         print(f"pagedserve serve: {problem}", file=sys.stderr)
         return 2
-    model = str(pathlib.Path(args.model).resolve()) if args.model else str(ensure_default_model())
+    model, _ = resolve_model(args)
     stop_requested = False
 
     def request_stop(signum, frame) -> None:

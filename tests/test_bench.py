@@ -119,7 +119,7 @@ def test_named_shapes_write_a_config_both_stacks_read(tmp_path, monkeypatch):
     monkeypatch.setattr(launcher, "CACHE_DIR", tmp_path)
     for name in ("llama3-8b", "llama2-13b"):
         args = argparse.Namespace(model=name, load_format="auto")
-        folder, spec = bench.resolve_model(args)
+        folder, spec = launcher.resolve_model(args)
         assert args.load_format == "dummy" and spec == MODELS[name]
         ours = ModelConfig.from_dir(folder)
         assert (ours.num_layers, ours.hidden_size, ours.num_kv_heads, ours.vocab_size) == (
@@ -131,7 +131,7 @@ def test_named_shapes_write_a_config_both_stacks_read(tmp_path, monkeypatch):
         assert ours.intermediate_size == spec.ffn_size
         hf = AutoConfig.from_pretrained(folder)
         assert hf.num_key_value_heads == spec.num_kv_heads and hf.intermediate_size == spec.ffn_size
-        assert bench.spec_from_hf_config(hf.to_dict()) == spec
+        assert launcher.spec_from_hf_config(hf.to_dict()) == spec
 
 
 @pytest.fixture(scope="module")
