@@ -7,6 +7,7 @@ for many streams."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -27,6 +28,11 @@ class FrontendStack(Stack):
         started = await start_frontend(self.scheduler_target)
         self.frontend, port, self.frontend_health, self.link_task = started
         self.target = f"127.0.0.1:{port}"
+
+    def frontend_link_up(self) -> bool:
+        from tests.test_grpc_stack import _health
+
+        return _health(self.target, "") == "SERVING"
 
     async def _stop(self) -> None:
         await self.frontend.stop(0.5)
@@ -113,3 +119,39 @@ def test_many_streams_get_one_batch_per_step(tiny_llama_dir):
     assert all(len(r.outputs[0].token_ids) == MAX_TOKENS for r in results)
     assert sum(batches) >= 32 * MAX_TOKENS  # every response went through a batch
     assert len(batches) < sum(batches) / 8
+
+
+def test_a_broken_link_ends_streams_unavailable_and_reconnects_to_a_restarted_scheduler(tiny_llama_dir):
+    from dataclasses import replace
+
+    from scheduler_svc.server import ServeOptions, build_engine, start_scheduler_server
+
+    with FrontendStack(tiny_llama_dir) as stack:
+        port = int(stack.scheduler_target.rsplit(":", 1)[1])
+
+        async def generate_during_outage():
+            async with AsyncClient(stack.target) as client:
+                stream = client.stream(PROMPTS[1], max_tokens=400, ignore_eos=True)
+                await anext(stream)
+                stopping = asyncio.ensure_future(stack.scheduler.stop(0))  # the scheduler goes away
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in stream:
+                        pass
+                await stopping
+                return info.value.code()
+
+        assert stack.run(generate_during_outage()) == grpc.StatusCode.UNAVAILABLE
+
+        async def restart_scheduler():
+            opts = ServeOptions(model=stack.model_dir, executors=(stack.executor_target,), port=port)
+            stack.engine = await build_engine(replace(opts, **stack.options))
+            stack.scheduler = await start_scheduler_server(stack.engine, "127.0.0.1", port)
+
+        assert not stack.frontend_link_up()  # NOT_SERVING while the scheduler is gone
+        stack.run(restart_scheduler())
+        deadline = time.monotonic() + 10
+        while not stack.frontend_link_up():  # the front-end reconnects on its own
+            assert time.monotonic() < deadline, "the front-end did not reconnect"
+            time.sleep(0.05)
+        with Client(stack.target) as client:
+            assert len(client.generate(PROMPTS[0], max_tokens=5, temperature=0.0).outputs[0].token_ids) == 5
