@@ -12,8 +12,10 @@ recovering, ...) of a direct connection. GetModelInfo, Abort and GetServerStats 
 
 TLS and the bearer token apply to clients here; the same token is presented to the scheduler.
 SIGTERM: NOT_SERVING, new calls refused, calls in flight get `--drain-grace-period-s` to finish.
-If the link to the scheduler breaks, the streams on it end with UNAVAILABLE, the front-end reports
-NOT_SERVING and reconnects.
+Health: SERVING while the link is up and the scheduler itself reports SERVING (checked every
+second: e.g. NOT_SERVING while it recovers from an executor failure or drains). If the link to the
+scheduler breaks, the streams on it end with UNAVAILABLE, the front-end reports NOT_SERVING and
+reconnects.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from scheduler_svc.grpc_serving import (
 SERVICE_NAME = "pagedserve.v1.Generation"
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 RECONNECT_S = 0.5
+HEALTH_POLL_S = 1.0
 _log = logging.getLogger(__name__)
 
 
@@ -57,7 +60,8 @@ class EngineLink:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._call = None
         self.connected = asyncio.Event()
-        self.on_change = None  # called with True / False when the link comes up / goes down
+        self.scheduler_serving = True  # the scheduler's own health (watch_scheduler_health)
+        self.on_change = None  # called with True / False when serving through the link starts / stops
 
     async def run(self, connect_timeout_s: float) -> None:
         """Keeps the link up for as long as the front-end runs."""
@@ -85,8 +89,30 @@ class EngineLink:
 
     def _set_connected(self, up: bool) -> None:
         (self.connected.set if up else self.connected.clear)()
+        self._report()
+
+    def _report(self) -> None:
         if self.on_change is not None:
-            self.on_change(up)
+            self.on_change(self.connected.is_set() and self.scheduler_serving)
+
+    async def watch_scheduler_health(self) -> None:
+        """Polls the scheduler's grpc.health.v1 status (nothing to poll without grpcio-health-checking)."""
+        try:
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+        except ImportError:
+            return
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        while True:
+            try:
+                reply = await stub.Check(request, timeout=HEALTH_POLL_S)
+                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError:
+                serving = False
+            if serving != self.scheduler_serving:
+                self.scheduler_serving = serving
+                self._report()
+            await asyncio.sleep(HEALTH_POLL_S)
 
     async def _write(self, call) -> None:
         outbox = self._outbox
@@ -200,6 +226,8 @@ async def start_frontend(
     link.on_change = lambda up: loop.create_task(health.set_serving(up))
     await health.set_alive(True)
     await health.set_serving(True)
+    watcher = asyncio.ensure_future(link.watch_scheduler_health())
+    link_task.add_done_callback(lambda _: watcher.cancel())
     return server, bound, health, link_task
 
 

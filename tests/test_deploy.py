@@ -132,3 +132,59 @@ def test_dashboard_queries_only_metrics_the_scheduler_and_executors_export():
     for must in ("step_time_seconds_bucket", "gpu_memory_allocated_bytes", "gpu_memory_reserved_bytes",
                  "kv_cache_bytes"):
         assert EXECUTOR_PREFIX + must in queried
+
+
+def _apply_json6902(doc: dict, ops: list[dict]) -> None:
+    """The `replace` and `add` operations kustomize applies (enough for our patches)."""
+    for op in ops:
+        *parents, last = op["path"].strip("/").split("/")
+        node = doc
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if op["op"] == "add" and isinstance(node, list):
+            node.append(op["value"]) if last == "-" else node.insert(int(last), op["value"])
+        elif op["op"] in ("add", "replace"):
+            assert op["op"] == "add" or (int(last) < len(node) if isinstance(node, list) else last in node)
+            node[int(last) if isinstance(node, list) else last] = op["value"]
+        else:
+            raise AssertionError(f"unsupported patch op {op['op']}")
+
+
+def test_api_frontend_overlay_validates_and_wires_the_frontend_to_the_scheduler(tmp_path):
+    import copy
+
+    from scheduler_svc.frontend_server import parse_args as parse_frontend_args
+    from scheduler_svc.server import parse_args as parse_scheduler_args
+
+    overlay = DEPLOY / "k8s" / "overlays" / "api-frontend"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    docs = {(d["kind"], d["metadata"]["name"]): copy.deepcopy(d)
+            for p in _kustomization_resources(overlay) for d in _documents(p)}
+    for patch in kustomization["patches"]:
+        if "target" in patch:
+            target = docs[(patch["target"]["kind"], patch["target"]["name"])]
+            _apply_json6902(target, yaml.safe_load((overlay / patch["path"]).read_text()))
+        else:
+            for doc in _documents(overlay / patch["path"]):
+                docs[(doc["kind"], doc["metadata"]["name"])]["data"].update(doc["data"])
+    deployment = docs[("Deployment", "pagedserve-scheduler")]
+    config = docs[("ConfigMap", "pagedserve-engine")]
+    for doc in (deployment, config):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+    containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+    assert set(containers) == {"scheduler", "frontend"}
+    ports = [p["containerPort"] for c in containers.values() for p in c["ports"]]
+    assert len(ports) == len(set(ports))  # no port served twice in the pod
+    service = docs[("Service", "pagedserve")]
+    grpc_target = next(p["targetPort"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc_target in {p["name"] for p in containers["frontend"]["ports"]}  # clients reach the front-end
+
+    (tmp_path / "scheduler.json").write_text(config["data"]["scheduler.json"])
+    (tmp_path / "frontend.json").write_text(config["data"]["frontend.json"])
+    scheduler = parse_scheduler_args(["--config", str(tmp_path / "scheduler.json")])
+    frontend = parse_frontend_args(["--config", str(tmp_path / "frontend.json")])
+    assert frontend.engine == f"127.0.0.1:{scheduler.port}" and frontend.port == 50051
+    assert containers["scheduler"]["readinessProbe"]["grpc"]["port"] == scheduler.port
+    assert containers["frontend"]["readinessProbe"]["grpc"]["port"] == frontend.port
+    assert frontend.drain_grace_period_s == scheduler.drain_grace_period_s

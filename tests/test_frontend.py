@@ -14,7 +14,7 @@ import pytest
 
 from clients.client import AsyncClient, Client
 from tests.test_grpc_generation import MAX_TOKENS, PROMPTS, _run_batch
-from tests.test_grpc_stack import Stack
+from tests.test_grpc_stack import Stack, _health
 
 
 class FrontendStack(Stack):
@@ -30,8 +30,6 @@ class FrontendStack(Stack):
         self.target = f"127.0.0.1:{port}"
 
     def frontend_link_up(self) -> bool:
-        from tests.test_grpc_stack import _health
-
         return _health(self.target, "") == "SERVING"
 
     async def _stop(self) -> None:
@@ -155,3 +153,18 @@ def test_a_broken_link_ends_streams_unavailable_and_reconnects_to_a_restarted_sc
             time.sleep(0.05)
         with Client(stack.target) as client:
             assert len(client.generate(PROMPTS[0], max_tokens=5, temperature=0.0).outputs[0].token_ids) == 5
+
+
+def test_front_end_health_follows_the_schedulers(frontend_stack):
+    """The scheduler NOT_SERVING (draining, recovering) makes the front-end NOT_SERVING too."""
+
+    def wait_for(status: str) -> None:
+        deadline = time.monotonic() + 10
+        while _health(frontend_stack.target, "") != status:
+            assert time.monotonic() < deadline, f"the front-end never reported {status}"
+            time.sleep(0.1)
+
+    frontend_stack.run(frontend_stack.scheduler.health.set_serving(False))
+    wait_for("NOT_SERVING")
+    frontend_stack.run(frontend_stack.scheduler.health.set_serving(True))
+    wait_for("SERVING")
