@@ -168,7 +168,7 @@ class Worker:
                 self._fill_pending_tokens(batch, step.step_id)
         # The start event goes on the stream just before the forward pass: the GPU is idle from the
         # previous step's end to it unless this step was queued while that one ran.
-        start_event = self._record_event()
+        start_event = self._record_event() if self._trace is not None else None  # timing: trace only
         step.launch = time.perf_counter()
         if batch is not None:
             output = runner.execute(batch)
