@@ -19,8 +19,11 @@ without repeating K/V), the softmax is online (base 2, scale folded in), and all
 varlen batch share one launch: a program finds its sequence by binary search over query_start_loc.
 
 Split-K (flash-decoding): when the grid (tiles x KV heads) is too small to fill the GPU, axis 2
-splits each context into partitions of `partition_size` positions; every program writes its
-unnormalized partial output with its running max and sum, and `_reduce_splits_kernel` combines them.
+splits each context into `num_splits` partitions; every program writes its unnormalized partial
+output with its running max and sum, and `_reduce_splits_kernel` combines them. Each tile splits its
+own context evenly (whole K/V tiles, at least two), so the work is balanced whatever the lengths:
+a CUDA graph captures the split count for the model's maximum length, and partitions of that
+maximum would leave all but the first empty for the contexts a server actually sees.
 """
 
 import math
@@ -85,7 +88,13 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+# Triton compiles a variant per value class of each integer argument (1, a multiple of 16, other);
+# these change from step to step, and a serving process would stall on a compilation (1-2 s) each
+# time a step brings a new combination. Their values never shape the code.
+_PER_STEP_ARGS = ["num_seqs", "num_search_steps", "partition_size", "num_splits", "stride_bt_seq"]
+
+
+@triton.jit(do_not_specialize=_PER_STEP_ARGS)
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -128,8 +137,11 @@ def _paged_attention_kernel(
     )  # [BLOCK_M, D_PAD]
 
     kv_end = context_start + tl.minimum(q_tile_start + BLOCK_Q, q_len)
-    kv_lo = split * partition_size
-    kv_hi = tl.minimum(kv_lo + partition_size, kv_end)
+    part = partition_size
+    if part == 0:  # the tile's context in num_splits even partitions of whole K/V tiles
+        part = tl.maximum(tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N), 2) * BLOCK_N
+    kv_lo = split * part
+    kv_hi = tl.minimum(kv_lo + part, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -165,7 +177,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     num_heads, num_splits, head_dim, stride_o_tok, stride_o_head,
@@ -223,7 +235,8 @@ def paged_attention(
     max_query_len, max_seq_len, scale, *, num_splits: int | None = None,
     tile: tuple[int, int, int] | None = None, block_m: int | None = None,
 ) -> torch.Tensor:
-    """See kernels/reference.py. num_splits forces the split-K count (1 = none); tile forces
+    """See kernels/reference.py. num_splits forces the split-K count (1 = none; > 1: partitions of
+    max_seq_len / num_splits positions, the same for every sequence); tile forces
     (BLOCK_N, num_warps, num_stages) and block_m the rows of a prefill tile (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -251,11 +264,10 @@ def paged_attention(
     partition_size = _NO_PARTITION
     if num_splits is None:
         num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seq_len, split_slots(query.device))
-        if num_splits > 1:  # whole K/V tiles per partition
-            partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    elif num_splits > 1:
+        if num_splits > 1:
+            partition_size = 0  # each tile's own context split evenly (in the kernel)
+    elif num_splits > 1:  # forced: partitions of a fixed size, as a sweep over split counts needs
         partition_size = triton.cdiv(max_seq_len, num_splits)
-    if num_splits > 1:
         num_splits = triton.cdiv(max_seq_len, partition_size)
     split = num_splits > 1
 

@@ -213,7 +213,10 @@ def test_bench_throughput_end_to_end_with_peers(config_only_model, tmp_path, cap
         ours = by_size[peer["num_requests"]]
         assert peer["output_tokens"] == ours["output_tokens"]  # identical request sets
         assert peer["ratio"] == pytest.approx(ours["output_tok_s"] / peer["output_tok_s"], rel=0.02)
+        ratio_all = by_size[6]["output_tok_s"] / peer["output_tok_s"]
+        assert peer["ratio_ours_all"] == pytest.approx(ratio_all, rel=0.02)
     assert "hf-cb on the first 6 requests" in table and "ours[6]" in table
+    assert "ours on all 6 requests" in table  # hf-static ran on 3 of them
 
 
 def test_bench_serve_sweeps_poisson_rates(config_only_model, tmp_path, capsys):

@@ -6,6 +6,7 @@ kernels.triton_*; nothing on a CPU-only machine imports those modules earlier (t
 tensors to the reference). With CUDA present, tests/gpu covers the compiled kernels instead.
 """
 
+import dataclasses
 import importlib
 import os
 import random
@@ -90,6 +91,24 @@ def test_paged_attention_other_tile_shapes(seed, name, block_m, tile):
     case = make_paged_case(seq_lens, query_lens, 8, 2, 32, 8, torch.float32, "cpu", seed)
     ref = reference.paged_attention(*case.args())
     out = triton_attention.paged_attention(*case.args(), tile=tile, block_m=block_m)
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens", "num_programs"),
+    # decode (4 tiles); a prefill chunk among decodes (13 tokens in tiles of 8 rows: 3 tiles)
+    [([600, 150, 70, 1], [1, 1, 1, 1], 4), ([600, 33], [1, 12], 3)],
+)
+def test_paged_attention_splits_each_context_evenly(seed, seq_lens, query_lens, num_programs):
+    """max_seq_len far above every context, as a CUDA graph captures it: the split count comes from
+    the grid (4 or 5 here, 8 slots on a CPU), and each tile divides its own context into that many
+    partitions (the 600-token sequence uses all of them, the short ones leave some empty)."""
+    case = make_paged_case(seq_lens, query_lens, 8, 1, 32, 16, torch.float32, "cpu", seed)
+    case = dataclasses.replace(case, max_seq_len=4096)
+    assert triton_attention.choose_num_splits(num_programs, 4096, 8) in (4, 5)
+    ref = reference.paged_attention(*case.args())
+    out = triton_attention.paged_attention(*case.args())
     err = relative_error(out, ref)
     assert err < 1e-5, f"seed {seed}: relative error {err}"
 
