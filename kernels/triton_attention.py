@@ -91,7 +91,7 @@ def _attend_tiles(
 # Triton compiles a variant per value class of each integer argument (1, a multiple of 16, other);
 # these change from step to step, and a serving process would stall on a compilation (1-2 s) each
 # time a step brings a new combination. Their values never shape the code.
-_PER_STEP_ARGS = ["num_seqs", "num_search_steps", "partition_size", "num_splits", "stride_bt_seq"]
+_PER_STEP_ARGS = ["num_seqs", "num_search_steps", "num_splits", "stride_bt_seq"]
 
 
 @triton.jit(do_not_specialize=_PER_STEP_ARGS)
@@ -103,7 +103,7 @@ def _paged_attention_kernel(
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
-    IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,9 +137,10 @@ def _paged_attention_kernel(
     )  # [BLOCK_M, D_PAD]
 
     kv_end = context_start + tl.minimum(q_tile_start + BLOCK_Q, q_len)
-    part = partition_size
-    if part == 0:  # the tile's context in num_splits even partitions of whole K/V tiles
+    if EVEN_SPLITS:  # the tile's context in num_splits even partitions of whole K/V tiles
         part = tl.maximum(tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N), 2) * BLOCK_N
+    else:  # a fixed size; no split: _NO_PARTITION
+        part = partition_size
     kv_lo = split * part
     kv_hi = tl.minimum(kv_lo + part, kv_end)
 
@@ -216,10 +217,15 @@ def split_slots(device: torch.device) -> int:
 def choose_num_splits(num_programs: int, max_seq_len: int, num_slots: int) -> int:
     """Split-K count for a grid of num_programs (tiles x KV heads); num_slots from split_slots().
 
-    A grid of at least num_slots programs is left alone. A smaller one is split into the fewest
-    partitions that give at least 1.5 x num_slots programs, in waves of num_slots the last at least
-    90 % full. Partitions stay >= _MIN_PARTITION positions."""
-    if num_programs >= num_slots:
+    A grid of at least 3/4 of num_slots programs is left alone. A smaller one is split into the
+    fewest partitions that give at least 1.5 x num_slots programs, in waves of num_slots the last at
+    least 90 % full. Partitions stay >= _MIN_PARTITION positions (of max_seq_len; the kernel splits
+    each context evenly into the count chosen here).
+
+    The 3/4: on an H100 (264 slots), 32 sequences of 1024 positions x 8 KV heads = 256 programs took
+    1689 us of attention per llama3-8b decode step unsplit and 1832 us split in two; 24 sequences
+    (192 programs) 1356 us split in four, 1520 us with one working partition (docs/benchmarks.md)."""
+    if num_programs >= 0.75 * num_slots:
         return 1
     max_splits = max(1, math.ceil(max_seq_len / _MIN_PARTITION))
     for splits in range(2, max_splits + 1):
@@ -262,10 +268,10 @@ def paged_attention(
     if tile is not None:
         block_n, num_warps, num_stages = tile
     partition_size = _NO_PARTITION
+    even_splits = False
     if num_splits is None:
         num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seq_len, split_slots(query.device))
-        if num_splits > 1:
-            partition_size = 0  # each tile's own context split evenly (in the kernel)
+        even_splits = num_splits > 1  # each tile's own context split evenly (in the kernel)
     elif num_splits > 1:  # forced: partitions of a fixed size, as a sweep over split counts needs
         partition_size = triton.cdiv(max_seq_len, num_splits)
         num_splits = triton.cdiv(max_seq_len, partition_size)
@@ -284,6 +290,7 @@ def paged_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, D_PAD=d_pad, IS_DECODE=is_decode, SPLIT=split,
+        EVEN_SPLITS=even_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
