@@ -363,8 +363,8 @@ def format_table(result: dict) -> str:
         )
         if p["num_requests"] < result["requests"]:
             lines.append(
-                f"{'':>4}ours on all {result['requests']} requests {p['ours_all_output_tok_s']:.1f} out tok/s: "
-                f"{p['ratio_ours_all']:.2f}x {p['peer']}'s rate on its {p['num_requests']}"
+                f"{'':>4}ours on all {result['requests']} requests {p['ours_all_output_tok_s']:.1f} "
+                f"out tok/s: {p['ratio_ours_all']:.2f}x {p['peer']}'s rate on its {p['num_requests']}"
             )
     return "\n".join(lines)
 
