@@ -70,18 +70,45 @@ def sustainable_rate(runs: list[dict], latency_factor: float) -> float | None:
     return max(ok)
 
 
+def crossing_rate(runs: list[dict], latency_factor: float) -> float | None:
+    """The rate at which normalized latency reaches latency_factor x the lowest rate's, linearly
+    interpolated between the last swept rate below that and the first above it (a finer reading of
+    a coarse sweep than `sustainable_rate`); None when no swept rate reaches it."""
+    done = sorted((r for r in runs if not r["num_failed"]), key=lambda r: r["rate_per_s"])
+    if not done:
+        return None
+    limit = latency_factor * done[0]["normalized_latency_s_per_token"]
+    for below, above in zip(done, done[1:], strict=False):
+        lo, hi = below["normalized_latency_s_per_token"], above["normalized_latency_s_per_token"]
+        if hi > limit:
+            fraction = (limit - lo) / (hi - lo)
+            return round(below["rate_per_s"] + fraction * (above["rate_per_s"] - below["rate_per_s"]), 2)
+    return None
+
+
 def compare(by_policy: dict[str, list[dict]], latency_factor: float) -> dict:
-    """Normalized latency per rate and policy, each policy's sustainable rate, paged's ratios."""
-    summary: dict = {"normalized_latency_s_per_token": {}, "sustainable_rate_per_s": {}, "ratios": {}}
+    """Normalized latency per rate and policy, each policy's sustainable rate (the highest swept rate
+    within latency_factor) and interpolated crossing rate, and paged's ratios over the baselines."""
+    summary: dict = {
+        "normalized_latency_s_per_token": {},
+        "sustainable_rate_per_s": {},
+        "crossing_rate_per_s": {},
+        "ratios": {},
+        "crossing_ratios": {},
+    }
     for policy, runs in by_policy.items():
         summary["normalized_latency_s_per_token"][policy] = {
             f"{r['rate_per_s']:g}": r["normalized_latency_s_per_token"] for r in runs
         }
         summary["sustainable_rate_per_s"][policy] = sustainable_rate(runs, latency_factor)
-    rates = summary["sustainable_rate_per_s"]
+        summary["crossing_rate_per_s"][policy] = crossing_rate(runs, latency_factor)
+    rates, crossings = summary["sustainable_rate_per_s"], summary["crossing_rate_per_s"]
     for baseline in RATIO_BASELINES:
         if rates.get(PAGED) and rates.get(baseline):
             summary["ratios"][f"{PAGED}/{baseline}"] = round(rates[PAGED] / rates[baseline], 3)
+        if crossings.get(PAGED) and crossings.get(baseline):  # both crossed inside the sweep
+            ratio = crossings[PAGED] / crossings[baseline]
+            summary["crossing_ratios"][f"{PAGED}/{baseline}"] = round(ratio, 3)
     return summary
 
 
@@ -102,6 +129,12 @@ def format_paper_table(result: dict) -> str:
     lines.append(f"highest rate with latency <= {result['latency_factor']}x the lowest rate's: {sustained}")
     for name, ratio in result["ratios"].items():
         lines.append(f"rate ratio {name}: {ratio}x")
+    crossings = result.get("crossing_rate_per_s", {})
+    crossing = ", ".join(f"{p} {'beyond the sweep' if r is None else r}" for p, r in crossings.items())
+    if crossing:
+        lines.append(f"rate where latency reaches {result['latency_factor']}x (interpolated): {crossing}")
+    for name, ratio in result.get("crossing_ratios", {}).items():
+        lines.append(f"interpolated rate ratio {name}: {ratio}x")
     return "\n".join(lines)
 
 
@@ -119,6 +152,7 @@ def plot_paper(latency: dict[str, dict[str, float]], path: str) -> None:
         axes.plot([float(k) for k in by_rate], list(by_rate.values()), "o-", label=policy)
     axes.set_xlabel("request rate (req/s)")
     axes.set_ylabel("normalized latency (s/token)")
+    axes.set_yscale("log")  # a policy past its knee is 10-100x the others
     axes.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

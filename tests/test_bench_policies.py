@@ -113,6 +113,10 @@ def test_compare_picks_the_highest_rate_within_the_latency_factor(tmp_path):
     )
     assert out["sustainable_rate_per_s"] == {"paged": 2.0, "reserve-oracle": 1.0, "reserve-max": 1.0}
     assert out["ratios"] == {"paged/reserve-oracle": 2.0, "paged/reserve-max": 2.0}
+    # 1.5 x 0.1 = 0.15: paged crosses halfway from 2 (0.14) to 3 (0.16), reserve-oracle a half of the
+    # way from 1 (0.1) to 2 (0.2); reserve-max has one rate and never crosses
+    assert out["crossing_rate_per_s"] == {"paged": 2.5, "reserve-oracle": 1.5, "reserve-max": None}
+    assert out["crossing_ratios"] == {"paged/reserve-oracle": round(2.5 / 1.5, 3)}
     assert out["normalized_latency_s_per_token"]["paged"] == {"1": 0.1, "2": 0.14, "3": 0.16}
     assert kv_cache_blocks(MODELS["llama2-13b"], 12, 16) == 12 * 2**30 // (819200 * 16)
     plot_paper(out["normalized_latency_s_per_token"], str(tmp_path / "paper.png"))
