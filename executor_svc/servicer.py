@@ -35,13 +35,24 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._metrics = metrics  # executor_svc.metrics.ExecutorMetrics, fed with each step's time
 
     async def _call(self, fn, *args):
+        """Runs fn in a worker thread, one call at a time. A cancelled RPC (the scheduler dropped its
+        streams because another rank failed) cannot stop the thread: the call still waits for it,
+        so the next call never runs beside it, and still reports a fatal error it ends with (a
+        collective that failed when the other rank died), which would otherwise go unseen."""
         async with self._lock:
-            try:
-                return await asyncio.to_thread(fn, *args)
-            except Exception as exc:
-                if self._on_fatal is not None and not isinstance(exc, tuple(ERROR_CODES)):
-                    self._on_fatal(exc)
-                raise
+            work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            cancelled = False
+            while not work.done():
+                try:
+                    await asyncio.wait({work})
+                except asyncio.CancelledError:
+                    cancelled = True
+            exc = work.exception()
+            if exc is not None and self._on_fatal is not None and not isinstance(exc, tuple(ERROR_CODES)):
+                self._on_fatal(exc)
+            if cancelled:
+                raise asyncio.CancelledError
+            return work.result()
 
     @maps_errors(ERROR_CODES)
     async def Describe(self, request, context):

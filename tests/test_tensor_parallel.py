@@ -10,6 +10,7 @@ import functools
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -210,6 +211,42 @@ def test_a_dead_rank_takes_down_its_set_and_the_scheduler_reports_it(tiny_llama_
         assert health_status(two.target) == "NOT_SERVING"
         thread.join(30)
         assert len(outcome) == 1 and isinstance(outcome[0], Exception), outcome
+
+
+def test_a_cancelled_call_still_reports_the_fatal_error_and_holds_the_worker():
+    """The scheduler drops every rank's stream when one rank fails, cancelling the surviving rank's
+    call while its collective is still running: the servicer must wait for the worker thread (no
+    second call beside it) and still pass the collective's error to on_fatal (the rank exits)."""
+    from executor_svc.servicer import ExecutorServicer
+
+    release = threading.Event()
+    running: list[str] = []
+    fatal: list[BaseException] = []
+
+    class Collective:
+        def launch(self, name):
+            running.append(name)
+            if name == "step":
+                release.wait(5)
+                raise RuntimeError("Connection closed by peer")
+            return name
+
+    async def scenario():
+        servicer = ExecutorServicer(Collective(), on_fatal=fatal.append)
+        step = asyncio.ensure_future(servicer._call(Collective.launch, servicer._worker, "step"))
+        await asyncio.sleep(0.1)
+        step.cancel()
+        after = asyncio.ensure_future(servicer._call(Collective.launch, servicer._worker, "reset"))
+        await asyncio.sleep(0.1)
+        assert running == ["step"] and not fatal  # the reset waits for the thread of the step
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        assert await after == "reset"
+        return running
+
+    assert asyncio.run(scenario()) == ["step", "reset"]
+    assert len(fatal) == 1 and "closed by peer" in str(fatal[0])
 
 
 def test_rank_and_rendezvous_from_flags_environment_and_pod_name():
