@@ -163,34 +163,6 @@ def bench_decode(batch: int, context: int, copy_bw: float, sweep: bool, gen) -> 
     return row
 
 
-GRAPH_DECODE_CASES = [(1, 1024), (8, 1024), (16, 512), (16, 1536), (32, 512), (32, 1024)]
-GRAPH_MAX_SEQ_LEN = 8192  # llama3-8b's max_model_len: what a captured decode graph is given
-
-
-def bench_graph_decode(batch: int, context: int, copy_bw: float, gen) -> dict:
-    """Decode as a CUDA graph runs it: max_seq_len is the model's maximum, not the batch's. The split
-    count then comes from the grid alone; `even` splits each context into that many partitions (the
-    kernel's default), `fixed` cuts partitions of max_seq_len / splits (all but the first empty for
-    contexts below that) — the kernel before 2026-11-21 round 4."""
-    args = list(_decode_inputs(batch, context, gen))
-    args[7] = GRAPH_MAX_SEQ_LEN
-    splits = triton_attention.choose_num_splits(
-        batch * LLAMA3_8B["num_kv_heads"], GRAPH_MAX_SEQ_LEN, _decode_slots()
-    )
-    even_ms = time_ms(lambda: triton_attention.paged_attention(*args))
-    fixed_ms = time_ms(lambda: triton_attention.paged_attention(*args, num_splits=splits))
-    exact = list(args)
-    exact[7] = context
-    exact_ms = time_ms(lambda: triton_attention.paged_attention(*exact))
-    error = relative_error(triton_attention.paged_attention(*args), triton_attention.paged_attention(*exact))
-    kv_bytes = 2 * args[1][0].numel() * args[1].element_size() * batch * context // BLOCK_SIZE
-    return dict(
-        batch=batch, context=context, num_splits=splits, even_ms=even_ms, fixed_ms=fixed_ms,
-        exact_max_seq_len_ms=exact_ms, even_bw_fraction=kv_bytes / (even_ms * 1e-3) / copy_bw,
-        fixed_bw_fraction=kv_bytes / (fixed_ms * 1e-3) / copy_bw, rel_error_even_vs_exact=error,
-    )
-
-
 def bench_prefill(batch: int, prompt: int, gen, sweep: bool) -> dict:
     """Causal prefill without a cached prefix, ours vs SDPA (is_causal, enable_gqa), in TFLOP/s."""
     heads, dim = LLAMA3_8B["num_heads"], LLAMA3_8B["head_dim"]
@@ -290,25 +262,12 @@ def _table(results: dict) -> str:
         f"{'batch':>5} {'ctx':>6} {'splits':>6} {'ours us':>8} {'sdpa us':>8} {'sdpa/ours':>9} "
         f"{'ours %bw':>8} {'sdpa %bw':>8}  sdpa form",
     ]
-    for r in results.get("decode", []):
+    for r in results["decode"]:
         lines.append(
             f"{r['batch']:>5} {r['context']:>6} {r['num_splits']:>6} {r['ours_ms'] * 1e3:>8.1f} "
             f"{r['sdpa_ms'] * 1e3:>8.1f} {r['speed_vs_sdpa']:>9.2f} {100 * r['ours_bw_fraction']:>7.1f}% "
             f"{100 * r['sdpa_bw_fraction']:>7.1f}%  {r['sdpa_form']}"
         )
-    if results.get("graph_decode"):
-        title = f"decode as captured in a graph (max_seq_len {GRAPH_MAX_SEQ_LEN}): even vs fixed partitions"
-        lines += ["", title,
-                  f"{'batch':>5} {'ctx':>6} {'splits':>6} {'even us':>8} {'fixed us':>8} {'exact us':>8} "
-                  f"{'even %bw':>8} {'fixed %bw':>9}"]
-        for r in results["graph_decode"]:
-            lines.append(
-                f"{r['batch']:>5} {r['context']:>6} {r['num_splits']:>6} {r['even_ms'] * 1e3:>8.1f} "
-                f"{r['fixed_ms'] * 1e3:>8.1f} {r['exact_max_seq_len_ms'] * 1e3:>8.1f} "
-                f"{100 * r['even_bw_fraction']:>7.1f}% {100 * r['fixed_bw_fraction']:>8.1f}%"
-            )
-    if "prefill" not in results:
-        return "\n".join(lines)
     p = results["prefill"]
     lines += [
         "",
@@ -336,8 +295,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time split counts and tile shapes")
-    parser.add_argument("--only", choices=["decode", "graph-decode"],
-                        help="run only this part (default: every part)")
     opts = parser.parse_args()
     gen = torch.Generator(DEV).manual_seed(0)
     results = dict(
@@ -348,20 +305,11 @@ def main() -> None:
     warm_up_gpu()
     copy_bw = copy_bandwidth()
     results["copy_bandwidth_bytes_per_s"] = copy_bw
-    if opts.only in (None, "graph-decode"):
-        results["graph_decode"] = [bench_graph_decode(b, c, copy_bw, gen) for b, c in GRAPH_DECODE_CASES]
-    if opts.only in (None, "decode"):
-        results["decode"] = []
-        for batch, context in DECODE_CASES:
-            results["decode"].append(bench_decode(batch, context, copy_bw, opts.sweep, gen))
-            torch.cuda.empty_cache()
-            print(json.dumps(results["decode"][-1]), flush=True)
-    if opts.only is not None:
-        print(_table(results))
-        if opts.out:
-            with open(opts.out, "w") as f:
-                json.dump(results, f, indent=2)
-        return
+    results["decode"] = []
+    for batch, context in DECODE_CASES:
+        results["decode"].append(bench_decode(batch, context, copy_bw, opts.sweep, gen))
+        torch.cuda.empty_cache()
+        print(json.dumps(results["decode"][-1]), flush=True)
     results["prefill"] = bench_prefill(4, 2048, gen, opts.sweep)
     torch.cuda.empty_cache()
     results["compiled_attention_kernels"] = compiled_attention_kernels()
