@@ -104,8 +104,7 @@ def _pipeline(worker: Worker, num_seqs: int, context: int, rng: random.Random, s
     per_seq = -(-(context + steps + 2) // block_size)
     blocks = list(range(worker.num_gpu_blocks))
     rng.shuffle(blocks)
-    base = 1_000_000 * (1 + len(worker.seqs))  # fresh ids per call
-    ids = [base + i for i in range(num_seqs)]
+    ids = list(range(num_seqs))
     new = [
         NewSequence(
             seq_id, [rng.randrange(100, worker.model_config.vocab_size) for _ in range(context)],
