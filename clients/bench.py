@@ -38,11 +38,10 @@ import tempfile
 
 from clients import launcher
 from clients.bench_load import Decoding, run_load
-from clients.bench_report import gpu_idle, ideal_time, read_step_trace, summarize
-from scheduler_svc.sim_models import ModelSpec
+from clients.bench_peers import PEERS, add_ideal, peer_size, run_peers
+from clients.bench_report import gpu_idle, read_step_trace, summarize
+from clients.bench_table import format_table, plot_sweep
 from scheduler_svc.workloads import WORKLOADS, make_workload
-
-PEERS = ("hf-static", "hf-cb")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,66 +156,6 @@ def run_ours(args, target: str, requests, label: str, trace_path: str) -> dict:
     return summary
 
 
-# ---- peers and ideal -----------------------------------------------------------------------------
-
-
-def run_peers(args, model: str, requests, ours_by_size: dict[int, dict]) -> list[dict]:
-    import torch
-
-    from clients.hf_peers import load_peer_model, run_continuous, run_static
-
-    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    peer_model = load_peer_model(model, dtype, device, dummy=args.load_format == "dummy")
-    results = []
-    for peer in [p for p in args.compare.split(",") if p]:
-        size = peer_size(args, peer, len(requests))
-        subset = requests[:size]
-        prompts, max_tokens = [list(r.prompt_token_ids) for r in subset], [r.max_tokens for r in subset]
-        print(f"bench: running {peer} on the first {size} requests ...", file=sys.stderr, flush=True)
-        if peer == "hf-static":
-            result = run_static(peer_model, prompts, max_tokens, args.static_batch)
-        else:
-            result = run_continuous(peer_model, prompts, max_tokens, None if device == "cuda" else 256)
-        ours = ours_by_size[size]["output_tok_s"]
-        ours_all = ours_by_size[len(requests)]["output_tok_s"]
-        results.append(
-            {
-                **result.as_dict(),
-                "ours_output_tok_s": ours,
-                "ratio": round(ours / result.output_tok_s, 2),
-                # the peer's rate on its subset against ours on every request (a static batch's
-                # throughput does not depend on how many batches follow it; ours grows with the load)
-                "ours_all_output_tok_s": ours_all,
-                "ratio_ours_all": round(ours_all / result.output_tok_s, 2),
-            }
-        )
-    return results
-
-
-def peer_size(args, peer: str, num_requests: int) -> int:
-    if peer not in PEERS:
-        raise SystemExit(f"pagedserve bench: unknown peer {peer!r}; choose from {PEERS}")
-    size = args.static_requests if peer == "hf-static" else args.cb_requests
-    return min(size or num_requests, num_requests)
-
-
-def add_ideal(spec: ModelSpec, requests_by_size: dict[int, list], runs: dict[int, dict]) -> dict:
-    from clients.bench_report import measure_device_rates
-
-    rates = measure_device_rates()
-    for size, summary in runs.items():
-        reqs = requests_by_size[size]
-        ideal = ideal_time(spec, [r.prompt_len for r in reqs], [r.max_tokens for r in reqs], rates)
-        ideal["measured_over_ideal"] = round(ideal["total_s"] / summary["wall_s"], 3)
-        summary["ideal"] = ideal
-    return {
-        "device": rates.device,
-        "copy_tb_s": round(rates.copy_bytes_per_s / 1e12, 3),
-        "matmul_tflop_s": round(rates.matmul_flops_per_s / 1e12, 1),
-    }
-
-
 # ---- the command ---------------------------------------------------------------------------------
 
 
@@ -313,78 +252,3 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
-
-
-def format_table(result: dict) -> str:
-    lines = [
-        f"pagedserve bench {result['mode']}: {result['model']}, {result['workload']}, "
-        f"kv policy {result['kv_policy']}, n {result['n']}, beam width {result['beam_width']}"
-    ]
-    if result["n"] > 1 or result["beam_width"] > 1:
-        lines.append("(shared = mean KV blocks saved by sharing / (used + saved) while blocks are in use)")
-    head = (
-        f"{'run':>12} {'reqs':>5} {'out tok/s':>10} {'req/s':>7} {'TTFT p50/p99 ms':>17} "
-        f"{'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'norm lat s/tok':>14} {'avg batch':>9} "
-        f"{'KV max':>6} {'shared':>6} {'preempt':>7} {'GPU idle':>8} {'ideal':>6}"
-    )
-    lines.append(head)
-    for r in result["runs"]:
-        label = r["label"] if "rate_per_s" not in r else f"{r['rate_per_s']:g}/s"
-        idle = r.get("gpu_idle", {}).get("idle_fraction", float("nan"))
-        ideal = r.get("ideal", {}).get("measured_over_ideal", float("nan"))
-        ttft, tpot, itl = r["ttft_ms"], r["tpot_ms"], r["itl_ms"]
-        lines.append(
-            f"{label:>12} {r['num_requests']:>5} {r['output_tok_s']:>10.1f} {r['request_per_s']:>7.2f} "
-            f"{ttft['p50']:>8.1f}/{ttft['p99']:<8.1f} {tpot['p50']:>7.2f}/{tpot['p99']:<8.2f} "
-            f"{itl['p50']:>6.2f}/{itl['p99']:<8.2f} {r['normalized_latency_s_per_token']:>14.4f} "
-            f"{r['avg_running_seqs']:>9.1f} {r['kv_usage']['max']:>6.1%} "
-            f"{r['sharing_saving']['mean']:>6.1%} {r['preemptions']:>7} "
-            f"{idle:>8.1%} {ideal:>6.2f}"
-        )
-        full = r.get("gpu_idle", {})
-        if "full_decode_idle_fraction" in full:
-            lines.append(
-                f"{'':>12} decode steps of >= {full['full_decode_batch']} seqs: "
-                f"{full['num_full_decode_steps']}, GPU {full['full_decode_gpu_step_ms']:.2f} ms/step, "
-                f"gap {full['full_decode_gap_ms']:.2f} ms (executor prep "
-                f"{full['full_decode_executor_prep_ms']:.2f} ms): "
-                f"idle {full['full_decode_idle_fraction']:.1%}"
-            )
-    if "device_rates" in result:
-        d = result["device_rates"]
-        lines.append(
-            f"ideal on {d['device']}: copy {d['copy_tb_s']} TB/s, bf16 matmul {d['matmul_tflop_s']} TFLOP/s; "
-            "'ideal' column = ideal time / measured time"
-        )
-    for p in result.get("peers", []):
-        lines.append(
-            f"{p['peer']} on the first {p['num_requests']} requests: {p['output_tok_s']:.1f} out tok/s; "
-            f"ours on the same requests {p['ours_output_tok_s']:.1f}: ratio {p['ratio']:.2f}x"
-        )
-        if p["num_requests"] < result["requests"]:
-            lines.append(
-                f"{'':>4}ours on all {result['requests']} requests {p['ours_all_output_tok_s']:.1f} "
-                f"out tok/s: {p['ratio_ours_all']:.2f}x {p['peer']}'s rate on its {p['num_requests']}"
-            )
-    return "\n".join(lines)
-
-
-def plot_sweep(runs: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("bench: matplotlib is not installed; no plot", file=sys.stderr)
-        return
-    rates = [r["rate_per_s"] for r in runs]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(rates, [r["normalized_latency_s_per_token"] for r in runs], "o-")
-    left.set_xlabel("request rate (req/s)")
-    left.set_ylabel("normalized latency (s/token)")
-    right.plot(rates, [r["output_tok_s"] for r in runs], "o-")
-    right.set_xlabel("request rate (req/s)")
-    right.set_ylabel("output tokens/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)

@@ -1,0 +1,80 @@
+"""The tables and the sweep plot `pagedserve bench` prints and draws from its results."""
+
+from __future__ import annotations
+
+import sys
+
+
+def format_table(result: dict) -> str:
+    lines = [
+        f"pagedserve bench {result['mode']}: {result['model']}, {result['workload']}, "
+        f"kv policy {result['kv_policy']}, n {result['n']}, beam width {result['beam_width']}"
+    ]
+    if result["n"] > 1 or result["beam_width"] > 1:
+        lines.append("(shared = mean KV blocks saved by sharing / (used + saved) while blocks are in use)")
+    head = (
+        f"{'run':>12} {'reqs':>5} {'out tok/s':>10} {'req/s':>7} {'TTFT p50/p99 ms':>17} "
+        f"{'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'norm lat s/tok':>14} {'avg batch':>9} "
+        f"{'KV max':>6} {'shared':>6} {'preempt':>7} {'GPU idle':>8} {'ideal':>6}"
+    )
+    lines.append(head)
+    for r in result["runs"]:
+        label = r["label"] if "rate_per_s" not in r else f"{r['rate_per_s']:g}/s"
+        idle = r.get("gpu_idle", {}).get("idle_fraction", float("nan"))
+        ideal = r.get("ideal", {}).get("measured_over_ideal", float("nan"))
+        ttft, tpot, itl = r["ttft_ms"], r["tpot_ms"], r["itl_ms"]
+        lines.append(
+            f"{label:>12} {r['num_requests']:>5} {r['output_tok_s']:>10.1f} {r['request_per_s']:>7.2f} "
+            f"{ttft['p50']:>8.1f}/{ttft['p99']:<8.1f} {tpot['p50']:>7.2f}/{tpot['p99']:<8.2f} "
+            f"{itl['p50']:>6.2f}/{itl['p99']:<8.2f} {r['normalized_latency_s_per_token']:>14.4f} "
+            f"{r['avg_running_seqs']:>9.1f} {r['kv_usage']['max']:>6.1%} "
+            f"{r['sharing_saving']['mean']:>6.1%} {r['preemptions']:>7} "
+            f"{idle:>8.1%} {ideal:>6.2f}"
+        )
+        full = r.get("gpu_idle", {})
+        if "full_decode_idle_fraction" in full:
+            lines.append(
+                f"{'':>12} decode steps of >= {full['full_decode_batch']} seqs: "
+                f"{full['num_full_decode_steps']}, GPU {full['full_decode_gpu_step_ms']:.2f} ms/step, "
+                f"gap {full['full_decode_gap_ms']:.2f} ms (executor prep "
+                f"{full['full_decode_executor_prep_ms']:.2f} ms): "
+                f"idle {full['full_decode_idle_fraction']:.1%}"
+            )
+    if "device_rates" in result:
+        d = result["device_rates"]
+        lines.append(
+            f"ideal on {d['device']}: copy {d['copy_tb_s']} TB/s, bf16 matmul {d['matmul_tflop_s']} TFLOP/s; "
+            "'ideal' column = ideal time / measured time"
+        )
+    for p in result.get("peers", []):
+        lines.append(
+            f"{p['peer']} on the first {p['num_requests']} requests: {p['output_tok_s']:.1f} out tok/s; "
+            f"ours on the same requests {p['ours_output_tok_s']:.1f}: ratio {p['ratio']:.2f}x"
+        )
+        if p["num_requests"] < result["requests"]:
+            lines.append(
+                f"{'':>4}ours on all {result['requests']} requests {p['ours_all_output_tok_s']:.1f} "
+                f"out tok/s: {p['ratio_ours_all']:.2f}x {p['peer']}'s rate on its {p['num_requests']}"
+            )
+    return "\n".join(lines)
+
+
+def plot_sweep(runs: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench: matplotlib is not installed; no plot", file=sys.stderr)
+        return
+    rates = [r["rate_per_s"] for r in runs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(rates, [r["normalized_latency_s_per_token"] for r in runs], "o-")
+    left.set_xlabel("request rate (req/s)")
+    left.set_ylabel("normalized latency (s/token)")
+    right.plot(rates, [r["output_tok_s"] for r in runs], "o-")
+    right.set_xlabel("request rate (req/s)")
+    right.set_ylabel("output tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
