@@ -26,8 +26,8 @@ from scheduler_svc.engine_api import (
     ServiceUnavailableError,
     Tokenizer,
 )
-from scheduler_svc.engine_metrics import record_output, record_step
-from scheduler_svc.engine_outputs import RequestDelta, RequestState
+from scheduler_svc.engine_metrics import engine_stats, record_output, record_step
+from scheduler_svc.engine_outputs import RequestDelta, RequestState, RequestStream
 from scheduler_svc.output_processor import RequestOutput
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler import Scheduler
@@ -38,32 +38,6 @@ from scheduler_svc.step_plan import StepPlan
 __all__ = ["Engine", "EngineStats", "InvalidRequestError", "ModelLimits", "RequestFailedError",
            "RequestStream", "ServiceUnavailableError"]
 _log = logging.getLogger(__name__)
-
-
-class RequestStream:
-    """What `Engine.add_request` returns: await `next_delta()` until one has `finished`."""
-
-    def __init__(self, engine: Engine, request: RequestState):
-        self._engine = engine
-        self._request = request
-        self.request_id = request.request_id
-        self.prompt_len = len(request.prompt_ids)
-
-    async def next_delta(self) -> RequestDelta:
-        """The next delta (a coroutine, not an async generator: one hop less per streamed message);
-        raises RequestFailedError / ServiceUnavailableError when the server dropped the request."""
-        delta = await self._request.queue.get()
-        if delta.error is not None:
-            raise (ServiceUnavailableError if delta.unavailable else RequestFailedError)(delta.error)
-        return delta
-
-    def abort(self) -> bool:
-        return self._engine.abort(self.request_id)
-
-    def set_sink(self, sink) -> None:
-        """Deltas go to `sink(delta)` as they are produced instead of `next_delta()` (one call per
-        delta, on the engine's thread; errors arrive as deltas with `error` set)."""
-        self._request.sink = sink
 
 
 class Engine:
@@ -162,24 +136,7 @@ class Engine:
         return found or request is not None
 
     def stats(self) -> EngineStats:
-        from scheduler_svc.kv_policies import policy_name  # kv_policies imports the scheduler
-
-        s, kv = self.scheduler, self.scheduler.kv
-        cpu = getattr(kv, "cpu", None)
-        return EngineStats(
-            num_free_gpu_blocks=kv.num_free_blocks,
-            num_free_cpu_blocks=cpu.num_free_blocks if cpu is not None else 0,
-            num_waiting=len(s.waiting),
-            num_running=len(s.running),
-            num_swapped=len(s.swapped),
-            num_steps=self.num_steps,
-            num_preemptions=s.num_preemptions,
-            num_running_seqs=sum(len(g.seqs) for g in s.running),
-            num_swapped_out_blocks=self.num_swapped_out_blocks,
-            num_swapped_in_blocks=self.num_swapped_in_blocks,
-            num_shared_block_refs=kv.num_shared_block_refs,
-            kv_policy=policy_name(kv),
-        )
+        return engine_stats(self)
 
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from scheduler_svc.engine_api import EngineStats
 from scheduler_svc.step_plan import StepPlan
 
 if TYPE_CHECKING:
@@ -20,6 +21,28 @@ def prompt_tokens_of(plan: StepPlan) -> int:
     prefix-cache hits) and continuing ones that brought no sampled token (later prefill chunks)."""
     num_new = sum(s.num_new_tokens for s in plan.new_seqs)
     return num_new + sum(s.num_new_tokens for s in plan.cont_seqs if not s.new_token_ids)
+
+
+def engine_stats(engine: Engine) -> EngineStats:
+    """The engine's counters and the KV manager's block figures, as GetServerStats reports them."""
+    from scheduler_svc.kv_policies import policy_name  # kv_policies imports the scheduler
+
+    s, kv = engine.scheduler, engine.scheduler.kv
+    cpu = getattr(kv, "cpu", None)
+    return EngineStats(
+        num_free_gpu_blocks=kv.num_free_blocks,
+        num_free_cpu_blocks=cpu.num_free_blocks if cpu is not None else 0,
+        num_waiting=len(s.waiting),
+        num_running=len(s.running),
+        num_swapped=len(s.swapped),
+        num_steps=engine.num_steps,
+        num_preemptions=s.num_preemptions,
+        num_running_seqs=sum(len(g.seqs) for g in s.running),
+        num_swapped_out_blocks=engine.num_swapped_out_blocks,
+        num_swapped_in_blocks=engine.num_swapped_in_blocks,
+        num_shared_block_refs=kv.num_shared_block_refs,
+        kv_policy=policy_name(kv),
+    )
 
 
 def record_step(metrics: SchedulerMetrics, engine: Engine, plan: StepPlan, step_time_s: float) -> None:

@@ -7,12 +7,17 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler_svc.beam_search import BeamHypothesis
 from scheduler_svc.detokenizer import Decoder, IncrementalDetokenizer, OutputText
+from scheduler_svc.engine_api import RequestFailedError, ServiceUnavailableError
 from scheduler_svc.output_processor import SampleDelta
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.sequence import SequenceGroup
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine import Engine
 
 
 @dataclass(slots=True)
@@ -135,3 +140,29 @@ class RequestState:
         indexes = [i for i, o in sorted(self.outputs.items()) if not o.finished] or [0]
         outputs = [OutputDelta(i, [], "", finish_reason="abort") for i in indexes]
         return RequestDelta(self.request_id, len(self.prompt_ids), outputs, finished=True)
+
+
+class RequestStream:
+    """What `Engine.add_request` returns: await `next_delta()` until one has `finished`."""
+
+    def __init__(self, engine: Engine, request: RequestState):
+        self._engine = engine
+        self._request = request
+        self.request_id = request.request_id
+        self.prompt_len = len(request.prompt_ids)
+
+    async def next_delta(self) -> RequestDelta:
+        """The next delta (a coroutine, not an async generator: one hop less per streamed message);
+        raises RequestFailedError / ServiceUnavailableError when the server dropped the request."""
+        delta = await self._request.queue.get()
+        if delta.error is not None:
+            raise (ServiceUnavailableError if delta.unavailable else RequestFailedError)(delta.error)
+        return delta
+
+    def abort(self) -> bool:
+        return self._engine.abort(self.request_id)
+
+    def set_sink(self, sink) -> None:
+        """Deltas go to `sink(delta)` as they are produced instead of `next_delta()` (one call per
+        delta, on the engine's thread; errors arrive as deltas with `error` set)."""
+        self._request.sink = sink
