@@ -53,7 +53,7 @@ class BlockManager(KVCacheManager):
 
     @property
     def num_shared_block_refs(self) -> int:
-        return sum(b.ref_cnt - 1 for b in self.gpu.blocks if b.ref_cnt > 1)
+        return self.gpu.num_shared_refs
 
     @property
     def num_allocated_slots(self) -> int:

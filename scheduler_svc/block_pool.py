@@ -41,6 +41,7 @@ class BlockPool:
         self._tail.prev = self._head
         self.num_free_blocks = 0
         self.num_cached_free_blocks = 0
+        self.num_shared_refs = 0  # sum over blocks of max(ref_cnt - 1, 0): references saved by sharing
         self.cached: dict[int, Block] = {}  # block_hash -> block (ref_cnt 0 or not)
         self._next_serial = 0
         for block in self.blocks:
@@ -108,6 +109,8 @@ class BlockPool:
         """Add a reference; a cached-free block is revived (taken out of the free queue)."""
         if block.ref_cnt == 0:
             self._unlink(block)
+        else:
+            self.num_shared_refs += 1
         block.ref_cnt += 1
 
     def release(self, block: Block) -> None:
@@ -115,7 +118,9 @@ class BlockPool:
         if block.ref_cnt <= 0:
             raise AssertionError(f"block {block.block_id} released with ref_cnt {block.ref_cnt}")
         block.ref_cnt -= 1
-        if block.ref_cnt == 0:
+        if block.ref_cnt > 0:
+            self.num_shared_refs -= 1
+        else:
             if block.block_hash is None:
                 self._push_head(block)
             else:
@@ -159,6 +164,8 @@ class BlockPool:
             assert block.ref_cnt == 0 and block.in_free_queue, f"block {block_id} free with refs"
         in_queue = sum(b.in_free_queue for b in self.blocks)
         assert in_queue == self.num_free_blocks, "in_free_queue flags"
+        shared = sum(b.ref_cnt - 1 for b in self.blocks if b.ref_cnt > 1)
+        assert shared == self.num_shared_refs, f"shared references {self.num_shared_refs} != {shared}"
         for block in self.blocks:
             assert block.ref_cnt >= 0
             assert block.in_free_queue == (block.ref_cnt == 0), f"block {block.block_id} free state"

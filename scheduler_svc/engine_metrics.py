@@ -54,7 +54,7 @@ def record_step(metrics: SchedulerMetrics, engine: Engine, plan: StepPlan, step_
     m.set("cpu_swap_blocks_total", engine.limits.num_cpu_blocks)
     m.set("cpu_swap_blocks_used", engine.limits.num_cpu_blocks - stats.num_free_cpu_blocks)
     m.set("kv_usage_ratio", 1 - stats.num_free_gpu_blocks / engine.limits.num_gpu_blocks)
-    m.set("blocks_saved_by_sharing", kv.num_shared_block_refs)
+    m.set("blocks_saved_by_sharing", stats.num_shared_block_refs)
     m.set("num_requests_running", stats.num_running)
     m.set("num_requests_waiting", stats.num_waiting)
     m.set("num_requests_swapped", stats.num_swapped)
