@@ -18,10 +18,11 @@ import signal
 import sys
 from typing import Any
 
-import grpc
-
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
-from scheduler_svc.grpc_serving import Health, add_reflection, message_size_options, parse_args_with_config
+from scheduler_svc.grpc_serving import (
+    parse_args_with_config,
+    start_grpc_server,
+)
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 MAX_MESSAGE_BYTES = 256 << 20
@@ -40,15 +41,12 @@ async def start_executor_server(
     `metrics` (executor_svc.metrics.ExecutorMetrics) gets each step's time."""
     from executor_svc.servicer import ExecutorServicer
 
-    server = grpc.aio.server(options=message_size_options(max_message_bytes))
     servicer = ExecutorServicer(worker, on_fatal, metrics)
-    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
-    health = Health(server, [SERVICE_NAME])
-    add_reflection(server, [SERVICE_NAME, *health.reflection_names])
-    bound = server.add_insecure_port(f"{host}:{port}")
-    await server.start()
-    await health.set_alive(True)
-    await health.set_serving(True)
+    server, bound, _ = await start_grpc_server(
+        SERVICE_NAME,
+        lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
+        host, port, max_message_bytes,
+    )
     return server, bound
 
 

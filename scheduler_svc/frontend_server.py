@@ -28,19 +28,18 @@ import signal
 
 import grpc
 
-from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc, generation_pb2_grpc
+from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
 from scheduler_svc.executor_client import MAX_MESSAGE_BYTES
 from scheduler_svc.grpc_serving import (
-    BearerTokenInterceptor,
     Health,
-    add_reflection,
     message_size_options,
     parse_args_with_config,
     read_auth_token,
     server_credentials,
+    start_grpc_server,
 )
 
-SERVICE_NAME = "pagedserve.v1.Generation"
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 RECONNECT_S = 0.5
 HEALTH_POLL_S = 1.0
@@ -214,18 +213,13 @@ async def start_frontend(
     if not link.connected.is_set():
         link_task.cancel()
         raise TimeoutError(f"scheduler {engine_target} not reachable within {connect_timeout_s:g} s")
-    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
-    server = grpc.aio.server(interceptors=interceptors, options=message_size_options(max_message_bytes))
-    generation_pb2_grpc.add_GenerationServicer_to_server(FrontendServicer(link), server)
-    health = Health(server, [SERVICE_NAME])
-    add_reflection(server, [SERVICE_NAME, *health.reflection_names])
-    address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    await server.start()
+    server, bound, health = await start_grpc_server(
+        SERVICE_NAME,
+        lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(FrontendServicer(link), server),
+        host, port, max_message_bytes, credentials, auth_token,
+    )
     loop = asyncio.get_running_loop()
     link.on_change = lambda up: loop.create_task(health.set_serving(up))
-    await health.set_alive(True)
-    await health.set_serving(True)
     watcher = asyncio.ensure_future(link.watch_scheduler_health())
     link_task.add_done_callback(lambda _: watcher.cancel())
     return server, bound, health, link_task

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pathlib
+from collections.abc import Callable
 
 import grpc
 
@@ -102,6 +103,31 @@ def health_status(
 
 
 # ---- limits, TLS, authentication -------------------------------------------------------------
+async def start_grpc_server(
+    service_name: str,
+    add_servicers: Callable[[grpc.aio.Server], None],
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    credentials: grpc.ServerCredentials | None = None,
+    auth_token: str | None = None,
+) -> tuple[grpc.aio.Server, int, Health]:
+    """A started server with the services `add_servicers` registers, message size limits, health
+    (alive and SERVING for `service_name`) and reflection; TLS with `credentials`, the bearer-token
+    check with `auth_token`. Returns (server, bound port, health)."""
+    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=message_size_options(max_message_bytes))
+    add_servicers(server)
+    health = Health(server, [service_name])
+    add_reflection(server, [service_name, *health.reflection_names])
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    await server.start()
+    await health.set_alive(True)
+    await health.set_serving(True)
+    return server, bound, health
+
+
 def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Server/channel options bounding every message both ways (a larger one fails RESOURCE_EXHAUSTED)."""
     return [("grpc.max_send_message_length", max_message_bytes),

@@ -24,13 +24,11 @@ from scheduler_svc.engine_api import RecoveryOptions
 from scheduler_svc.executor_client import MAX_MESSAGE_BYTES, ExecutorPool
 from scheduler_svc.frontend_servicer import FrontendLinkServicer
 from scheduler_svc.grpc_serving import (
-    BearerTokenInterceptor,
     Health,
-    add_reflection,
-    message_size_options,
     parse_args_with_config,
     read_auth_token,
     server_credentials,
+    start_grpc_server,
 )
 from scheduler_svc.kv_policies import PAGED, POLICIES, check_policy_options, make_kv_manager
 from scheduler_svc.sampling_params import MAX_BEAM_WIDTH, MAX_N
@@ -235,19 +233,15 @@ async def start_scheduler_server(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> SchedulerServer:
     """Serve the Generation API (TLS with `credentials`; a bearer-token check with `auth_token`)."""
-    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
-    server = grpc.aio.server(interceptors=interceptors, options=message_size_options(max_message_bytes))
-    servicer = GenerationServicer(engine, model_info_pb(engine))
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    frontend_pb2_grpc.add_FrontendLinkServicer_to_server(FrontendLinkServicer(engine), server)
-    health = Health(server, [SERVICE_NAME])
-    add_reflection(server, [SERVICE_NAME, *health.reflection_names])
-    address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    await server.start()
+    def add_servicers(server: grpc.aio.Server) -> None:
+        servicer = GenerationServicer(engine, model_info_pb(engine))
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        frontend_pb2_grpc.add_FrontendLinkServicer_to_server(FrontendLinkServicer(engine), server)
+
+    server, bound, health = await start_grpc_server(
+        SERVICE_NAME, add_servicers, host, port, max_message_bytes, credentials, auth_token
+    )
     running = SchedulerServer(engine, server, bound, health)
-    await health.set_alive(True)
-    await health.set_serving(True)
     engine.on_health_change = running.on_health_change
     return running
 
