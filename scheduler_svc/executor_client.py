@@ -119,10 +119,14 @@ class ExecutorPool:
             )
         except BaseException as err:
             self._drop_streams()
+            targets = ",".join(self.targets)
             if isinstance(err, TimeoutError):
-                raise ExecutorError(
-                    ",".join(self.targets), "DEADLINE_EXCEEDED", f"no result within {self.step_timeout_s} s"
-                ) from err
+                detail = f"no result within {self.step_timeout_s} s"
+                raise ExecutorError(targets, "DEADLINE_EXCEEDED", detail) from err
+            if isinstance(err, asyncio.CancelledError) and not asyncio.current_task().cancelling():
+                # Not this step's task being cancelled: another step in flight failed and dropped the
+                # streams this one was reading. It failed too, as an executor error.
+                raise ExecutorError(targets, "CANCELLED", "stream dropped after another step failed") from err
             raise
         return step_result_from_pb(replies[0])
 

@@ -336,3 +336,39 @@ def test_liveness_fails_only_when_the_engine_loop_died(tiny_llama_dir):
         while health_status(stack.target, "liveness") != "NOT_SERVING" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert health_status(stack.target, "liveness") == "NOT_SERVING"
+
+
+def test_a_step_whose_stream_another_failed_step_dropped_fails_with_executor_error():
+    """Two steps in flight (async scheduling): when the later one fails first (its write to a dead
+    rank) the pool drops every stream, and the earlier step's pending read is cancelled. That step
+    must fail as an executor error the engine recovers from, not with CancelledError (which ended
+    the engine loop silently, the server staying SERVING); a step whose own task is cancelled
+    still raises CancelledError."""
+    import asyncio
+
+    from scheduler_svc.executor_client import ExecutorError, ExecutorPool
+    from scheduler_svc.step_plan import StepPlan
+
+    async def scenario():
+        pool = ExecutorPool(["127.0.0.1:1"])
+        release = asyncio.Event()
+
+        async def dropped_read(rank, data):  # what reading a call cancelled by _drop_streams does
+            await release.wait()
+            raise asyncio.CancelledError
+
+        pool._step_rank = dropped_read
+        first = asyncio.ensure_future(pool.step(StepPlan(1)))
+        await asyncio.sleep(0.01)
+        release.set()
+        with pytest.raises(ExecutorError, match="CANCELLED"):
+            await first
+        release.clear()
+        own = asyncio.ensure_future(pool.step(StepPlan(2)))
+        await asyncio.sleep(0.01)
+        own.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await own
+        await pool.close()
+
+    asyncio.run(scenario())
