@@ -6,7 +6,7 @@ processes never import triton. Tests call `kernels.triton_*` directly to run Tri
 TRITON_INTERPRET=1.
 
 Deliberately no `__version__` here: transformers probes for an unrelated PyPI package named
-`kernels` (tests/test_layering.py).
+`kernels` (tests/unit/test_layering.py).
 """
 
 import importlib

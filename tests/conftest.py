@@ -20,7 +20,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
     """family -> a tiny random-weight HF model folder (llama, qwen2, qwen3, opt), made once per session."""
-    from executor_svc.tiny_model import FAMILIES, make_tiny_model
+    from executor_svc.models.tiny import FAMILIES, make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {family: make_tiny_model(root / family, family, seed=0) for family in FAMILIES}

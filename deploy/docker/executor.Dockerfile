@@ -16,4 +16,4 @@ RUN pip install --index-url https://download.pytorch.org/whl/cu128 torch \
     && pip install '.[executor]' && useradd --uid 10001 --create-home pagedserve
 USER 10001
 EXPOSE 50061 9401
-ENTRYPOINT ["python", "-m", "executor_svc.server"]
+ENTRYPOINT ["python", "-m", "executor_svc.server.main"]

@@ -12,4 +12,4 @@ COPY executor_svc/__init__.py ./executor_svc/__init__.py
 RUN pip install . && useradd --uid 10001 --no-create-home pagedserve
 USER 10001
 EXPOSE 50051 9400
-ENTRYPOINT ["python", "-m", "scheduler_svc.server"]
+ENTRYPOINT ["python", "-m", "scheduler_svc.server.main"]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import kernels
-from executor_svc.model_config import RopeConfig
+from executor_svc.models.config import RopeConfig
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -20,7 +20,7 @@ from executor_svc.layers.linear import (
 from executor_svc.layers.mlp import GatedMLP
 from executor_svc.layers.norm import RMSNorm
 from executor_svc.layers.rotary import RotaryEmbedding
-from executor_svc.model_config import ModelConfig
+from executor_svc.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):

@@ -18,7 +18,7 @@ from executor_svc.layers.linear import (
 )
 from executor_svc.layers.mlp import ReluMLP
 from executor_svc.layers.norm import LayerNorm
-from executor_svc.model_config import ModelConfig
+from executor_svc.models.config import ModelConfig
 
 POSITION_OFFSET = 2  # OPT's position table has two extra leading rows
 

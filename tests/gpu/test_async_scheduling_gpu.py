@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler_svc.sampling_params import SamplingParams
-from tests.test_worker_with_scheduler import hf_greedy_tokens, prompts, run
+from scheduler_svc.wire.sampling_params import SamplingParams
+from tests.unit.test_worker_with_scheduler import hf_greedy_tokens, prompts, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

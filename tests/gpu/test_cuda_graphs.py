@@ -21,14 +21,14 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from executor_svc.tiny_model import make_tiny_model
+    from executor_svc.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("graphs") / "llama", "llama", seed=3)
 
 
 def _decode_batch(worker, num_seqs: int, seed: int):
-    from executor_svc.model_input import ScheduledSequence, SequenceState, build_model_input
-    from scheduler_svc.sampling_params import SamplingParams
+    from executor_svc.runner.inputs import ScheduledSequence, SequenceState, build_model_input
+    from scheduler_svc.wire.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     vocab = worker.model_config.vocab_size
@@ -53,7 +53,7 @@ def _decode_batch(worker, num_seqs: int, seed: int):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_equals_eager(model_dir, dtype):
-    from executor_svc.worker import Worker
+    from executor_svc.worker.worker import Worker
 
     worker = Worker(str(model_dir), device="cuda", dtype=dtype, num_gpu_blocks=2048, num_cpu_blocks=0)
     worker.init_cache(2048, 0)
@@ -77,7 +77,7 @@ def test_graph_replay_equals_eager(model_dir, dtype):
 
 
 def test_prefill_and_oversized_batches_stay_eager(model_dir):
-    from executor_svc.worker import Worker
+    from executor_svc.worker.worker import Worker
 
     worker = Worker(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks=1024, num_cpu_blocks=0)
     worker.init_cache(1024, 0)

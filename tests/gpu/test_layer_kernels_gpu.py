@@ -39,7 +39,7 @@ def test_rms_norm(dtype, num_tokens):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_embedding(dtype):
     from executor_svc.layers.rotary import RotaryEmbedding
-    from executor_svc.model_config import RopeConfig
+    from executor_svc.models.config import RopeConfig
     from kernels import reference, triton_layers
 
     rope = RotaryEmbedding(128, 8192, RopeConfig(theta=500000.0)).cuda()

@@ -23,7 +23,7 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from executor_svc.tiny_model import make_tiny_model
+    from executor_svc.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("gpu_tiny")
     return {f: make_tiny_model(root / f, f, seed=1) for f in FAMILIES}
@@ -44,9 +44,9 @@ def hf_path(model, prompt):
 
 def ours_teacher_forced(model_dir, dtype, prompts, forced):
     """All prompts in one batch (scattered blocks), fed HF's tokens; returns our logits and argmax tokens."""
-    from executor_svc.worker import Worker
-    from scheduler_svc.sampling_params import SamplingParams
-    from scheduler_svc.step_plan import ContinuingSequence, NewSequence, StepPlan
+    from executor_svc.worker.worker import Worker
+    from scheduler_svc.wire.sampling_params import SamplingParams
+    from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, StepPlan
 
     worker = Worker(
         str(model_dir),
@@ -113,7 +113,7 @@ def test_matches_hf_on_gpu(family, dtype, model_dirs):
 
 
 def test_memory_profile_sizes_the_cache(model_dirs):
-    from executor_svc.worker import Worker
+    from executor_svc.worker.worker import Worker
 
     worker = Worker(
         str(model_dirs["llama"]),

@@ -45,7 +45,7 @@ PROMPT_LENS = (7, 16, 33, 64, 100, 150, 230, 300)
 
 
 def make_medium_model(folder: pathlib.Path) -> pathlib.Path:
-    from executor_svc.tiny_model import make_tiny_model
+    from executor_svc.models.tiny import make_tiny_model
 
     return make_tiny_model(folder, "llama", seed=3, **MEDIUM)
 
@@ -59,8 +59,8 @@ def run_greedy(worker, forced: list[list[int]] | None) -> tuple[torch.Tensor, li
     """Prefill every prompt, then NUM_DECODE greedy decode steps in one batch. `forced`: the tokens
     to feed (teacher forcing) instead of the ones sampled. Returns (logits [steps, S, V] on CPU,
     sampled tokens per sequence)."""
-    from scheduler_svc.sampling_params import SamplingParams
-    from scheduler_svc.step_plan import ContinuingSequence, NewSequence, StepPlan
+    from scheduler_svc.wire.sampling_params import SamplingParams
+    from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, StepPlan
 
     greedy = SamplingParams(temperature=0.0)
     prompts = _prompts()
@@ -93,7 +93,7 @@ def run_greedy(worker, forced: list[list[int]] | None) -> tuple[torch.Tensor, li
 
 
 def _worker(model_dir: str, device: str, rank: int, world_size: int):
-    from executor_svc.worker import Worker, WorkerConfig
+    from executor_svc.worker.worker import Worker, WorkerConfig
 
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     return Worker(
@@ -110,7 +110,7 @@ def _worker(model_dir: str, device: str, rank: int, world_size: int):
 
 
 def _rank_main(rank: int, model_dir: str, device_type: str, addr: str, forced, out_path: str) -> None:
-    from executor_svc.distributed import DistributedConfig, init_process_group, rank_device
+    from executor_svc.worker.distributed import DistributedConfig, init_process_group, rank_device
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     device = rank_device(device_type, rank, environ={})
@@ -124,7 +124,7 @@ def _rank_main(rank: int, model_dir: str, device_type: str, addr: str, forced, o
 
 
 def compare(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path) -> dict:
-    from clients.launcher import free_port
+    from clients.cli.serve import free_port
 
     os.environ["PAGEDSERVE_ENFORCE_EAGER"] = "1"  # same eager path on both sides (graphs are tested apart)
     device = "cuda:0" if device_type == "cuda" else "cpu"

@@ -1,0 +1,202 @@
+"""The load generator of `pagedserve bench`: sends a workload's requests at their arrival times over
+one asyncio channel, records when each token arrives, and samples the server's stats meanwhile.
+
+Every request ignores EOS and asks for exactly its `max_tokens`, so the number of output tokens is
+fixed by the workload. A run's `Decoding` applies to every request: greedy (the default); `n` > 1
+parallel samples, randomly sampled at temperature 1 with a per-request seed (the request's index in
+the run), every sample's tokens counted; or beam search of width `beam_width`, of which only the
+best returned beam's tokens are counted (beams arrive whole when the search ends). Times are
+`time.perf_counter()` seconds (the Linux monotonic clock, the same in every process of the machine,
+so they line up with the executor's step trace).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+
+from clients.client import AsyncClient
+from clients.results import ServerStats
+from scheduler_svc.sim.workloads import RequestSpec
+
+STATS_PERIOD_S = 0.2
+PROGRESS_PERIOD_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Decoding:
+    n: int = 1
+    beam_width: int = 1
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.beam_width < 1:
+            raise ValueError(f"--n and --beam-width must be >= 1, got {self.n} and {self.beam_width}")
+        if self.n > 1 and self.beam_width > 1:
+            raise ValueError("--n > 1 and --beam-width > 1 cannot be combined (one request is either)")
+
+    @property
+    def num_counted_outputs(self) -> int:
+        """Outputs of a request whose tokens count: every sample, or the best beam."""
+        return self.n
+
+    def sampling(self, index: int) -> dict:
+        if self.beam_width > 1:
+            return {"beam_width": self.beam_width, "temperature": 0.0}
+        if self.n > 1:
+            return {"n": self.n, "temperature": 1.0, "seed": index}
+        return {"temperature": 0.0}
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    prompt_len: int
+    max_tokens: int
+    arrival_s: float  # when the workload says it arrives (perf_counter)
+    sent_s: float = 0.0
+    token_times_s: list[float] = field(default_factory=list)  # one entry per counted output token
+    error: str | None = None
+    num_outputs: int = 1  # counted outputs (n samples, or the best beam)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times_s)
+
+    @property
+    def expected_output_tokens(self) -> int:
+        return self.max_tokens * self.num_outputs
+
+    @property
+    def output_len(self) -> float:
+        """Output tokens per counted output (the request's output length)."""
+        return self.num_output_tokens / self.num_outputs
+
+    @property
+    def end_s(self) -> float:
+        return self.token_times_s[-1] if self.token_times_s else self.sent_s
+
+
+@dataclass(slots=True)
+class StatsSample:
+    time_s: float
+    num_running_seqs: int
+    num_free_gpu_blocks: int
+    num_preemptions: int
+    num_steps: int
+    num_shared_block_refs: int = 0
+
+
+@dataclass(slots=True)
+class LoadRun:
+    records: list[RequestRecord]
+    stats: list[StatsSample]
+    start_s: float
+    end_s: float
+    num_gpu_blocks: int
+
+
+class Progress:
+    """One status line on stderr, redrawn at most every PROGRESS_PERIOD_S."""
+
+    def __init__(self, label: str, num_requests: int, total_tokens: int, enabled: bool = True):
+        self.label, self.num_requests, self.total_tokens = label, num_requests, total_tokens
+        self.enabled = enabled
+        self.done = 0
+        self.tokens = 0
+        self._start = time.perf_counter()
+        self._last_draw = 0.0
+
+    def update(self, tokens: int = 0, done: int = 0) -> None:
+        self.tokens += tokens
+        self.done += done
+        now = time.perf_counter()
+        tty = sys.stderr.isatty()
+        period = PROGRESS_PERIOD_S if tty else 10 * PROGRESS_PERIOD_S  # a log file gets a line per 5 s
+        if self.enabled and (now - self._last_draw >= period or self.done == self.num_requests):
+            self._last_draw = now
+            width = 30
+            filled = width * self.tokens // max(1, self.total_tokens)
+            bar = "#" * filled + "." * (width - filled)
+            print(
+                f"{chr(13) if tty else ''}{self.label} [{bar}] {self.done}/{self.num_requests} requests, "
+                f"{self.tokens}/{self.total_tokens} tokens, {now - self._start:.1f} s",
+                end="" if tty else "\n",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.enabled and sys.stderr.isatty():
+            print(file=sys.stderr, flush=True)
+
+
+async def _one_request(
+    client: AsyncClient, spec: RequestSpec, record: RequestRecord, progress: Progress, sampling: dict
+):
+    await asyncio.sleep(max(0.0, record.arrival_s - time.perf_counter()))
+    record.sent_s = time.perf_counter()
+    try:
+        async for delta in client.stream(
+            list(spec.prompt_token_ids), max_tokens=spec.max_tokens, ignore_eos=True, **sampling
+        ):
+            now = time.perf_counter()
+            count = sum(len(out.token_ids) for out in delta.outputs if out.index < record.num_outputs)
+            record.token_times_s.extend([now] * count)
+            progress.update(tokens=count)
+    except Exception as err:  # noqa: BLE001 - reported per request, the run goes on
+        record.error = f"{type(err).__name__}: {err}"
+    progress.update(done=1)
+
+
+def _sample(s: ServerStats) -> StatsSample:
+    return StatsSample(
+        time.perf_counter(),
+        s.num_running_seqs,
+        s.num_free_gpu_blocks,
+        s.num_preemptions,
+        s.num_steps,
+        s.num_shared_block_refs,
+    )
+
+
+async def _poll_stats(client: AsyncClient, samples: list[StatsSample], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        samples.append(_sample(await client.stats()))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), STATS_PERIOD_S)
+
+
+async def run_load(
+    target: str,
+    requests: list[RequestSpec],
+    label: str,
+    show_progress: bool = True,
+    decoding: Decoding = Decoding(),
+) -> LoadRun:
+    async with AsyncClient(target) as client:
+        info = await client.model_info()
+        stats = [_sample(await client.stats())]  # counters before the run (steps, preemptions)
+        stop = asyncio.Event()
+        poller = asyncio.create_task(_poll_stats(client, stats, stop))
+        num_outputs = decoding.num_counted_outputs
+        start = time.perf_counter()
+        records = [
+            RequestRecord(r.prompt_len, r.max_tokens, start + r.arrival_time_s, num_outputs=num_outputs)
+            for r in requests
+        ]
+        total = sum(rec.expected_output_tokens for rec in records)
+        progress = Progress(label, len(requests), total, show_progress)
+        await asyncio.gather(
+            *(
+                _one_request(client, r, rec, progress, decoding.sampling(i))
+                for i, (r, rec) in enumerate(zip(requests, records, strict=True))
+            )
+        )
+        end = max((rec.end_s for rec in records), default=start)
+        progress.close()
+        stop.set()
+        await poller
+        stats.append(_sample(await client.stats()))
+    return LoadRun(records, stats, start, end, info.num_gpu_blocks)

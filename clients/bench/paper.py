@@ -1,0 +1,193 @@
+"""`pagedserve bench paper`: the paper's Fig. 12 comparison through the real services.
+
+    pagedserve bench paper --model llama2-13b --workload sharegpt --kv-cache-gib 12 \\
+        --max-model-len 2048 --rates 0.5,1,1.5,2 --policies paged,reserve-oracle,reserve-pow2,reserve-max \\
+        --requests 200 --max-duration-s 60 --out paper.json --plot paper.png
+
+For each KV policy (a fresh server, `--kv-policy`) it runs the `bench serve` rate sweep
+(clients/bench.sweep_rates: Poisson arrivals, the same requests per rate for every policy) and
+reports per rate the normalized latency (paper §6.1: mean over requests of end-to-end latency /
+output length). A policy's sustainable rate is the highest rate whose normalized latency is at most
+--latency-factor (1.5) x its normalized latency at the lowest rate; the result gives paged's
+sustainable rate over reserve-oracle's and reserve-max's. --kv-cache-gib caps the KV cache at that
+many GiB of the model shape's bf16 K/V (the paper's 12 GiB setting on an A100-40GB for OPT-13B);
+--stop-factor skips a policy's higher rates once its latency is far past the knee.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from scheduler_svc.sched.kv_policies import PAGED, POLICIES
+from scheduler_svc.sim.models import ModelSpec
+
+GIB = 1 << 30
+RATIO_BASELINES = ("reserve-oracle", "reserve-max")
+
+
+def add_paper_arguments(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--policies", default=",".join(POLICIES), help="KV policies to compare, in order")
+    sub.add_argument("--kv-cache-gib", type=float, default=None, help="cap the KV cache (sets the blocks)")
+    sub.add_argument(
+        "--latency-factor",
+        type=float,
+        default=1.5,
+        help="sustainable: normalized latency <= this x lowest rate's",
+    )
+    sub.add_argument(
+        "--stop-factor",
+        type=float,
+        default=4.0,
+        help="skip a policy's higher rates past this x its first rate's",
+    )
+
+
+def parse_policies(text: str) -> list[str]:
+    policies = [p for p in text.split(",") if p]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise ValueError(f"--policies: choose from {', '.join(POLICIES)}, got {text!r}")
+    return policies
+
+
+def kv_cache_blocks(spec: ModelSpec, kv_cache_gib: float, block_size: int) -> int:
+    num_blocks = spec.num_gpu_blocks(kv_cache_gib * GIB, block_size)
+    if num_blocks < 1:
+        raise ValueError(f"--kv-cache-gib {kv_cache_gib} holds no block of this model")
+    return num_blocks
+
+
+def sustainable_rate(runs: list[dict], latency_factor: float) -> float | None:
+    """The highest rate whose normalized latency is <= latency_factor x the lowest rate's."""
+    done = [r for r in runs if not r["num_failed"]]
+    if not done:
+        return None
+    base = min(done, key=lambda r: r["rate_per_s"])["normalized_latency_s_per_token"]
+    ok = [r["rate_per_s"] for r in done if r["normalized_latency_s_per_token"] <= latency_factor * base]
+    return max(ok)
+
+
+def crossing_rate(runs: list[dict], latency_factor: float) -> float | None:
+    """The rate at which normalized latency reaches latency_factor x the lowest rate's, linearly
+    interpolated between the last swept rate below that and the first above it (a finer reading of
+    a coarse sweep than `sustainable_rate`); None when no swept rate reaches it."""
+    done = sorted((r for r in runs if not r["num_failed"]), key=lambda r: r["rate_per_s"])
+    if not done:
+        return None
+    limit = latency_factor * done[0]["normalized_latency_s_per_token"]
+    for below, above in zip(done, done[1:], strict=False):
+        lo, hi = below["normalized_latency_s_per_token"], above["normalized_latency_s_per_token"]
+        if hi > limit:
+            fraction = (limit - lo) / (hi - lo)
+            return round(below["rate_per_s"] + fraction * (above["rate_per_s"] - below["rate_per_s"]), 2)
+    return None
+
+
+def compare(by_policy: dict[str, list[dict]], latency_factor: float) -> dict:
+    """Normalized latency per rate and policy, each policy's sustainable rate (the highest swept rate
+    within latency_factor) and interpolated crossing rate, and paged's ratios over the baselines."""
+    summary: dict = {
+        "normalized_latency_s_per_token": {},
+        "sustainable_rate_per_s": {},
+        "crossing_rate_per_s": {},
+        "ratios": {},
+        "crossing_ratios": {},
+    }
+    for policy, runs in by_policy.items():
+        summary["normalized_latency_s_per_token"][policy] = {
+            f"{r['rate_per_s']:g}": r["normalized_latency_s_per_token"] for r in runs
+        }
+        summary["sustainable_rate_per_s"][policy] = sustainable_rate(runs, latency_factor)
+        summary["crossing_rate_per_s"][policy] = crossing_rate(runs, latency_factor)
+    rates, crossings = summary["sustainable_rate_per_s"], summary["crossing_rate_per_s"]
+    for baseline in RATIO_BASELINES:
+        if rates.get(PAGED) and rates.get(baseline):
+            summary["ratios"][f"{PAGED}/{baseline}"] = round(rates[PAGED] / rates[baseline], 3)
+        if crossings.get(PAGED) and crossings.get(baseline):  # both crossed inside the sweep
+            ratio = crossings[PAGED] / crossings[baseline]
+            summary["crossing_ratios"][f"{PAGED}/{baseline}"] = round(ratio, 3)
+    return summary
+
+
+def format_paper_table(result: dict) -> str:
+    latency = result["normalized_latency_s_per_token"]
+    policies = list(latency)
+    rates = sorted({float(k) for runs in latency.values() for k in runs})
+    lines = [
+        f"pagedserve bench paper: {result['model']}, {result['workload']}, "
+        f"{result['num_gpu_blocks']} KV blocks, n {result['n']}, beam width {result['beam_width']}",
+        "normalized latency (s/token) per rate:",
+        f"{'rate/s':>8} " + " ".join(f"{p:>15}" for p in policies),
+    ]
+    for rate in rates:
+        cells = [latency[p].get(f"{rate:g}") for p in policies]
+        lines.append(f"{rate:>8g} " + " ".join(f"{'-' if c is None else f'{c:.4f}':>15}" for c in cells))
+    sustained = ", ".join(f"{p} {r}" for p, r in result["sustainable_rate_per_s"].items())
+    lines.append(f"highest rate with latency <= {result['latency_factor']}x the lowest rate's: {sustained}")
+    for name, ratio in result["ratios"].items():
+        lines.append(f"rate ratio {name}: {ratio}x")
+    crossings = result.get("crossing_rate_per_s", {})
+    crossing = ", ".join(f"{p} {'beyond the sweep' if r is None else r}" for p, r in crossings.items())
+    if crossing:
+        lines.append(f"rate where latency reaches {result['latency_factor']}x (interpolated): {crossing}")
+    for name, ratio in result.get("crossing_ratios", {}).items():
+        lines.append(f"interpolated rate ratio {name}: {ratio}x")
+    return "\n".join(lines)
+
+
+def plot_paper(latency: dict[str, dict[str, float]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench paper: matplotlib is not installed; no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(figsize=(5, 4))
+    for policy, by_rate in latency.items():
+        axes.plot([float(k) for k in by_rate], list(by_rate.values()), "o-", label=policy)
+    axes.set_xlabel("request rate (req/s)")
+    axes.set_ylabel("normalized latency (s/token)")
+    axes.set_yscale("log")  # a policy past its knee is 10-100x the others
+    axes.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def run_paper(args: argparse.Namespace, model: str, spec: ModelSpec, result: dict) -> int:
+    from clients.bench import run as bench
+
+    try:
+        policies = parse_policies(args.policies)
+        if args.kv_cache_gib is not None:
+            args.num_gpu_blocks = kv_cache_blocks(spec, args.kv_cache_gib, args.block_size)
+    except ValueError as err:
+        print(f"pagedserve bench: {err}", file=sys.stderr)
+        return 2
+    result.update(
+        kv_policy=None,
+        policies=policies,
+        kv_cache_gib=args.kv_cache_gib,
+        num_gpu_blocks=args.num_gpu_blocks,
+        latency_factor=args.latency_factor,
+        runs=[],
+    )
+    by_policy: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy in policies:
+            print(f"bench paper: {policy} ...", file=sys.stderr, flush=True)
+            policy_args = argparse.Namespace(**{**vars(args), "kv_policy": policy})
+            trace_path = args.trace or os.path.join(tmp, f"{policy}.trace")
+            with bench.servers(policy_args, model, trace_path) as target:
+                bench.warm_up(policy_args, target, spec.vocab_size)
+                runs = bench.sweep_rates(policy_args, target, spec.vocab_size, trace_path, args.stop_factor)
+            by_policy[policy] = runs
+            result["runs"] += [{"policy": policy, **r} for r in runs]
+    result.update(compare(by_policy, args.latency_factor))
+    if args.plot:
+        plot_paper(result["normalized_latency_s_per_token"], args.plot)
+    return bench.report(args, result, format_paper_table(result))

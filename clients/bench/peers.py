@@ -1,0 +1,68 @@
+"""`pagedserve bench --compare`: the Hugging Face peers on the same GPU, model and requests as
+ours, and the offline ideal time (clients/bench_report.ideal_time) against the measured wall time."""
+
+from __future__ import annotations
+
+import sys
+
+from clients.bench.report import ideal_time
+from scheduler_svc.sim.models import ModelSpec
+
+PEERS = ("hf-static", "hf-cb")
+
+
+def run_peers(args, model: str, requests, ours_by_size: dict[int, dict]) -> list[dict]:
+    import torch
+
+    from clients.bench.hf_peers import load_peer_model, run_continuous, run_static
+
+    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    peer_model = load_peer_model(model, dtype, device, dummy=args.load_format == "dummy")
+    results = []
+    for peer in [p for p in args.compare.split(",") if p]:
+        size = peer_size(args, peer, len(requests))
+        subset = requests[:size]
+        prompts, max_tokens = [list(r.prompt_token_ids) for r in subset], [r.max_tokens for r in subset]
+        print(f"bench: running {peer} on the first {size} requests ...", file=sys.stderr, flush=True)
+        if peer == "hf-static":
+            result = run_static(peer_model, prompts, max_tokens, args.static_batch)
+        else:
+            result = run_continuous(peer_model, prompts, max_tokens, None if device == "cuda" else 256)
+        ours = ours_by_size[size]["output_tok_s"]
+        ours_all = ours_by_size[len(requests)]["output_tok_s"]
+        results.append(
+            {
+                **result.as_dict(),
+                "ours_output_tok_s": ours,
+                "ratio": round(ours / result.output_tok_s, 2),
+                # the peer's rate on its subset against ours on every request (a static batch's
+                # throughput does not depend on how many batches follow it; ours grows with the load)
+                "ours_all_output_tok_s": ours_all,
+                "ratio_ours_all": round(ours_all / result.output_tok_s, 2),
+            }
+        )
+    return results
+
+
+def peer_size(args, peer: str, num_requests: int) -> int:
+    if peer not in PEERS:
+        raise SystemExit(f"pagedserve bench: unknown peer {peer!r}; choose from {PEERS}")
+    size = args.static_requests if peer == "hf-static" else args.cb_requests
+    return min(size or num_requests, num_requests)
+
+
+def add_ideal(spec: ModelSpec, requests_by_size: dict[int, list], runs: dict[int, dict]) -> dict:
+    from clients.bench.report import measure_device_rates
+
+    rates = measure_device_rates()
+    for size, summary in runs.items():
+        reqs = requests_by_size[size]
+        ideal = ideal_time(spec, [r.prompt_len for r in reqs], [r.max_tokens for r in reqs], rates)
+        ideal["measured_over_ideal"] = round(ideal["total_s"] / summary["wall_s"], 3)
+        summary["ideal"] = ideal
+    return {
+        "device": rates.device,
+        "copy_tb_s": round(rates.copy_bytes_per_s / 1e12, 3),
+        "matmul_tflop_s": round(rates.matmul_flops_per_s / 1e12, 1),
+    }

@@ -1,0 +1,228 @@
+"""Figures of `pagedserve bench`: latency/throughput summary of a load run, GPU idle time between
+steps from the executor's step trace, and the ideal time of an offline workload.
+
+Definitions (docs/benchmarks.md, "Serving throughput"):
+- throughput: output tokens / wall time from the first request sent to the last token received;
+- TTFT: first token - arrival; TPOT: (last token - first token) / (output tokens - 1) per request;
+  ITL: gaps between consecutive token messages of a request; p50 / p99 over requests (TTFT, TPOT) or
+  over all gaps (ITL);
+- normalized latency (paper §6.1): mean over requests of end-to-end latency / output length (with
+  n parallel samples, a request's output tokens / n; with beam search, the best beam's length);
+- sharing saving (paper §6.3): mean over the server's stats samples taken while KV blocks are in use
+  of blocks_saved_by_sharing / (used blocks + blocks_saved_by_sharing);
+- GPU idle: from the trace, the time from the end of one step's GPU work (the executor synchronized)
+  to the launch of the next step's forward pass, summed, over the span of the steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from clients.bench.load import LoadRun
+from scheduler_svc.sim.models import BYTES_PER_PARAM, ModelSpec
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks; nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _ms(value: float) -> float:
+    return round(value * 1e3, 3) if not math.isnan(value) else value
+
+
+def summarize(run: LoadRun) -> dict:
+    done = [r for r in run.records if r.error is None]
+    wall_s = max(run.end_s - run.start_s, 1e-9)
+    output_tokens = sum(r.num_output_tokens for r in run.records)
+    prompt_tokens = sum(r.prompt_len for r in done)
+    ttft = [r.token_times_s[0] - r.arrival_s for r in done if r.token_times_s]
+    tpot = [(r.token_times_s[-1] - r.token_times_s[0]) / (r.output_len - 1) for r in done if r.output_len > 1]
+    itl = []
+    for r in done:
+        times = sorted(set(r.token_times_s))
+        itl.extend(b - a for a, b in zip(times, times[1:], strict=False))
+    normalized = [(r.end_s - r.arrival_s) / r.output_len for r in done if r.num_output_tokens]
+    during = [s for s in run.stats[1:-1] if run.start_s <= s.time_s <= run.end_s] or run.stats[-1:]
+    kv_used = [1.0 - s.num_free_gpu_blocks / run.num_gpu_blocks for s in during]
+    used_and_saved = [
+        (run.num_gpu_blocks - s.num_free_gpu_blocks, s.num_shared_block_refs)
+        for s in during
+        if s.num_free_gpu_blocks < run.num_gpu_blocks
+    ]
+    saving = [saved / (used + saved) for used, saved in used_and_saved]
+    return {
+        "num_requests": len(run.records),
+        "num_failed": len(run.records) - len(done),
+        "errors": sorted({r.error for r in run.records if r.error})[:3],
+        "output_tokens": output_tokens,
+        "expected_output_tokens": sum(r.expected_output_tokens for r in run.records),
+        "prompt_tokens": prompt_tokens,
+        "wall_s": round(wall_s, 4),
+        "request_per_s": round(len(done) / wall_s, 3),
+        "output_tok_s": round(output_tokens / wall_s, 2),
+        "total_tok_s": round((output_tokens + prompt_tokens) / wall_s, 2),
+        "ttft_ms": {"p50": _ms(percentile(ttft, 50)), "p99": _ms(percentile(ttft, 99))},
+        "tpot_ms": {"p50": _ms(percentile(tpot, 50)), "p99": _ms(percentile(tpot, 99))},
+        "itl_ms": {"p50": _ms(percentile(itl, 50)), "p99": _ms(percentile(itl, 99))},
+        "normalized_latency_s_per_token": round(sum(normalized) / max(1, len(normalized)), 5),
+        "avg_running_seqs": round(sum(s.num_running_seqs for s in during) / max(1, len(during)), 2),
+        "kv_usage": {
+            "mean": round(sum(kv_used) / max(1, len(kv_used)), 4),
+            "max": round(max(kv_used, default=0), 4),
+        },
+        "sharing_saving": {
+            "mean": round(sum(saving) / max(1, len(saving)), 4),
+            "max": round(max(saving, default=0), 4),
+        },
+        "preemptions": run.stats[-1].num_preemptions - run.stats[0].num_preemptions,
+        "steps": run.stats[-1].num_steps - run.stats[0].num_steps,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class StepTrace:
+    step_id: int
+    start_s: float
+    launch_s: float
+    end_s: float
+    num_seqs: int
+    num_tokens: int
+    # From CUDA events (-1 when the trace has none): GPU time from the previous step's end to this
+    # step's forward pass, and of this step's forward pass + sampling.
+    gpu_gap_s: float = -1.0
+    gpu_busy_s: float = -1.0
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_seqs > 0 and self.num_tokens == self.num_seqs
+
+
+def read_step_trace(path: str, start_s: float, end_s: float) -> list[StepTrace]:
+    """The steps the executor ran between start_s and end_s (inclusive of a step that straddles)."""
+    steps = []
+    with open(path) as trace:
+        for line in trace:
+            fields = line.split()
+            if len(fields) not in (6, 8):
+                continue  # a line being written
+            events = [float(f) / 1e3 if float(f) >= 0 else -1.0 for f in fields[6:8]]
+            times = map(float, fields[1:4])
+            step = StepTrace(int(fields[0]), *times, int(fields[4]), int(fields[5]), *events)
+            if step.end_s >= start_s and step.start_s <= end_s:
+                steps.append(step)
+    return steps
+
+
+def gpu_idle(steps: list[StepTrace], full_batch: int) -> dict:
+    """Idle gaps between consecutive steps: overall, and over pure-decode steps of >= full_batch
+    sequences (each gap is charged to the step that follows it)."""
+    gaps = [
+        (b.gpu_gap_s if b.gpu_gap_s >= 0 else max(0.0, b.launch_s - a.end_s), b)
+        for a, b in zip(steps, steps[1:], strict=False)
+        if b.step_id == a.step_id + 1
+    ]
+    if not gaps:
+        return {"num_steps": len(steps)}
+    idle = sum(g for g, _ in gaps)
+    busy = sum(_busy(s) for _, s in gaps)
+    full = [(g, s) for g, s in gaps if s.is_decode and s.num_seqs >= full_batch]
+    out = {
+        "num_steps": len(steps),
+        "gap_source": "cuda events" if steps[-1].gpu_gap_s >= 0 else "host clock",
+        "idle_fraction": round(idle / (idle + busy), 4) if idle + busy > 0 else math.nan,
+        "mean_gap_ms": _ms(idle / len(gaps)),
+        "mean_gpu_step_ms": _ms(sum(_busy(s) for s in steps) / len(steps)),
+        "mean_executor_prep_ms": _ms(sum(s.launch_s - s.start_s for s in steps) / len(steps)),
+        "mean_seqs_per_step": round(sum(s.num_seqs for s in steps) / len(steps), 2),
+        "full_decode_batch": full_batch,
+        "num_full_decode_steps": len(full),
+    }
+    if full:
+        full_idle = sum(g for g, _ in full)
+        full_busy = sum(_busy(s) for _, s in full)
+        full_prep = sum(s.launch_s - s.start_s for _, s in full)
+        out |= {
+            "full_decode_idle_fraction": round(full_idle / (full_idle + full_busy), 4),
+            "full_decode_gap_ms": _ms(full_idle / len(full)),
+            "full_decode_gpu_step_ms": _ms(full_busy / len(full)),
+            "full_decode_executor_prep_ms": _ms(full_prep / len(full)),
+        }
+    return out
+
+
+def _busy(step: StepTrace) -> float:
+    """The step's GPU time: from its events, else from the host clock (launch to seen done)."""
+    return step.gpu_busy_s if step.gpu_busy_s >= 0 else step.end_s - step.launch_s
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRates:
+    device: str
+    copy_bytes_per_s: float  # device-to-device copy, bytes read + written
+    matmul_flops_per_s: float  # bf16 GEMM
+
+
+def measure_device_rates() -> DeviceRates:
+    """The two ceilings on this GPU: a 1 GiB copy and an 8192^3 bf16 matrix product (median of 10)."""
+    import torch
+
+    def median_ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(10):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        return percentile(times, 50)
+
+    src = torch.randn(1 << 29, dtype=torch.bfloat16, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    mm_ms = median_ms(lambda: a @ b)
+    rates = DeviceRates(
+        torch.cuda.get_device_name(), 2 * src.numel() * 2 / (copy_ms / 1e3), 2 * n**3 / (mm_ms / 1e3)
+    )
+    return rates
+
+
+def ideal_time(spec: ModelSpec, prompt_lens: list[int], output_lens: list[int], rates: DeviceRates) -> dict:
+    """Every request runs from the start: prefill (all prompts, FLOPs / matmul rate) produces each
+    first token; decode step k (k = 1 .. max output - 1) runs the requests with more than k output
+    tokens and takes max(bytes / copy rate, FLOPs / matmul rate), bytes = the weights once + the K/V
+    of every active context, FLOPs = 2 x matmul params per token + attention (4 x hidden x layers
+    per context position)."""
+    matmul_params = spec.num_params - spec.vocab_size * spec.hidden_size  # the embedding is a lookup
+    weight_bytes = matmul_params * BYTES_PER_PARAM
+    attn_flops_per_pos = 4 * spec.hidden_size * spec.num_layers  # QK^T and PV, 2 FLOPs per MAC
+    prefill_flops = sum(2 * matmul_params * p + attn_flops_per_pos * p * (p + 1) / 2 for p in prompt_lens)
+    prefill_s = prefill_flops / rates.matmul_flops_per_s
+    decode_s = 0.0
+    pairs = sorted(zip(output_lens, prompt_lens, strict=True), reverse=True)
+    for k in range(1, max(output_lens, default=1)):
+        active = [p for out, p in pairs if out > k]  # sorted by output length: a prefix
+        if not active:
+            break
+        context = sum(active) + k * len(active)
+        bytes_moved = weight_bytes + context * spec.kv_bytes_per_token
+        flops = 2 * matmul_params * len(active) + attn_flops_per_pos * context
+        decode_s += max(bytes_moved / rates.copy_bytes_per_s, flops / rates.matmul_flops_per_s)
+    return {
+        "prefill_s": round(prefill_s, 4),
+        "decode_s": round(decode_s, 4),
+        "total_s": round(prefill_s + decode_s, 4),
+    }

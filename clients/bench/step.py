@@ -1,0 +1,184 @@
+"""Decode step time of one executor Worker in-process, CUDA graph vs eager (no servers, no gRPC):
+
+    python -m clients.bench.step --model llama3-8b --batch 32,256 --context 512 [--kernels] [--pipeline]
+
+Per batch size: `build_model_input` (host), `runner.execute` = forward + sampling with its host
+syncs (wall clock), and the forward alone (CUDA events), each the median of 20 steps. The sequences
+decode at `--context` positions through random block tables over a cache of random values.
+
+`--kernels`: GPU time per step of each kernel (torch.profiler over 10 forward passes, graph and
+eager), the largest first. `--pipeline`: the executor's host time per step as a server runs it
+(`Worker.launch` of step i+1 before `Worker.finish` of step i, plans with placeholder tokens), and
+the wall time per step; the host keeps up when its time is below the GPU's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from clients.cli.serve import resolve_model
+from executor_svc.runner.inputs import ScheduledSequence, SequenceState, build_model_input
+from executor_svc.worker.worker import Worker
+from scheduler_svc.wire.sampling_params import SamplingParams
+from scheduler_svc.wire.step_plan import PENDING_TOKEN, NewSequence, StepPlan
+
+REPEATS = 20
+
+
+def _batch(worker: Worker, num_seqs: int, context: int, rng: random.Random):
+    block_size = worker.cache_config.block_size
+    blocks = list(range(worker.num_gpu_blocks))
+    rng.shuffle(blocks)
+    per_seq = -(-context // block_size)
+    scheduled = []
+    for i in range(num_seqs):
+        ids = [rng.randrange(100, worker.model_config.vocab_size) for _ in range(context)]
+        table = blocks[i * per_seq : (i + 1) * per_seq]
+        state = SequenceState(ids, context - 1, table, SamplingParams(temperature=0.0), 0, context - 1)
+        scheduled.append(ScheduledSequence(i, state, 1))
+    return scheduled
+
+
+def _median_ms(fn) -> float:
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - begin) * 1e3)
+    return round(statistics.median(times), 3)
+
+
+def _forward_ms(runner, batch) -> float:
+    def events() -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        runner.compute_logits(batch)
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end)
+
+    events()
+    return round(statistics.median(events() for _ in range(REPEATS)), 3)
+
+
+def _kernel_table(runner, batch, steps: int = 10, top: int = 14) -> list[dict]:
+    """[{kernel, calls, us}] per step (GPU time), the most expensive first, plus a row for the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.compute_logits(batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.compute_logits(batch)
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0)
+        if device_us > 0:
+            rows.append({"kernel": event.key[:90], "calls": event.count / steps, "us": device_us / steps})
+    rows.sort(key=lambda r: -r["us"])
+    rest = rows[top:]
+    rows = rows[:top]
+    if rest:
+        rows.append({"kernel": f"({len(rest)} others)", "calls": sum(r["calls"] for r in rest),
+                     "us": sum(r["us"] for r in rest)})
+    for r in rows:
+        r["calls"], r["us"] = round(r["calls"], 1), round(r["us"], 1)
+    return rows
+
+
+def _pipeline(worker: Worker, num_seqs: int, context: int, rng: random.Random, steps: int = 60) -> dict:
+    """Host time of launch + finish per decode step, steps launched one ahead as the servicer does."""
+    block_size = worker.cache_config.block_size
+    per_seq = -(-(context + steps + 2) // block_size)
+    blocks = list(range(worker.num_gpu_blocks))
+    rng.shuffle(blocks)
+    ids = list(range(num_seqs))
+    new = [
+        NewSequence(
+            seq_id, [rng.randrange(100, worker.model_config.vocab_size) for _ in range(context)],
+            context - 1, 1, blocks[i * per_seq : (i + 1) * per_seq], SamplingParams(temperature=0.0),
+        )
+        for i, seq_id in enumerate(ids)
+    ]
+    worker.reset()
+    prev = worker.launch(StepPlan(0, new_seqs=new))
+    launch_s = finish_s = 0.0
+    begin = time.perf_counter()
+    for step_id in range(1, steps + 1):
+        t0 = time.perf_counter()
+        plan = StepPlan(step_id, decode_seq_ids=ids, decode_token_ids=[PENDING_TOKEN] * num_seqs)
+        step = worker.launch(plan)
+        t1 = time.perf_counter()
+        worker.wait(prev)
+        t2 = time.perf_counter()
+        worker.finish(prev)
+        finish_s += time.perf_counter() - t2
+        launch_s += t1 - t0
+        prev = step
+    worker.finish(prev)
+    wall = time.perf_counter() - begin
+    worker.reset()
+    return {
+        "pipeline_launch_ms": round(launch_s / steps * 1e3, 3),
+        "pipeline_finish_ms": round(finish_s / steps * 1e3, 3),
+        "pipeline_wall_per_step_ms": round(wall / steps * 1e3, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m clients.bench.step", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--batch", default="32,256")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--kernels", action="store_true", help="GPU time per kernel (torch.profiler)")
+    parser.add_argument("--pipeline", action="store_true", help="executor host time per step, launched ahead")
+    args = parser.parse_args(argv)
+    args.load_format = "auto"
+    folder, _ = resolve_model(args)
+    batches = [int(b) for b in args.batch.split(",")]
+    num_blocks = max(batches) * -(-(args.context + 64) // 16) + 16
+    worker = Worker(folder, load_format=args.load_format, num_gpu_blocks=num_blocks, num_cpu_blocks=0)
+    worker.init_cache(num_blocks, 0)
+    worker.kv_cache.device_cache.normal_()  # random K/V, never timed on uninitialized memory
+    runner, graphs = worker.runner, worker.runner.decode_graphs
+    rng = random.Random(0)
+    rows = []
+    for num_seqs in batches:
+        scheduled = _batch(worker, num_seqs, args.context, rng)
+        gen = torch.Generator().manual_seed(0)
+        batch = build_model_input(scheduled, 16, worker.device, gen)
+        row = {
+            "batch": num_seqs,
+            "context": args.context,
+            "graph_bucket": graphs.bucket_for(num_seqs) if graphs else None,
+        }
+        row["build_input_ms"] = _median_ms(
+            lambda s=scheduled, g=gen: build_model_input(s, 16, worker.device, g)
+        )
+        for mode in ("graph", "eager"):
+            runner.decode_graphs = graphs if mode == "graph" else None
+            row[f"{mode}_execute_ms"] = _median_ms(lambda b=batch: runner.execute(b))
+            row[f"{mode}_forward_gpu_ms"] = _forward_ms(runner, batch)
+            if args.kernels:
+                row[f"{mode}_kernels"] = _kernel_table(runner, batch)
+        runner.decode_graphs = graphs
+        if args.pipeline:
+            row.update(_pipeline(worker, num_seqs, args.context, rng))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""`python -m clients.cli`: the `pagedserve` command."""
+
+from clients.cli.main import main
+
+raise SystemExit(main())

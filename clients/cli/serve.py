@@ -1,0 +1,304 @@
+"""`pagedserve serve`: the executor(s) and the scheduler as separate processes on this machine.
+
+    executor_svc.server.main (one per rank) ◀── Executor.Step ── scheduler_svc.server.main ◀── clients
+
+Waits until every process reports SERVING through grpc.health.v1, prints where to connect, and
+stops them all on Ctrl-C / SIGTERM: the scheduler first (it drains), then the executors. An
+executor that dies is restarted with its set on the same ports (the scheduler keeps its requests
+and recomputes them once they are back), up to MAX_EXECUTOR_RESTARTS times; if the scheduler dies,
+everything stops. With no --model it serves a tiny random-weight Llama the project creates on
+first use (cached under ~/.cache/pagedserve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from scheduler_svc.sched.kv_policies import PAGED, POLICIES, check_policy_options
+from scheduler_svc.sim.models import MODELS, ModelSpec
+
+CACHE_DIR = pathlib.Path(os.environ.get("PAGEDSERVE_CACHE", "~/.cache/pagedserve")).expanduser()
+DEFAULT_MODEL_DIR = CACHE_DIR / "tiny-llama"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model folder (default: the tiny model), or a named shape "
+                        f"served with dummy weights and token-id prompts only: {', '.join(MODELS)}")
+    parser.add_argument("--host", default="127.0.0.1", help="address the public API listens on")
+    parser.add_argument("--port", type=int, default=50051, help="public API port")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="executor ranks (one per GPU)")
+    parser.add_argument("--preemption", choices=("swap", "recompute"), default="recompute")
+    parser.add_argument("--kv-policy", choices=POLICIES, default=PAGED,
+                        help="KV memory: paged, or a contiguous reservation baseline of the paper's "
+                             "section 6 (reserve-oracle reserves each request's max_tokens; no swap, "
+                             "no prefix cache)")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profiled number")
+    parser.add_argument("--num-cpu-blocks", type=int, default=None, help="override the swap space size")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="build each plan only after the previous step's result")
+    parser.add_argument("--api-frontend", action="store_true",
+                        help="serve clients from a separate front-end process (one batch per step from the "
+                        "scheduler instead of one message per request)")
+    parser.add_argument("--max-n", type=int, default=None, help="largest n a request may ask for")
+    parser.add_argument("--max-beam-width", type=int, default=None, help="largest beam width allowed")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    parser.add_argument("--executor-metrics-port", type=int, default=None,
+                        help="executors' /metrics: rank r serves on this port + r")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
+    parser.add_argument("--drain-grace-period-s", type=float, default=30.0,
+                        help="on stop, in-flight requests get this long to finish")
+    parser.add_argument("--recovery-timeout-s", type=float, default=120.0,
+                        help="requests wait this long for a failed executor to come back")
+    parser.add_argument("--tls-cert-file", default=None, help="serve the public API over TLS (PEM chain)")
+    parser.add_argument("--tls-key-file", default=None, help="PEM key of --tls-cert-file")
+    parser.add_argument("--auth-token-file", default=None,
+                        help="require this bearer token on the public API (or set PAGEDSERVE_AUTH_TOKEN)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_default_model(model_dir: pathlib.Path = DEFAULT_MODEL_DIR) -> pathlib.Path:
+    if not (model_dir / "config.json").exists():
+        print(f"creating the tiny default model in {model_dir} ...", flush=True)
+        cmd = [sys.executable, "-m", "clients.cli", "make-tiny-model", str(model_dir), "--family", "llama"]
+        subprocess.run(cmd, check=True)
+    return model_dir
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[str, ModelSpec]:
+    """The model folder to serve and its shape. A named shape of scheduler_svc/sim/models.py (e.g.
+    `llama3-8b`) becomes a folder with only config.json, served with dummy weights and no tokenizer
+    (token-id prompts only)."""
+    if args.model in MODELS:
+        spec = MODELS[args.model]
+        folder = CACHE_DIR / "bench-models" / args.model
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(spec.hf_config(), indent=2) + "\n")
+        args.load_format = "dummy"
+        return str(folder), spec
+    folder = pathlib.Path(args.model) if args.model else ensure_default_model()
+    return str(folder.resolve()), spec_from_hf_config(json.loads((folder / "config.json").read_text()))
+
+
+def spec_from_hf_config(hf: dict) -> ModelSpec:
+    heads = hf["num_attention_heads"]
+    return ModelSpec(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        ffn_size=hf.get("intermediate_size") or hf["ffn_dim"],
+        vocab_size=hf["vocab_size"],
+        max_model_len=hf.get("max_position_embeddings", 2048),
+        gated_mlp=hf.get("model_type") != "opt",
+    )
+
+
+def executor_command(args: argparse.Namespace, model: str, rank: int, port: int, dist_port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "executor_svc.server.main", "--model", model, "--port", str(port),
+           "--rank", str(rank), "--world-size", str(args.tensor_parallel_size), "--dtype", args.dtype,
+           "--load-format", args.load_format, "--block-size", str(args.block_size),
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.device:
+        cmd += ["--device", args.device]
+    if getattr(args, "executor_metrics_port", None) is not None:
+        cmd += ["--metrics-port", str(args.executor_metrics_port + rank)]
+    if args.tensor_parallel_size > 1:
+        cmd += ["--dist-init-addr", f"127.0.0.1:{dist_port}"]
+    return cmd
+
+
+def scheduler_command(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "scheduler_svc.server.main", "--model", model, "--host", args.host,
+           "--port", str(args.port), "--executors", ",".join(executor_targets),
+           "--preemption", args.preemption, "--kv-policy", args.kv_policy,
+           "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    for flag, value in (("--num-gpu-blocks", args.num_gpu_blocks), ("--num-cpu-blocks", args.num_cpu_blocks),
+                        ("--max-model-len", args.max_model_len), ("--metrics-port", args.metrics_port),
+                        ("--max-n", args.max_n), ("--max-beam-width", args.max_beam_width)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if args.no_prefix_caching:
+        cmd.append("--no-prefix-caching")
+    if args.no_async_scheduling:
+        cmd.append("--no-async-scheduling")
+    cmd += ["--drain-grace-period-s", str(args.drain_grace_period_s),
+            "--recovery-timeout-s", str(args.recovery_timeout_s)]
+    for flag, value in (("--tls-cert-file", args.tls_cert_file), ("--tls-key-file", args.tls_key_file),
+                        ("--auth-token-file", args.auth_token_file)):
+        if value:
+            cmd += [flag, str(pathlib.Path(value).resolve())]
+    return cmd
+
+
+def frontend_command(args: argparse.Namespace, engine_target: str) -> list[str]:
+    cmd = [sys.executable, "-m", "scheduler_svc.frontend.main", "--engine", engine_target,
+           "--host", args.host, "--port", str(args.port),
+           "--drain-grace-period-s", str(args.drain_grace_period_s)]
+    for flag, value in (("--tls-cert-file", args.tls_cert_file), ("--tls-key-file", args.tls_key_file),
+                        ("--auth-token-file", args.auth_token_file)):
+        if value:
+            cmd += [flag, str(pathlib.Path(value).resolve())]
+    return cmd
+
+
+def start_public(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[subprocess.Popen]:
+    """The process(es) clients talk to, on args.host:args.port: the scheduler, or with
+    --api-frontend the scheduler on a loopback port behind an API front-end process (the front-end
+    last: it is the one to drain first)."""
+    if not args.api_frontend:
+        return [subprocess.Popen(scheduler_command(args, model, executor_targets))]
+    inner = argparse.Namespace(**vars(args))
+    inner.host, inner.port, inner.tls_cert_file, inner.tls_key_file = "127.0.0.1", free_port(), None, None
+    scheduler = subprocess.Popen(scheduler_command(inner, model, executor_targets))
+    try:
+        wait_serving(f"127.0.0.1:{inner.port}", [scheduler], args.startup_timeout)
+    except BaseException:
+        stop_all([scheduler], grace_s=5.0)
+        raise
+    return [scheduler, subprocess.Popen(frontend_command(args, f"127.0.0.1:{inner.port}"))]
+
+
+def check_options(args: argparse.Namespace) -> str | None:
+    """Why these serve options cannot run (before any process starts), or None."""
+    try:
+        check_policy_options(args.kv_policy, args.preemption)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def wait_serving(
+    target: str, procs: list[subprocess.Popen], timeout_s: float, tls_root: str | None = None
+) -> None:
+    """`tls_root`: a PEM file to trust for a TLS server (the served chain: enough for a self-signed
+    certificate or a chain file that ends with its root)."""
+    import grpc
+
+    from scheduler_svc.wire.grpc_serving import health_status
+
+    credentials = None
+    if tls_root:
+        credentials = grpc.ssl_channel_credentials(root_certificates=pathlib.Path(tls_root).read_bytes())
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a pagedserve process exited during startup (see its log above)")
+        if health_status(target, timeout_s=1.0, credentials=credentials) == "SERVING":
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{target} did not become SERVING within {timeout_s:.0f} s")
+
+
+def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0, drain_s: float = 0.0) -> None:
+    """The scheduler (last) first: it drains for up to `drain_s` while the executors still run;
+    then the executors. Each gets `grace_s` more before SIGKILL."""
+    for batch, wait_s in ((procs[-1:], drain_s + grace_s), (procs[:-1], grace_s)):
+        for proc in batch:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + wait_s
+        for proc in batch:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+MAX_EXECUTOR_RESTARTS = 5
+
+
+def start_executors(args: argparse.Namespace, model: str, ports: list[int]) -> list[subprocess.Popen]:
+    """One process per rank on the given ports (a restart reuses them: the scheduler reconnects)."""
+    dist_port = free_port()
+    procs = [subprocess.Popen(executor_command(args, model, rank, port, dist_port))
+             for rank, port in enumerate(ports)]
+    try:
+        for port in ports:
+            wait_serving(f"127.0.0.1:{port}", procs, args.startup_timeout)
+    except BaseException:
+        stop_all(procs, grace_s=5.0)
+        raise
+    return procs
+
+
+def run(args: argparse.Namespace) -> int:
+    if (problem := check_options(args)) is not None:
+        print(f"pagedserve serve: {problem}", file=sys.stderr)
+        return 2
+    model, _ = resolve_model(args)
+    stop_requested = False
+
+    def request_stop(signum, frame) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    executors: list[subprocess.Popen] = []
+    public_procs: list[subprocess.Popen] = []
+    ports = [free_port() for _ in range(args.tensor_parallel_size)]
+    targets = [f"127.0.0.1:{port}" for port in ports]
+    try:
+        executors += start_executors(args, model, ports)
+        public_procs += start_public(args, model, targets)
+        procs = executors + public_procs
+        public = f"{'localhost' if args.host in ('127.0.0.1', '0.0.0.0') else args.host}:{args.port}"
+        wait_serving(public, procs, args.startup_timeout, tls_root=args.tls_cert_file)
+        print(f"pagedserve is serving {model} on {public} (gRPC: pagedserve.v1.Generation)", flush=True)
+        if args.metrics_port is not None:
+            print(f"metrics: http://localhost:{args.metrics_port}/metrics", flush=True)
+        else:
+            print("metrics: off (--metrics-port P serves Prometheus /metrics)", flush=True)
+        if args.executor_metrics_port is not None:
+            ranks = range(args.tensor_parallel_size)
+            urls = ", ".join(f"http://localhost:{args.executor_metrics_port + r}/metrics" for r in ranks)
+            print(f"executor metrics: {urls}", flush=True)
+        print(f"executors (pagedserve.v1.Executor): {', '.join(targets)}", flush=True)
+        print(f"try: pagedserve generate --server {public} --prompt 'Hello'   (Ctrl-C stops)", flush=True)
+        num_restarts = 0
+        while not stop_requested:
+            if any(p.poll() is not None for p in public_procs):
+                print("pagedserve: the scheduler or the API front-end exited; stopping", file=sys.stderr)
+                return 1
+            if any(p.poll() is not None for p in executors):
+                if num_restarts == MAX_EXECUTOR_RESTARTS:
+                    print("pagedserve: executors keep failing; stopping", file=sys.stderr)
+                    return 1
+                num_restarts += 1
+                print("pagedserve: an executor exited; restarting the executors (the scheduler keeps its "
+                      "requests and recomputes them once they are back)", file=sys.stderr, flush=True)
+                stop_all(executors, grace_s=5.0)
+                executors[:] = start_executors(args, model, ports)
+            time.sleep(0.2)
+        return 0
+    except (RuntimeError, TimeoutError) as err:
+        print(f"pagedserve serve: {err}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(executors + public_procs, drain_s=args.drain_grace_period_s)
+

@@ -1,0 +1,25 @@
+"""Model families, one file each; `model_class(config)` picks the class for a config."""
+
+from __future__ import annotations
+
+from executor_svc.models.config import ModelConfig
+
+
+def model_class(config: ModelConfig):
+    if config.family == "llama":
+        from executor_svc.models.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM
+    if config.family == "qwen2":
+        from executor_svc.models.qwen2 import Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM
+    if config.family == "qwen3":
+        from executor_svc.models.qwen3 import Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM
+    if config.family == "opt":
+        from executor_svc.models.opt import OPTForCausalLM
+
+        return OPTForCausalLM
+    raise ValueError(f"no model for family {config.family!r}")

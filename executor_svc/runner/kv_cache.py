@@ -1,0 +1,110 @@
+"""The paged KV cache: one device tensor for all layers plus a CPU swap space of the same layout.
+
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads_per_rank, head_dim]
+                           └─ 0 = key, 1 = value;  slot = block_id * block_size + offset_in_block
+
+Layer l attends through the view kv_cache[l] ([2, num_blocks, block_size, KV, D]). Block moves go
+through `kernels`: swap_blocks between device and (pinned) CPU memory, copy_blocks for copy-on-write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from executor_svc.runner.errors import PlanError
+from executor_svc.runner.host_to_device import to_device
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """How big the caches are. Explicit block counts win over the memory settings.
+
+    On CUDA the device cache gets (total memory * gpu_memory_utilization - profiled peak of a forward
+    over max_num_batched_tokens); on CPU it gets `cpu_kv_gib`. The swap space gets `swap_space_gib`,
+    and never more blocks than the device cache (the scheduler's rule).
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_gib: float = 0.25
+    swap_space_gib: float = 0.25
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.cpu_kv_gib <= 0 or self.swap_space_gib < 0 or self.max_num_batched_tokens < 1:
+            raise ValueError("cpu_kv_gib, swap_space_gib and max_num_batched_tokens must be positive")
+
+
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def blocks_from_profile(total_bytes: int, utilization: float, peak_bytes: int, block_bytes: int) -> int:
+    """Blocks that fit in total * utilization once the profiled peak of a forward pass is set aside."""
+    return max(0, int(total_bytes * utilization - peak_bytes) // block_bytes)
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.block_size = block_size
+        self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.device_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, N, bs, KV, D]
+        cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
+        self.cpu_cache = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)  # [L, 2, Nc, bs, KV, D]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, cpu block) pairs."""
+        self._check(pairs, self.num_blocks, self.num_cpu_blocks, "swap_out")
+        if pairs:
+            kernels.swap_blocks(self.device_cache, self.cpu_cache, _mapping(pairs))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(cpu block, device block) pairs."""
+        self._check(pairs, self.num_cpu_blocks, self.num_blocks, "swap_in")
+        if pairs:
+            kernels.swap_blocks(self.cpu_cache, self.device_cache, _mapping(pairs))
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(src device block, dst device block) pairs, every layer, K and V."""
+        self._check(pairs, self.num_blocks, self.num_blocks, "copies")
+        if pairs:
+            kernels.copy_blocks(self.device_cache, to_device(_mapping(pairs), self.device_cache.device))
+
+    @staticmethod
+    def _check(pairs, num_src: int, num_dst: int, what: str) -> None:
+        for src, dst in pairs:
+            if not (0 <= src < num_src and 0 <= dst < num_dst):
+                raise PlanError(f"{what}: block pair ({src}, {dst}) outside [0, {num_src}) x [0, {num_dst})")
+
+
+def _mapping(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)  # [P, 2]

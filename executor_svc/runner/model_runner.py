@@ -1,0 +1,72 @@
+"""Runs one step's `ModelInput` through the model and the sampler."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from executor_svc.layers.attention import AttentionMetadata
+from executor_svc.runner.cuda_graphs import DecodeGraphs
+from executor_svc.runner.inputs import ModelInput
+from executor_svc.runner.kv_cache import KVCache
+from executor_svc.runner.sampler import SamplerOutput, sample
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_cache: KVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_model_len: int) -> None:
+        """From now on decode batches of up to DECODE_BUCKETS[-1] sequences replay CUDA graphs."""
+        graphs = DecodeGraphs(self.model, self.kv_cache, max_model_len)
+        graphs.capture()
+        self.decode_graphs = graphs
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ModelInput) -> torch.Tensor:
+        """Runs the forward pass (writing this step's K/V) and returns the logits [S, V] (float32) of the
+        rows named by `logits_indices` (S may be 0: a step of prefill chunks only). A decode batch
+        replays a captured CUDA graph when there is one for its size."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs.run(batch)
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.kv_cache.device_cache, batch.attn
+        )  # [T, D]
+        return self.model.compute_logits(hidden[batch.logits_indices]).float()
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelInput) -> SamplerOutput | None:
+        """Forward pass and sampling; None when no row is sampled."""
+        logits = self.compute_logits(batch)
+        return sample(logits, batch.sampling) if logits.shape[0] else None
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, max_num_seqs: int = 256) -> None:
+        """A forward pass over `num_tokens` tokens (split into up to `max_num_seqs` prefills) that
+        writes no KV (all slots -1) and reads only block 0: the activation peak of the largest step."""
+        device = self.kv_cache.device_cache.device
+        num_seqs = max(1, min(max_num_seqs, num_tokens))
+        q_lens = torch.full((num_seqs,), num_tokens // num_seqs, dtype=torch.int32)  # [B]
+        q_lens[: num_tokens % num_seqs] += 1
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)  # [B + 1]
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        max_len = int(q_lens.max())
+        block_size = self.kv_cache.block_size
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            block_tables=torch.zeros(num_seqs, -(-max_len // block_size), dtype=torch.int32, device=device),
+            seq_lens=q_lens.to(device),
+            query_start_loc=query_start_loc.to(device),
+            max_query_len=max_len,
+            max_seq_len=max_len,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)  # [T]
+        positions = torch.arange(num_tokens, dtype=torch.int32) - query_start_loc[:-1].repeat_interleave(
+            q_lens
+        )
+        hidden = self.model(
+            input_ids, positions.to(device=device, dtype=torch.int64), self.kv_cache.device_cache, meta
+        )
+        self.model.compute_logits(hidden[query_start_loc[1:].to(device, torch.int64) - 1]).float()

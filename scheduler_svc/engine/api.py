@@ -1,0 +1,83 @@
+"""What the engine's callers see besides the engine itself: its errors, the model limits it
+enforces, its statistics, and the protocols of its tokenizer and executors. No protobuf here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from scheduler_svc.engine.detokenizer import Decoder
+from scheduler_svc.wire.step_plan import StepPlan, StepResult
+
+
+class InvalidRequestError(ValueError):
+    """Bad client input; `field` names it (the edge answers INVALID_ARGUMENT)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+class RequestFailedError(RuntimeError):
+    """The server dropped an accepted request (e.g. it outgrew the KV cache; the edge answers ABORTED)."""
+
+
+class ServiceUnavailableError(RuntimeError):
+    """Not serving now: draining, or the executors are down (the edge answers UNAVAILABLE; a
+    client may retry later or elsewhere). Also ends accepted requests that a drain's grace period
+    or an executor recovery's timeout cut off."""
+
+
+class Tokenizer(Decoder, Protocol):
+    def encode(self, text: str): ...
+
+
+class Executors(Protocol):
+    async def step(self, plan: StepPlan) -> StepResult:
+        """Run one plan on every rank; raises when a rank fails or misses the step deadline."""
+
+    async def recover(self) -> None:
+        """Re-initialize every rank (cache and state) after a failure; raises while one is down."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    eos_token_ids: tuple[int, ...] = ()
+    max_n: int = 16
+    max_beam_width: int = 16
+    world_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryOptions:
+    """Executor failure handling: requests wait up to `recovery_timeout_s` after a failure for
+    the ranks to come back (then end with UNAVAILABLE); the ranks are probed every `probe_interval_s`."""
+
+    recovery_timeout_s: float = 120.0
+    probe_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.recovery_timeout_s < 0 or self.probe_interval_s <= 0:
+            raise ValueError("recovery_timeout_s must be >= 0 and probe_interval_s > 0")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_free_gpu_blocks: int
+    num_free_cpu_blocks: int
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_steps: int
+    num_preemptions: int
+    num_running_seqs: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    num_shared_block_refs: int = 0  # blocks saved by sharing (kv_manager.num_shared_block_refs)
+    kv_policy: str = "paged"

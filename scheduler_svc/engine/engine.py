@@ -1,0 +1,300 @@
+"""The engine loop: schedule → every executor rank → process the result → stream outputs.
+
+One asyncio task runs the loop; requests arrive from gRPC handlers on the same event loop, so the
+scheduler is only ever touched from one thread. Each request has an asyncio queue of
+`RequestDelta`s; text is detokenized incrementally per output (never broken UTF-8) and stop strings
+finish a sequence through the scheduler so its blocks are freed. With nothing to do the loop
+sleeps on an event (no busy spin). No protobuf here: the servicer converts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+
+from scheduler_svc.engine.api import (
+    EngineStats,
+    Executors,
+    InvalidRequestError,
+    ModelLimits,
+    RecoveryOptions,
+    RequestFailedError,
+    ServiceUnavailableError,
+    Tokenizer,
+)
+from scheduler_svc.engine.outputs import RequestDelta, RequestState, RequestStream
+from scheduler_svc.engine.stats import engine_stats, record_output, record_step
+from scheduler_svc.request.sequence import FinishReason
+from scheduler_svc.sched.config import RequestRejectedError
+from scheduler_svc.sched.output_processor import RequestOutput
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.wire.sampling_params import SamplingParams
+from scheduler_svc.wire.step_plan import StepPlan
+
+__all__ = ["Engine", "EngineStats", "InvalidRequestError", "ModelLimits", "RequestFailedError",
+           "RequestStream", "ServiceUnavailableError"]
+_log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executors: Executors,
+        tokenizer: Tokenizer,
+        limits: ModelLimits,
+        metrics=None,
+        recovery: RecoveryOptions | None = None,
+        async_scheduling: bool = True,
+    ):
+        self.scheduler = scheduler
+        self.async_scheduling = async_scheduling
+        self.executors = executors
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.metrics = metrics
+        self._requests: dict[str, RequestState] = {}
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self.num_steps = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.recovery = recovery or RecoveryOptions()
+        self.healthy = True  # the executors answered the last step
+        self.draining = False
+        self._down_since = 0.0
+        self.on_health_change: Callable[[bool], None] | None = None
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str = ""
+    ) -> RequestStream:
+        """Validate and queue a request; raises InvalidRequestError (with the field) for bad input."""
+        if self._stopping:
+            raise RequestFailedError("the server is stopping")
+        if self.draining:
+            raise ServiceUnavailableError("the server is draining (shutting down); retry elsewhere")
+        if not self.healthy:
+            raise ServiceUnavailableError("the executors are down; the server is recovering, retry later")
+        prompt_ids = self._prompt_ids(prompt)
+        vocab = self.limits.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
+        cache = f"the KV cache ({self.limits.num_gpu_blocks} blocks of {self.limits.block_size} tokens)"
+        if -(-len(prompt_ids) // self.limits.block_size) > self.limits.num_gpu_blocks:
+            raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens can never fit in {cache}")
+        total_blocks = -(-(len(prompt_ids) + params.max_tokens) // self.limits.block_size)
+        within_model_len = len(prompt_ids) + params.max_tokens <= self.limits.max_model_len
+        if total_blocks > self.limits.num_gpu_blocks and within_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"can never fit in {cache}",
+            )
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        group = self.scheduler.new_group(request_id, prompt_ids, params)
+        try:
+            self.scheduler.add_request(group)
+        except RequestRejectedError as err:
+            raise InvalidRequestError(err.field, str(err).split(": ", 1)[-1]) from None
+        request = RequestState(request_id, prompt_ids, params, self.tokenizer, group)
+        self._requests[request_id] = request
+        self._wakeup.set()
+        return RequestStream(self, request)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return list(self.tokenizer.encode(prompt).ids)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.limits.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "prompt.token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Abort now: the blocks are freed at once, the executors drop the state with the next plan."""
+        request = self._requests.pop(request_id, None)
+        found = self.scheduler.abort(request_id)
+        if request is not None:
+            request.deliver(request.abort_delta())
+            if self.metrics is not None:
+                self.metrics.inc("requests_finished", reason="abort")
+        self._wakeup.set()
+        return found or request is not None
+
+    def stats(self) -> EngineStats:
+        return engine_stats(self)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Overlap, two ways. Async scheduling (`async_scheduling`, when the scheduler allows it):
+        plan i+1 is built and sent before step i's result is back, so the executors prepare it while
+        the GPU runs step i and start it the moment step i ends. And step i's outputs are streamed
+        to the clients only once the next plan is on its way (streaming a delta to each of hundreds
+        of requests takes milliseconds of this thread). Outputs of requests with stop strings are
+        streamed at once (a stop string finishes its sequence)."""
+        deferred: list[RequestOutput] = []
+        in_flight: deque[tuple[StepPlan, asyncio.Future, float]] = deque()
+        while not self._stopping:
+            if deferred and not in_flight and (not self.healthy or not self.scheduler.has_unfinished()):
+                deferred = self._emit_all(deferred)
+            if not self.healthy:
+                await self._await_executors()
+                continue
+            if not in_flight:
+                if not self.scheduler.has_unfinished():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                self._send(in_flight)
+            if self.async_scheduling and self.scheduler.can_schedule_ahead():
+                self._send(in_flight)
+            if deferred:
+                for _ in range(3):  # let the step tasks encode the plans and start their calls
+                    await asyncio.sleep(0)
+                deferred = self._emit_all(deferred)
+            plan, step, start = in_flight.popleft()
+            try:
+                result = await step
+            except Exception as err:  # noqa: BLE001 - a rank failed or missed the step deadline
+                _log.error("step %d failed (%s): recomputing every request once the executors are back",
+                           plan.step_id, err)
+                await self._drop_in_flight(in_flight)
+                self._executors_failed()
+                continue
+            outputs = self.scheduler.process_result(result)
+            self.num_steps += 1
+            self.num_swapped_out_blocks += len(plan.swap_out)
+            self.num_swapped_in_blocks += len(plan.swap_in)
+            for out in outputs:
+                request = self._requests.get(out.request_id)
+                if request is not None and request.params.stop:
+                    self._emit(out)
+                else:
+                    deferred.append(out)
+            if self.metrics is not None:
+                record_step(self.metrics, self, plan, time.perf_counter() - start)
+            if plan.is_empty and not in_flight:  # nothing runnable: wait for a new request or an abort
+                deferred = self._emit_all(deferred)
+                self._wakeup.clear()
+                await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=0.05)
+        for _, step, _ in in_flight:
+            step.cancel()
+        self._emit_all(deferred)
+
+    def _send(self, in_flight: deque) -> None:
+        """Schedules the next plan and sends it (an empty plan too: step ids stay contiguous)."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        in_flight.append((plan, asyncio.ensure_future(self.executors.step(plan)), start))
+
+    @staticmethod
+    async def _drop_in_flight(in_flight: deque) -> None:
+        """After a failed step: the steps sent after it failed or are abandoned too."""
+        for _, step, _ in in_flight:
+            step.cancel()
+        await asyncio.gather(*(step for _, step, _ in in_flight), return_exceptions=True)
+        in_flight.clear()
+
+    # ---- executor failure and drain -----------------------------------------------------------
+    def _executors_failed(self) -> None:
+        """The executors lost their state: keep every request, preempted by recompute (prompt +
+        the tokens already streamed are prefilled again once they are back, so streams continue
+        with no token lost or repeated). NOT_SERVING (new requests refused) until then."""
+        self.scheduler.reset_for_recovery()
+        self._down_since = time.monotonic()
+        self._set_healthy(False)
+
+    async def _await_executors(self) -> None:
+        """One probe: InitCache + Reset on every rank; SERVING again when all answer. Requests
+        still waiting `recovery_timeout_s` after the failure end with UNAVAILABLE."""
+        waited_s = time.monotonic() - self._down_since
+        if self._requests and waited_s > self.recovery.recovery_timeout_s:
+            self.fail_all(f"the executors did not recover within {self.recovery.recovery_timeout_s:g} s",
+                          unavailable=True)
+        try:
+            await self.executors.recover()
+        except Exception as err:  # noqa: BLE001 - still down: probe again
+            _log.warning("executors not back yet (%.0f s): %s", waited_s, err)
+            await asyncio.sleep(self.recovery.probe_interval_s)
+            return
+        _log.info("executors are back after %.1f s: recomputing %d requests", waited_s, len(self._requests))
+        self._set_healthy(True)
+
+    async def drain(self, grace_s: float) -> int:
+        """Refuse new requests (UNAVAILABLE), let accepted ones finish for up to `grace_s`, then end
+        the rest with UNAVAILABLE. Returns how many were cut off."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        num_cut = len(self._requests)
+        if num_cut:
+            self.fail_all(f"the server shut down (drain grace period {grace_s:g} s)", unavailable=True)
+        return num_cut
+
+    def fail_all(self, error: str, unavailable: bool = False) -> None:
+        """End every request's stream with `error` (ABORTED, or UNAVAILABLE) and free its blocks."""
+        for request_id, request in list(self._requests.items()):
+            delta = RequestDelta(request_id, len(request.prompt_ids), finished=True, error=error,
+                                 unavailable=unavailable)
+            request.deliver(delta)
+            self.scheduler.abort(request_id)
+            if self.metrics is not None:
+                self.metrics.inc("requests_finished", reason="abort")
+        self._requests.clear()
+
+    def _set_healthy(self, healthy: bool) -> None:
+        if healthy != self.healthy:
+            self.healthy = healthy
+            if self.on_health_change is not None:
+                self.on_health_change(healthy)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+
+    def _emit_all(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for out in outputs:
+            self._emit(out)
+        return []
+
+    def _emit(self, out: RequestOutput) -> None:
+        request = self._requests.get(out.request_id)
+        if request is None:
+            return
+        delta = RequestDelta(out.request_id, len(request.prompt_ids), finished=out.finished, error=out.error)
+        if out.beams:
+            eos = self.limits.eos_token_ids
+            delta.outputs = [request.beam_output(i, h, eos) for i, h in enumerate(out.beams)]
+        for sample in out.samples if not out.beams else ():
+            output, stopped_by_string = request.sample_output(sample)
+            delta.outputs.append(output)
+            if stopped_by_string:
+                self._finish_sequence(out.request_id, sample.sample_index)
+        delta.finished = delta.finished or self.scheduler.get_group(out.request_id) is None
+        if delta.finished:
+            del self._requests[out.request_id]
+        if self.metrics is not None:
+            record_output(self.metrics, request, delta, is_beam=bool(out.beams))
+        request.deliver(delta)
+
+    def _finish_sequence(self, request_id: str, sample_index: int) -> None:
+        """A stop string ended this sample: finish its sequence so its blocks are freed now."""
+        group = self.scheduler.get_group(request_id)
+        seq = next((s for s in group.seqs if s.sample_index == sample_index), None) if group else None
+        if seq is not None:
+            self.scheduler.finish_sequence(seq.seq_id, FinishReason.STOP)

@@ -1,0 +1,156 @@
+"""The scheduler's side of the Executor API: every rank behind one `ExecutorPool`.
+
+The engine sees domain objects only (`StepPlan` in, `StepResult` out). A plan is encoded and
+serialized once and the same bytes go to every rank concurrently; rank 0's result is returned (all
+ranks run the same sampler on the same logits; the others' results only confirm the step ran).
+
+Steps travel over one long-lived `StepStream` per rank rather than a unary call each: on loopback a
+message on an open stream costs about half a fresh unary call's round trip (measured on the 2-core
+dev machine: 0.27-0.30 ms against 0.43-0.56 ms). With async scheduling two steps may be in flight:
+plans are written and results read in order (one lock each per rank). Any error or a missed
+deadline drops the rank's stream and the next step opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from scheduler_svc.wire.convert import describe_from_pb, step_plan_to_pb, step_result_from_pb
+from scheduler_svc.wire.step_plan import StepPlan, StepResult
+
+STEP_STREAM_METHOD = "/pagedserve.v1.Executor/StepStream"
+MAX_MESSAGE_BYTES = 256 << 20
+RECONNECT_OPTIONS = [
+    # Reconnect soon after an executor restarts (the default backoff grows to minutes).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+RECOVER_TIMEOUT_S = 5.0
+
+
+class ExecutorError(RuntimeError):
+    """An executor rank failed a call; `code` is the gRPC status code name."""
+
+    def __init__(self, target: str, code: str, details: str):
+        super().__init__(f"executor {target}: {code}: {details}")
+        self.target = target
+        self.code = code
+
+
+class ExecutorPool:
+    def __init__(
+        self,
+        targets: list[str],
+        step_timeout_s: float | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ):
+        """`step_timeout_s`: a rank that does not answer a step within it counts as failed (None:
+        wait forever). `max_message_bytes` bounds plans and results both ways."""
+        if not targets:
+            raise ValueError("at least one executor target is needed")
+        self.targets = list(targets)
+        self.step_timeout_s = step_timeout_s
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes), *RECONNECT_OPTIONS]
+        self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self.targets]
+        self._stubs = [executor_pb2_grpc.ExecutorStub(c) for c in self._channels]
+        # Steps take pre-serialized bytes so a plan is serialized once for all ranks.
+        self._open_stream = [
+            c.stream_stream(STEP_STREAM_METHOD, request_serializer=None,
+                            response_deserializer=executor_pb2.StepResult.FromString)
+            for c in self._channels
+        ]
+        self._streams: list[grpc.aio.StreamStreamCall | None] = [None] * len(self.targets)
+        self._write_locks = [asyncio.Lock() for _ in self.targets]
+        self._read_locks = [asyncio.Lock() for _ in self.targets]
+        self.last_plan_bytes = 0
+        self._cache_request = executor_pb2.InitCacheRequest()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.targets)
+
+    async def _all(self, calls) -> list[Any]:
+        try:
+            return await asyncio.gather(*calls)
+        except grpc.aio.AioRpcError as err:
+            raise ExecutorError(",".join(self.targets), err.code().name, err.details() or "") from err
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in self._channels)), timeout_s)
+
+    async def describe(self) -> list[dict[str, Any]]:
+        """Every rank's description; the ranks must be one tensor-parallel set, listed rank 0 first
+        (a rank missing from the list would wait forever in its collectives)."""
+        replies = await self._all(s.Describe(executor_pb2.DescribeRequest()) for s in self._stubs)
+        described = [describe_from_pb(r) for r in replies]
+        places = [(d["rank"], d["world_size"]) for d in described]
+        if places != [(i, len(self.targets)) for i in range(len(self.targets))]:
+            raise ValueError(
+                f"executors {','.join(self.targets)} report (rank, world size) {places}: list every rank "
+                "of one tensor-parallel set, rank 0 first"
+            )
+        return described
+
+    async def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        request = executor_pb2.InitCacheRequest(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
+        await self._all(s.InitCache(request) for s in self._stubs)
+        self._cache_request = request
+
+    async def recover(self) -> None:
+        """After a failure: every rank gets the cache sizes again (a restarted rank has none) and
+        drops its sequence state. Raises ExecutorError while a rank is still unreachable."""
+        self._drop_streams()
+        await self._all(s.InitCache(self._cache_request, timeout=RECOVER_TIMEOUT_S) for s in self._stubs)
+        await self.reset()
+
+    async def step(self, plan: StepPlan) -> StepResult:
+        data = step_plan_to_pb(plan).SerializeToString()
+        self.last_plan_bytes = len(data)
+        try:
+            replies = await asyncio.wait_for(
+                self._all(self._step_rank(rank, data) for rank in range(len(self.targets))),
+                self.step_timeout_s,
+            )
+        except BaseException as err:
+            self._drop_streams()
+            targets = ",".join(self.targets)
+            if isinstance(err, TimeoutError):
+                detail = f"no result within {self.step_timeout_s} s"
+                raise ExecutorError(targets, "DEADLINE_EXCEEDED", detail) from err
+            if isinstance(err, asyncio.CancelledError) and not asyncio.current_task().cancelling():
+                # Not this step's task being cancelled: another step in flight failed and dropped the
+                # streams this one was reading. It failed too, as an executor error.
+                raise ExecutorError(targets, "CANCELLED", "stream dropped after another step failed") from err
+            raise
+        return step_result_from_pb(replies[0])
+
+    async def _step_rank(self, rank: int, data: bytes) -> executor_pb2.StepResult:
+        async with self._write_locks[rank]:
+            call = self._streams[rank]
+            if call is None:
+                call = self._streams[rank] = self._open_stream[rank]()
+            await call.write(data)
+        async with self._read_locks[rank]:  # results come back in the order the plans went out
+            reply = await call.read()
+        if reply is grpc.aio.EOF:  # the rank ended the stream: its status says why
+            raise ExecutorError(self.targets[rank], (await call.code()).name, await call.details() or "")
+        return reply
+
+    def _drop_streams(self) -> None:
+        for call in self._streams:
+            if call is not None:
+                call.cancel()
+        self._streams = [None] * len(self.targets)
+
+    async def reset(self) -> None:
+        await self._all(s.Reset(executor_pb2.ResetRequest()) for s in self._stubs)
+
+    async def close(self) -> None:
+        self._drop_streams()
+        await asyncio.gather(*(c.close() for c in self._channels))

@@ -1,0 +1,168 @@
+"""Per-request output state of the engine: turns the scheduler's per-step `RequestOutput`s into
+streamed deltas with text (incremental detokenization, stop strings), counters and logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from scheduler_svc.engine.api import RequestFailedError, ServiceUnavailableError
+from scheduler_svc.engine.detokenizer import Decoder, IncrementalDetokenizer, OutputText
+from scheduler_svc.request.sequence import SequenceGroup
+from scheduler_svc.sched.beam_search import BeamHypothesis
+from scheduler_svc.sched.output_processor import SampleDelta
+from scheduler_svc.wire.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine.engine import Engine
+
+
+@dataclass(slots=True)
+class OutputDelta:
+    """What is new for one output (sample or beam) of a request."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None  # None when the request did not ask for logprobs
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_output_tokens: int = 0
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    request_id: str
+    prompt_len: int
+    outputs: list[OutputDelta] = field(default_factory=list)
+    finished: bool = False
+    error: str | None = None  # the server dropped the request (the stream ends with an error)
+    unavailable: bool = False  # with `error`: cut off by a drain or an executor outage (UNAVAILABLE)
+
+
+class OutputState:
+    """One output index: its text and counters."""
+
+    __slots__ = ("text", "num_tokens", "cumulative_logprob", "finished")
+
+    def __init__(self, text: OutputText):
+        self.text = text
+        self.num_tokens = 0
+        self.cumulative_logprob = 0.0
+        self.finished = False
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Decoder,
+        group: SequenceGroup | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.group = group  # the scheduler's group (its scheduling timestamps feed the metrics)
+        self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        # Where deltas go instead of the queue, when set (the API front-end link hands every
+        # step's deltas on in one batch: scheduler_svc/server/frontend_link.py).
+        self.sink: Callable[[RequestDelta], None] | None = None
+        self.outputs: dict[int, OutputState] = {}
+        self.arrival_s = time.monotonic()
+        self.first_token_s: float | None = None
+        self.last_token_s: dict[int, float] = {}  # output index -> when its last token was streamed
+
+    def deliver(self, delta: RequestDelta) -> None:
+        if self.sink is not None:
+            self.sink(delta)
+        else:
+            self.queue.put_nowait(delta)
+
+    def output(self, index: int) -> OutputState:
+        if index not in self.outputs:
+            detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+            self.outputs[index] = OutputState(OutputText(detok, self.params.stop))
+        return self.outputs[index]
+
+    def sample_output(self, sample: SampleDelta) -> tuple[OutputDelta, bool]:
+        """The delta of one sample, and whether a stop string just ended it (the scheduler must
+        then be told to finish the sequence)."""
+        state = self.output(sample.sample_index)
+        state.num_tokens += len(sample.token_ids)
+        state.cumulative_logprob += sum(sample.logprobs)
+        text = state.text.append(sample.token_ids)
+        reason = sample.finish_reason.value if sample.finish_reason is not None else None
+        stopped_by_string = text.stopped and reason is None
+        if text.stopped:
+            reason = "stop"
+        text_delta = text.text + (state.text.finish() if reason is not None else "")
+        state.finished = reason is not None
+        want_logprobs = self.params.logprobs is not None
+        delta = OutputDelta(
+            index=sample.sample_index,
+            token_ids=list(sample.token_ids),
+            text=text_delta,
+            logprobs=list(sample.logprobs) if want_logprobs else None,
+            top_logprobs=[list(t) for t in sample.top_logprobs] if want_logprobs else None,
+            finish_reason=reason,
+            num_output_tokens=state.num_tokens,
+            cumulative_logprob=state.cumulative_logprob,
+        )
+        return delta, stopped_by_string
+
+    def beam_output(
+        self, index: int, hypothesis: BeamHypothesis, eos_token_ids: tuple[int, ...]
+    ) -> OutputDelta:
+        """A finished beam, whole (beams are reported once, when the search ends)."""
+        tokens = list(hypothesis.output_token_ids)
+        state = self.output(index)
+        text = state.text.append(tokens).text + state.text.finish()
+        stop_ids = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(eos_token_ids))
+        ends_on_stop = bool(tokens) and tokens[-1] in stop_ids
+        state.finished = True
+        return OutputDelta(
+            index=index,
+            token_ids=tokens,
+            text=text,
+            finish_reason="stop" if ends_on_stop or state.text.stopped else "length",
+            num_output_tokens=len(tokens),
+            cumulative_logprob=hypothesis.cumulative_logprob,
+        )
+
+    def abort_delta(self) -> RequestDelta:
+        indexes = [i for i, o in sorted(self.outputs.items()) if not o.finished] or [0]
+        outputs = [OutputDelta(i, [], "", finish_reason="abort") for i in indexes]
+        return RequestDelta(self.request_id, len(self.prompt_ids), outputs, finished=True)
+
+
+class RequestStream:
+    """What `Engine.add_request` returns: await `next_delta()` until one has `finished`."""
+
+    def __init__(self, engine: Engine, request: RequestState):
+        self._engine = engine
+        self._request = request
+        self.request_id = request.request_id
+        self.prompt_len = len(request.prompt_ids)
+
+    async def next_delta(self) -> RequestDelta:
+        """The next delta (a coroutine, not an async generator: one hop less per streamed message);
+        raises RequestFailedError / ServiceUnavailableError when the server dropped the request."""
+        delta = await self._request.queue.get()
+        if delta.error is not None:
+            raise (ServiceUnavailableError if delta.unavailable else RequestFailedError)(delta.error)
+        return delta
+
+    def abort(self) -> bool:
+        return self._engine.abort(self.request_id)
+
+    def set_sink(self, sink) -> None:
+        """Deltas go to `sink(delta)` as they are produced instead of `next_delta()` (one call per
+        delta, on the engine's thread; errors arrive as deltas with `error` set)."""
+        self._request.sink = sink

@@ -1,0 +1,251 @@
+"""The API front-end process: serves pagedserve.v1.Generation to clients and forwards it to the
+scheduler process over one FrontendLink stream (protos/pagedserve/v1/frontend.proto).
+
+    python -m scheduler_svc.frontend.main --engine 127.0.0.1:50061 --port 50051
+
+Why: with hundreds of concurrent streams, writing one gRPC message per request per step costs the
+scheduler process more CPU than scheduling does (docs/benchmarks.md, "Scheduler step overhead"). With
+a front-end, the scheduler writes one batch per step and this process does the per-client writes
+on its own CPU core, in parallel with the engine. The scheduler still validates every request, so
+clients see exactly the errors (INVALID_ARGUMENT with the field, UNAVAILABLE while draining or
+recovering, ...) of a direct connection. GetModelInfo, Abort and GetServerStats are passed through.
+
+TLS and the bearer token apply to clients here; the same token is presented to the scheduler.
+SIGTERM: NOT_SERVING, new calls refused, calls in flight get `--drain-grace-period-s` to finish.
+Health: SERVING while the link is up and the scheduler itself reports SERVING (checked every
+second: e.g. NOT_SERVING while it recovers from an executor failure or drains). If the link to the
+scheduler breaks, the streams on it end with UNAVAILABLE, the front-end reports NOT_SERVING and
+reconnects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import signal
+
+import grpc
+
+from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
+from scheduler_svc.engine.executor_client import MAX_MESSAGE_BYTES
+from scheduler_svc.wire.grpc_serving import (
+    Health,
+    message_size_options,
+    parse_args_with_config,
+    read_auth_token,
+    server_credentials,
+    start_grpc_server,
+)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+RECONNECT_S = 0.5
+HEALTH_POLL_S = 1.0
+_log = logging.getLogger(__name__)
+
+
+class EngineLink:
+    """The front-end's side of the link: opens streams, routes each batch's events to them."""
+
+    def __init__(self, target: str, max_message_bytes: int, auth_token: str | None = None):
+        self.channel = grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes))
+        self.generation = generation_pb2_grpc.GenerationStub(self.channel)
+        self._link_stub = frontend_pb2_grpc.FrontendLinkStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._streams: dict[int, asyncio.Queue] = {}
+        self._ids = itertools.count(1)
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._call = None
+        self.connected = asyncio.Event()
+        self.scheduler_serving = True  # the scheduler's own health (watch_scheduler_health)
+        self.on_change = None  # called with True / False when serving through the link starts / stops
+
+    async def run(self, connect_timeout_s: float) -> None:
+        """Keeps the link up for as long as the front-end runs."""
+        await asyncio.wait_for(self.channel.channel_ready(), connect_timeout_s)
+        while True:
+            self._call = self._link_stub.Streams(metadata=self.metadata)
+            writer = asyncio.ensure_future(self._write(self._call))
+            self._set_connected(True)
+            try:
+                async for batch in self._call:
+                    for event in batch.events:
+                        queue = self._streams.get(event.stream_id)
+                        if queue is not None:
+                            queue.put_nowait(event)
+            except grpc.aio.AioRpcError as err:
+                _log.warning("link to the scheduler broke: %s %s", err.code().name, err.details())
+            finally:
+                writer.cancel()
+                self._set_connected(False)
+                for queue in self._streams.values():
+                    queue.put_nowait(None)  # that stream is lost
+                self._streams.clear()
+                self._outbox = asyncio.Queue()
+            await asyncio.sleep(RECONNECT_S)
+
+    def _set_connected(self, up: bool) -> None:
+        (self.connected.set if up else self.connected.clear)()
+        self._report()
+
+    def _report(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.connected.is_set() and self.scheduler_serving)
+
+    async def watch_scheduler_health(self) -> None:
+        """Polls the scheduler's grpc.health.v1 status (nothing to poll without grpcio-health-checking)."""
+        try:
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+        except ImportError:
+            return
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        while True:
+            try:
+                reply = await stub.Check(request, timeout=HEALTH_POLL_S)
+                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError:
+                serving = False
+            if serving != self.scheduler_serving:
+                self.scheduler_serving = serving
+                self._report()
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def _write(self, call) -> None:
+        outbox = self._outbox
+        while True:
+            await call.write(await outbox.get())
+
+    def open(self, request) -> tuple[int, asyncio.Queue]:
+        if not self.connected.is_set():
+            raise ConnectionError("the scheduler is not reachable")
+        stream_id = next(self._ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[stream_id] = queue
+        self._outbox.put_nowait(
+            frontend_pb2.LinkRequest(open=frontend_pb2.OpenStream(stream_id=stream_id, request=request))
+        )
+        return stream_id, queue
+
+    def close(self, stream_id: int, cancel: bool) -> None:
+        if self._streams.pop(stream_id, None) is not None and cancel:
+            self._outbox.put_nowait(frontend_pb2.LinkRequest(cancel=stream_id))
+
+
+class FrontendServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, link: EngineLink):
+        self._link = link
+
+    async def Generate(self, request, context):
+        try:
+            stream_id, queue = self._link.open(request)
+        except ConnectionError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        done = False
+        try:
+            while True:
+                event = await queue.get()
+                if event is None:
+                    done = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the link to the scheduler broke")
+                if event.end and event.code:
+                    done = True
+                    await context.abort(STATUS_BY_VALUE[event.code], event.message)
+                yield event.response
+                if event.end:
+                    done = True
+                    return
+        finally:
+            self._link.close(stream_id, cancel=not done)
+
+    async def GetModelInfo(self, request, context):
+        return await self._unary(self._link.generation.GetModelInfo, request, context)
+
+    async def Abort(self, request, context):
+        return await self._unary(self._link.generation.Abort, request, context)
+
+    async def GetServerStats(self, request, context):
+        return await self._unary(self._link.generation.GetServerStats, request, context)
+
+    async def _unary(self, method, request, context):
+        try:
+            return await method(request, metadata=self._link.metadata, timeout=30.0)
+        except grpc.aio.AioRpcError as err:
+            await context.abort(err.code(), err.details() or "")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m scheduler_svc.frontend.main", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--engine", required=True, help="HOST:PORT of the scheduler process")
+    p.add_argument("--host", default="127.0.0.1", help="where the public API listens")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--drain-grace-period-s", type=float, default=30.0, help="SIGTERM: grace to finish")
+    p.add_argument("--connect-timeout-s", type=float, default=60.0, help="wait for the scheduler at start")
+    p.add_argument("--tls-cert-file", default=None, help="PEM cert chain: TLS for the API")
+    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    p.add_argument("--auth-token-file", default=None,
+                   help="require `authorization: Bearer <token>` (default: $PAGEDSERVE_AUTH_TOKEN if set); "
+                   "also presented to the scheduler")
+    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
+    return parse_args_with_config(p, argv)
+
+
+async def start_frontend(
+    engine_target: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    credentials: grpc.ServerCredentials | None = None,
+    auth_token: str | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    connect_timeout_s: float = 60.0,
+) -> tuple[grpc.aio.Server, int, Health, asyncio.Future]:
+    """Serves the front-end once the link is up; returns (server, port, health, link task)."""
+    link = EngineLink(engine_target, max_message_bytes, auth_token)
+    link_task = asyncio.ensure_future(link.run(connect_timeout_s))
+    connected = asyncio.ensure_future(link.connected.wait())
+    await asyncio.wait({connected, link_task}, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    if link_task.done():
+        link_task.result()  # raises why the scheduler could not be reached
+    if not link.connected.is_set():
+        link_task.cancel()
+        raise TimeoutError(f"scheduler {engine_target} not reachable within {connect_timeout_s:g} s")
+    server, bound, health = await start_grpc_server(
+        SERVICE_NAME,
+        lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(FrontendServicer(link), server),
+        host, port, max_message_bytes, credentials, auth_token,
+    )
+    loop = asyncio.get_running_loop()
+    link.on_change = lambda up: loop.create_task(health.set_serving(up))
+    watcher = asyncio.ensure_future(link.watch_scheduler_health())
+    link_task.add_done_callback(lambda _: watcher.cancel())
+    return server, bound, health, link_task
+
+
+async def serve(a: argparse.Namespace) -> None:
+    server, port, health, link_task = await start_frontend(
+        a.engine, a.host, a.port, server_credentials(a.tls_cert_file, a.tls_key_file),
+        read_auth_token(a.auth_token_file), a.max_message_bytes, a.connect_timeout_s,
+    )
+    print(f"pagedserve api front-end listening on {a.host}:{port} (scheduler {a.engine})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    _log.info("stopping: draining for up to %g s", a.drain_grace_period_s)
+    await health.set_serving(False)
+    await server.stop(a.drain_grace_period_s)
+    link_task.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""FCFS scheduler over waiting / running / swapped groups (vLLM paper §4.5), producing one
+diff-based StepPlan per step and consuming the StepResult.
+
+Each `schedule()`: (1) running groups in arrival order: one-sequence decodes first (a tight fast
+path), then multi-sequence decodes, then groups still prefilling; when a group needs a block and
+none is free, the latest-arrived running group not yet scheduled in this step is preempted (or
+the group itself if there is none); (2) if nothing was preempted, swapped groups resume in
+arrival order; (3) if nothing was preempted, waiting groups are admitted in arrival order (strict
+FCFS: the first one that does not fit stops admission, and none passes an earlier swapped
+group), all within `max_num_batched_tokens` and `max_num_seqs`. With chunked prefill a prompt
+takes whatever budget is left and continues in later steps; without it, a group's sequences each
+run whole (a group may spread over steps).
+
+A request that can never make progress (alone in the cache and still short of blocks) is dropped
+with `RequestOutput.error` set instead of looping forever.
+
+Parallel sampling (n > 1): sequence 0 alone prefills the prompt except its last token; then n-1
+children are forked (sharing every prompt block) and all n compute the last prompt token in one
+step, each sampling its own first token (its own `sample_index` stream). The shared last block is
+copied on write. Beam search: see beam_search.py and output_processor.py.
+
+Async scheduling (`schedule()` while a plan is in flight, when `can_schedule_ahead()`): every
+sequence that the step in flight will sample gets a placeholder token (PENDING_TOKEN, see
+step_plan.py), so it is scheduled as a decode of that unknown token; `process_result` puts the real
+token in its place. A sequence that then turns out to be finished (a stop token) has one wasted
+token computed in the plan ahead; its result is ignored. A sequence sampling its last token (its
+max_tokens) gets no placeholder, so it is not scheduled ahead. Beam search needs every step's
+result to choose the next tokens: while a beam group runs, plans are built one at a time. At most
+two plans are in flight.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from collections.abc import Callable
+
+from scheduler_svc.kv.block_manager import BlockManager
+from scheduler_svc.kv.kv_manager import AllocStatus, KVCacheManager
+from scheduler_svc.request.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+from scheduler_svc.sched.beam_search import BeamState
+from scheduler_svc.sched.config import RequestRejectedError, SchedulerConfig
+from scheduler_svc.sched.output_processor import (
+    RequestOutput,
+    process_samples,
+    process_single_sample,
+    stop_token_ids_of,
+)
+from scheduler_svc.sched.scheduling_pass import SchedulingPass, arrival_order, preempt_by_recompute
+from scheduler_svc.wire.sampling_params import SamplingParams
+from scheduler_svc.wire.step_plan import PENDING_TOKEN, StepPlan, StepResult
+
+__all__ = ["RequestRejectedError", "Scheduler", "SchedulerConfig"]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.kv = kv_manager or BlockManager(
+            config.block_size,
+            config.num_gpu_blocks,
+            config.num_cpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            watermark_blocks=config.watermark_blocks,
+        )
+        self.clock = clock
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # arrival order
+        self.swapped: list[SequenceGroup] = []  # arrival order
+        self._groups: dict[str, SequenceGroup] = {}
+        self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
+        self._next_seq_id = 0
+        self._next_arrival_index = 0
+        self._step_id = 0
+        # Sequences scheduled by each plan in flight (oldest first), and whether its successor was
+        # built ahead (its sampled sequences hold placeholders).
+        self._in_flight: deque[tuple[list[Sequence], bool]] = deque()
+        self._finished_ids: list[int] = []  # executor state to drop, sent with the next plan
+        self._pending_forks: dict[int, tuple[Sequence, Sequence]] = {}  # child id -> (child, parent)
+        self._outputs: list[RequestOutput] = []  # produced outside process_result
+        self.num_preemptions = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def new_group(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        expected_output_len: int | None = None,
+    ) -> SequenceGroup:
+        seq = Sequence(0, list(prompt_token_ids), len(prompt_token_ids))
+        arrival = self.clock() if arrival_time is None else arrival_time
+        return SequenceGroup(request_id, [seq], sampling_params, arrival, expected_output_len)
+
+    def add_request(self, group: SequenceGroup) -> None:
+        """Queue a one-sequence group (its seq id is assigned here). Raises RequestRejectedError
+        when the request can never be served; nothing else is changed then."""
+        params, seq = group.sampling_params, group.seqs[0]
+        if group.request_id in self._groups:
+            raise RequestRejectedError("request_id", f"{group.request_id!r} is already in flight")
+        if len(group.seqs) != 1 or seq.num_tokens == 0:
+            raise RequestRejectedError("prompt", "must be one non-empty token sequence")
+        if seq.prompt_len + params.max_tokens > self.config.max_model_len:
+            raise RequestRejectedError(
+                "max_tokens",
+                f"prompt ({seq.prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {self.config.max_model_len}",
+            )
+        width = max(params.n, params.beam_width)
+        if width > self.config.max_num_seqs:
+            name = "n" if params.n > 1 else "beam_width"
+            raise RequestRejectedError(name, f"{width} exceeds max_num_seqs {self.config.max_num_seqs}")
+        seq.seq_id = self._new_seq_id()
+        seq.status = SequenceStatus.WAITING
+        if self.kv.can_allocate(group) is AllocStatus.NEVER:
+            raise RequestRejectedError(
+                "prompt",
+                f"{seq.num_tokens} tokens can never fit in the KV cache "
+                f"({self.kv.num_total_blocks} blocks of {self.kv.block_size} tokens)",
+            )
+        group.arrival_index = self._next_arrival_index
+        self._next_arrival_index += 1
+        group.stop_token_ids = stop_token_ids_of(group, self.config.eos_token_ids)
+        if params.use_beam_search:
+            group.beam = BeamState(params.beam_width, params.length_penalty)
+        self._groups[group.request_id] = group
+        self._seqs[seq.seq_id] = (seq, group)
+        self.waiting.append(group)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request now: its blocks are freed, its seq ids go out with the next plan."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        for seq in list(group.seqs):
+            self.finish_seq(group, seq, FinishReason.ABORT)
+        self._finish_group(group)
+        return True
+
+    def finish_sequence(self, seq_id: int, reason: FinishReason = FinishReason.STOP) -> bool:
+        """Hook for stop strings (detokenizer): finish one sequence as if it hit a stop token."""
+        entry = self._seqs.get(seq_id)
+        if entry is None:
+            return False
+        seq, group = entry
+        self.finish_seq(group, seq, reason)
+        if group.is_finished:
+            self._finish_group(group)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    def get_group(self, request_id: str) -> SequenceGroup | None:
+        return self._groups.get(request_id)
+
+    def reset_for_recovery(self) -> None:
+        """The executors lost their KV and sequence state (a rank failed; they will be Reset):
+        every group is preempted by recompute (all GPU and CPU blocks freed; prompt + generated
+        tokens are prefilled again, so no output is lost) and waits at the front in arrival order.
+        The step in flight is forgotten and the prefix cache emptied (it names lost KV)."""
+        groups = sorted([*self.running, *self.swapped, *self.waiting], key=arrival_order)
+        self.running.clear()
+        self.swapped.clear()
+        self.waiting.clear()
+        for group in groups:
+            for seq in group.seqs:
+                if seq.pending:  # its token was lost with the step in flight (never streamed)
+                    seq.token_ids.pop()
+                    seq.pending = False
+            preempt_by_recompute(self, group)
+            self.waiting.append(group)
+        self._in_flight.clear()
+        self._finished_ids.clear()  # the reset executors hold no state to drop
+        self._pending_forks.clear()
+        for pool in (getattr(self.kv, "gpu", None), getattr(self.kv, "cpu", None)):  # paged policy
+            for block in list(pool.cached.values()) if pool is not None else ():
+                pool.uncache(block)
+
+    # ---- sequence operations (also used by the output processor) -------------------------------
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        group.seqs.remove(seq)
+        group.finished_seqs.append(seq)
+        self.kv.free(seq)
+        self._forget_executor_state(seq)
+        del self._seqs[seq.seq_id]
+
+    def fork_seq(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        assert not parent.pending, "a sequence waiting for its sampled token is never forked"
+        child = Sequence(
+            self._new_seq_id(),
+            list(parent.token_ids),
+            parent.prompt_len,
+            sample_index=len(group.seqs) + len(group.finished_seqs),
+            status=parent.status,
+            num_computed_tokens=parent.num_computed_tokens,
+            cumulative_logprob=parent.cumulative_logprob,
+            output_logprobs=list(parent.output_logprobs),
+        )
+        self.kv.fork(parent, child)
+        if parent.executor_num_tokens >= 0:  # the executor copies the parent's state
+            child.executor_num_tokens = parent.executor_num_tokens
+            child.executor_num_blocks = parent.executor_num_blocks
+            self._pending_forks[child.seq_id] = (child, parent)
+        group.seqs.append(child)
+        self._seqs[child.seq_id] = (child, group)
+        return child
+
+    def _forget_executor_state(self, seq: Sequence) -> None:
+        if self._pending_forks.pop(seq.seq_id, None) is None and seq.executor_num_tokens >= 0:
+            self._finished_ids.append(seq.seq_id)
+        seq.executor_num_tokens = -1
+        seq.executor_num_blocks = 0
+
+    def _finish_group(self, group: SequenceGroup) -> None:
+        self._groups.pop(group.request_id, None)
+        group.finished_time = self.clock()
+        for queue in (self.running, self.swapped, self.waiting):
+            if group in queue:
+                queue.remove(group)
+                break
+
+    # ---- scheduling ------------------------------------------------------------------------------
+    def can_schedule_ahead(self) -> bool:
+        """Whether `schedule()` may build the next plan now, before the result of the plan in
+        flight: exactly one is in flight, some request is unfinished, and no beam group runs (beam
+        search picks each step's tokens from the previous step's candidates)."""
+        return (
+            len(self._in_flight) == 1
+            and bool(self._groups)
+            and not any(g.beam is not None for g in self.running)
+        )
+
+    def schedule(self) -> StepPlan:
+        if self._in_flight:
+            if not self.can_schedule_ahead():
+                raise RuntimeError("schedule() called with a plan in flight that cannot be planned ahead of")
+            last = self._in_flight[-1][0]
+            self._add_placeholders(last)
+            self._in_flight[-1] = (last, True)
+        self._step_id += 1
+        plan = StepPlan(self._step_id)
+        self._in_flight.append((SchedulingPass(self, plan).run(), False))
+        plan.finished_seq_ids = self._finished_ids
+        self._finished_ids = []
+        plan.forks = [(child.seq_id, parent.seq_id) for child, parent in self._pending_forks.values()]
+        self._pending_forks.clear()
+        return plan
+
+    def _add_placeholders(self, in_flight: list[Sequence]) -> None:
+        """Each sequence the step in flight samples gets PENDING_TOKEN as its next token, unless that
+        sample is its last (max_tokens)."""
+        running, seqs = SequenceStatus.RUNNING, self._seqs
+        for seq in in_flight:
+            num_tokens = len(seq.token_ids)
+            if seq.status is not running or seq.num_computed_tokens != num_tokens or seq.pending:
+                continue
+            group = seqs[seq.seq_id][1]
+            if num_tokens + 1 - seq.prompt_len >= group.sampling_params.max_tokens:
+                continue
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.pending = True
+
+    def process_result(self, result: StepResult) -> list[RequestOutput]:
+        oldest = self._step_id - len(self._in_flight) + 1
+        if not self._in_flight or result.step_id != oldest:
+            raise RuntimeError(f"result for step {result.step_id} does not answer the oldest plan in flight")
+        in_flight, ahead = self._in_flight.popleft()
+        seqs = self._seqs
+        if ahead:  # the real tokens first: prefix-cache hashes below read them
+            for sample in result.samples:
+                entry = seqs.get(sample.seq_id)
+                if entry is not None and entry[0].pending:
+                    entry[0].token_ids[-1] = sample.token_id
+        running = SequenceStatus.RUNNING
+        self.kv.mark_computed_many([s for s in in_flight if s.status is running])
+        outputs, self._outputs = self._outputs, []
+        multi: dict[int, tuple[SequenceGroup, list]] = {}
+        now = None
+        for sample in result.samples:
+            entry = seqs.get(sample.seq_id)
+            if entry is None:
+                continue  # aborted or finished meanwhile
+            seq, group = entry
+            # (A sequence preempted by the plan built ahead is WAITING or SWAPPED by now.)
+            if seq.status is running and seq.num_computed_tokens < len(seq.token_ids) - seq.pending:
+                raise RuntimeError(f"seq {seq.seq_id} got a token before its prefill completed")
+            if group.first_token_time is None:
+                group.first_token_time = now = now or self.clock()
+            if group.beam is None and len(group.seqs) == 1:
+                out = process_single_sample(self, group, seq, sample)
+                outputs.append(out)
+                if out.finished:
+                    self._finish_group(group)
+            elif id(group) in multi:
+                multi[id(group)][1].append((seq, sample))
+            else:
+                multi[id(group)] = (group, [(seq, sample)])
+        for group, samples in multi.values():
+            out = process_samples(self, group, samples, group.stop_token_ids)
+            if out is not None:
+                outputs.append(out)
+            if group.is_finished:
+                self._finish_group(group)
+        return outputs
+
+    # ---- helpers for the scheduling pass -------------------------------------------------------------
+    def _insert_running(self, group: SequenceGroup) -> None:
+        bisect.insort(self.running, group, key=arrival_order)
+
+    def _insert_swapped(self, group: SequenceGroup) -> None:
+        bisect.insort(self.swapped, group, key=arrival_order)
+
+    def _drop_unservable(self, group: SequenceGroup, error: str) -> None:
+        self.abort(group.request_id)
+        self._outputs.append(RequestOutput(group.request_id, finished=True, error=error))

@@ -1,0 +1,129 @@
+"""The Generation gRPC service: protobuf ↔ engine objects, nothing else.
+
+Cancelling a Generate call (or the client going away) cancels this handler, which aborts the
+request in the engine: its blocks are freed at once and the executors drop its state with the next
+step plan.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from scheduler_svc.engine.engine import (
+    Engine,
+    InvalidRequestError,
+    RequestFailedError,
+    RequestStream,
+    ServiceUnavailableError,
+)
+from scheduler_svc.engine.outputs import OutputDelta, RequestDelta
+from scheduler_svc.wire.convert import maps_errors, sampling_params_from_pb
+from scheduler_svc.wire.sampling_params import SamplingParamsError
+
+ERROR_CODES = {
+    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    SamplingParamsError: grpc.StatusCode.INVALID_ARGUMENT,
+    RequestFailedError: grpc.StatusCode.ABORTED,
+    ServiceUnavailableError: grpc.StatusCode.UNAVAILABLE,  # draining, or the executors are down
+}
+FINISH_REASONS = {
+    None: generation_pb2.FINISH_REASON_UNSPECIFIED,
+    "length": generation_pb2.FINISH_REASON_LENGTH,
+    "stop": generation_pb2.FINISH_REASON_STOP,
+    "abort": generation_pb2.FINISH_REASON_ABORT,
+}
+
+
+def output_delta_to_pb(out: OutputDelta, msg: generation_pb2.OutputDelta) -> None:
+    """Fills `msg` (an element added to its response in place: no copy of a built submessage)."""
+    msg.index = out.index
+    msg.token_ids.extend(out.token_ids)
+    msg.text = out.text
+    msg.finish_reason = FINISH_REASONS[out.finish_reason]
+    msg.completion_tokens = out.num_output_tokens
+    msg.cumulative_logprob = out.cumulative_logprob
+    if out.logprobs is not None:
+        top = out.top_logprobs or [[] for _ in out.logprobs]
+        msg.logprobs.token_logprobs.extend(out.logprobs)
+        msg.logprobs.num_top.extend(len(t) for t in top)
+        msg.logprobs.top_token_ids.extend(token for t in top for token, _ in t)
+        msg.logprobs.top_logprobs.extend(lp for t in top for _, lp in t)
+
+
+def request_delta_to_pb(
+    delta: RequestDelta, msg: generation_pb2.GenerateResponse | None = None
+) -> generation_pb2.GenerateResponse:
+    """The response of one delta; filled into `msg` (an empty submessage of a batch) when given."""
+    if msg is None:
+        msg = generation_pb2.GenerateResponse()
+    msg.request_id = delta.request_id
+    msg.prompt_tokens = delta.prompt_len
+    msg.finished = delta.finished
+    add = msg.outputs.add
+    for out in delta.outputs:
+        output_delta_to_pb(out, add())
+    return msg
+
+
+def prompt_from_pb(request: generation_pb2.GenerateRequest) -> str | list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return request.text
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    raise InvalidRequestError("prompt", "give the prompt as text or as token_ids")
+
+
+def add_request_from_pb(engine: Engine, request: generation_pb2.GenerateRequest) -> RequestStream:
+    """Validates a GenerateRequest and queues it (raises the errors of ERROR_CODES)."""
+    limits = engine.limits
+    params = sampling_params_from_pb(
+        request.sampling, max_n=limits.max_n, max_beam_width=limits.max_beam_width
+    )
+    return engine.add_request(prompt_from_pb(request), params, request.request_id)
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, model_info: generation_pb2.GetModelInfoResponse):
+        self._engine = engine
+        self._model_info = model_info
+
+    @maps_errors(ERROR_CODES)
+    async def Generate(self, request, context):
+        stream = add_request_from_pb(self._engine, request)
+        finished = False
+        try:
+            while not finished:
+                delta = await stream.next_delta()
+                finished = delta.finished
+                yield request_delta_to_pb(delta)
+        finally:
+            if not finished:  # cancelled by the client, or the stream broke: free the request
+                stream.abort()
+
+    @maps_errors(ERROR_CODES)
+    async def GetModelInfo(self, request, context):
+        return self._model_info
+
+    @maps_errors(ERROR_CODES)
+    async def Abort(self, request, context):
+        return generation_pb2.AbortResponse(found=self._engine.abort(request.request_id))
+
+    @maps_errors(ERROR_CODES)
+    async def GetServerStats(self, request, context):
+        stats = self._engine.stats()
+        return generation_pb2.GetServerStatsResponse(
+            num_free_gpu_blocks=stats.num_free_gpu_blocks,
+            num_free_cpu_blocks=stats.num_free_cpu_blocks,
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            num_swapped=stats.num_swapped,
+            num_steps=stats.num_steps,
+            num_preemptions=stats.num_preemptions,
+            num_running_seqs=stats.num_running_seqs,
+            num_swapped_out_blocks=stats.num_swapped_out_blocks,
+            num_swapped_in_blocks=stats.num_swapped_in_blocks,
+            num_shared_block_refs=stats.num_shared_block_refs,
+            kv_policy=stats.kv_policy,
+        )

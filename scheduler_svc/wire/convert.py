@@ -1,0 +1,292 @@
+"""Protobuf ↔ domain objects for the Executor API: step plans, step results, sampling parameters.
+
+Shared by both ends of the wire (the scheduler encodes plans and decodes results; the executor
+servicer does the reverse). Continuing sequences and results travel column by column as packed
+repeated fields, so a decode step of many sequences builds a handful of arrays, not a message per
+sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+from collections.abc import Callable
+from itertools import chain, islice
+from operator import attrgetter
+from typing import Any
+
+import grpc
+
+from protos.pagedserve.v1 import executor_pb2, generation_pb2
+from scheduler_svc.wire.sampling_params import SamplingParams
+from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, SampledToken, StepPlan, StepResult
+
+_OPTIONAL_SAMPLING_FIELDS = ("n", "beam_width", "temperature", "top_p", "max_tokens", "length_penalty")
+
+
+def sampling_params_to_pb(params: SamplingParams) -> generation_pb2.SamplingParameters:
+    msg = generation_pb2.SamplingParameters(
+        n=params.n,
+        beam_width=params.beam_width,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        length_penalty=params.length_penalty,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def sampling_params_from_pb(msg: generation_pb2.SamplingParameters, **limits: int) -> SamplingParams:
+    """Unset optional fields keep SamplingParams' defaults; raises SamplingParamsError when out of range.
+
+    `limits` are the server's (max_n, max_beam_width).
+    """
+    kwargs: dict = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+    kwargs.update(
+        top_k=msg.top_k,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        seed=msg.seed if msg.HasField("seed") else None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+    return SamplingParams(**kwargs, **limits)
+
+
+def describe_from_pb(msg: executor_pb2.DescribeResponse) -> dict[str, Any]:
+    """An executor's description as a dict (the fields of DescribeResponse; `extra` from extra_json)."""
+    values: dict[str, Any] = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+    values["eos_token_ids"] = tuple(msg.eos_token_ids)
+    values["extra"] = json.loads(values.pop("extra_json") or "{}")
+    return values
+
+
+def _flatten_pairs(pairs: list[tuple[int, int]]) -> list[int]:
+    return [x for pair in pairs for x in pair]
+
+
+def _pairs(flat) -> list[tuple[int, int]]:
+    it = iter(flat)
+    return list(zip(it, it, strict=True))
+
+
+def _split(flat, counts) -> list[list]:
+    """[flat[0:c0], flat[c0:c0+c1], ...] for counts [c0, c1, ...]; fast paths for counts of 0 or 1."""
+    counts = list(counts)
+    if not flat:
+        return [[] for _ in counts]
+    if len(flat) == len(counts) and all(c == 1 for c in counts):
+        return [[x] for x in flat]
+    it = iter(flat)
+    if max(counts) <= 1:
+        return [[next(it)] if c else [] for c in counts]
+    return [list(islice(it, c)) for c in counts]
+
+
+_seq_id = attrgetter("seq_id")
+_num_new_tokens = attrgetter("num_new_tokens")
+_new_token_ids = attrgetter("new_token_ids")
+_block_table_start = attrgetter("block_table_start")
+_block_ids = attrgetter("block_ids")
+_token_id = attrgetter("token_id")
+_logprob = attrgetter("logprob")
+_top_logprobs = attrgetter("top_logprobs")
+_beam_candidates = attrgetter("beam_candidates")
+
+
+def step_plan_to_pb(plan: StepPlan) -> executor_pb2.StepPlan:
+    sampling_cache: dict[int, generation_pb2.SamplingParameters] = {}
+    new_seqs = []
+    for seq in plan.new_seqs:
+        key = id(seq.sampling_params)  # the n samples of a request share one params object
+        if key not in sampling_cache:
+            sampling_cache[key] = sampling_params_to_pb(seq.sampling_params)
+        new_seqs.append(
+            executor_pb2.NewSequence(
+                seq_id=seq.seq_id,
+                token_ids=seq.token_ids,
+                num_computed_tokens=seq.num_computed_tokens,
+                num_new_tokens=seq.num_new_tokens,
+                block_table=seq.block_table,
+                sampling=sampling_cache[key],
+                sample_index=seq.sample_index,
+                prompt_len=seq.prompt_len,
+            )
+        )
+    cont = plan.cont_seqs
+    new_token_ids = list(map(_new_token_ids, cont))
+    block_ids = list(map(_block_ids, cont))
+    cont_pb = executor_pb2.ContinuingSequences(
+        seq_ids=list(map(_seq_id, cont)),
+        num_new_tokens=list(map(_num_new_tokens, cont)),
+        new_token_count=list(map(len, new_token_ids)),
+        new_token_ids=list(chain.from_iterable(new_token_ids)),
+        block_table_start=list(map(_block_table_start, cont)),
+        block_count=list(map(len, block_ids)),
+        block_ids=list(chain.from_iterable(block_ids)),
+    )
+    return executor_pb2.StepPlan(
+        step_id=plan.step_id,
+        new_seqs=new_seqs,
+        cont_seqs=cont_pb,
+        forks=_flatten_pairs(plan.forks),
+        finished_seq_ids=plan.finished_seq_ids,
+        swap_out=executor_pb2.BlockPairs(pairs=_flatten_pairs(plan.swap_out)),
+        swap_in=executor_pb2.BlockPairs(pairs=_flatten_pairs(plan.swap_in)),
+        copies=executor_pb2.BlockPairs(pairs=_flatten_pairs(plan.copies)),
+        decode_seq_ids=plan.decode_seq_ids,
+        decode_token_ids=plan.decode_token_ids,
+    )
+
+
+def step_plan_from_pb(msg: executor_pb2.StepPlan) -> StepPlan:
+    sampling_cache: dict[bytes, SamplingParams] = {}
+    new_seqs = []
+    for seq in msg.new_seqs:
+        key = seq.sampling.SerializeToString(deterministic=True)
+        if key not in sampling_cache:
+            # Limits were checked at the edge; do not re-apply the default ones here.
+            sampling_cache[key] = sampling_params_from_pb(seq.sampling, max_n=2**31, max_beam_width=2**31)
+        new_seqs.append(
+            NewSequence(
+                seq_id=seq.seq_id,
+                token_ids=list(seq.token_ids),
+                num_computed_tokens=seq.num_computed_tokens,
+                num_new_tokens=seq.num_new_tokens,
+                block_table=list(seq.block_table),
+                sampling_params=sampling_cache[key],
+                sample_index=seq.sample_index,
+                prompt_len=seq.prompt_len,
+            )
+        )
+    c = msg.cont_seqs
+    cont_seqs = list(
+        map(
+            ContinuingSequence,
+            c.seq_ids,
+            c.num_new_tokens,
+            _split(list(c.new_token_ids), c.new_token_count),
+            c.block_table_start,
+            _split(list(c.block_ids), c.block_count),
+        )
+    )
+    return StepPlan(
+        step_id=msg.step_id,
+        new_seqs=new_seqs,
+        cont_seqs=cont_seqs,
+        forks=_pairs(msg.forks),
+        finished_seq_ids=list(msg.finished_seq_ids),
+        swap_out=_pairs(msg.swap_out.pairs),
+        swap_in=_pairs(msg.swap_in.pairs),
+        copies=_pairs(msg.copies.pairs),
+        decode_seq_ids=list(msg.decode_seq_ids),
+        decode_token_ids=list(msg.decode_token_ids),
+    )
+
+
+def step_result_to_pb(result: StepResult) -> executor_pb2.StepResult:
+    samples = result.samples
+    msg = executor_pb2.StepResult(
+        step_id=result.step_id,
+        seq_ids=list(map(_seq_id, samples)),
+        token_ids=list(map(_token_id, samples)),
+        logprobs=list(map(_logprob, samples)),
+        execute_time_s=result.execute_time_s,
+    )
+    # Plain decodes carry neither top logprobs nor beam candidates: their per-sample count arrays are
+    # then left empty (read back as all zero), not sent as one zero per sample.
+    tops = list(map(_top_logprobs, samples))
+    if any(tops):
+        msg.num_top.extend(map(len, tops))
+        flat = list(chain.from_iterable(tops))
+        msg.top_token_ids.extend(t for t, _ in flat)
+        msg.top_logprobs.extend(lp for _, lp in flat)
+    beams = list(map(_beam_candidates, samples))
+    if any(beams):
+        msg.num_beam_candidates.extend(map(len, beams))
+        flat = list(chain.from_iterable(beams))
+        msg.beam_token_ids.extend(t for t, _ in flat)
+        msg.beam_logprobs.extend(lp for _, lp in flat)
+    return msg
+
+
+def step_result_from_pb(msg: executor_pb2.StepResult) -> StepResult:
+    columns = [msg.seq_ids, msg.token_ids, msg.logprobs]
+    if msg.num_top or msg.num_beam_candidates:
+        num_samples = len(msg.seq_ids)
+        columns.append(_pairs_per_sample(msg.num_top, msg.top_token_ids, msg.top_logprobs, num_samples))
+        columns.append(
+            _pairs_per_sample(msg.num_beam_candidates, msg.beam_token_ids, msg.beam_logprobs, num_samples)
+        )
+    return StepResult(step_id=msg.step_id, samples=list(map(SampledToken, *columns)),
+                      execute_time_s=msg.execute_time_s)
+
+
+def _pairs_per_sample(counts, token_ids, logprobs, num_samples: int) -> list[list[tuple[int, float]]]:
+    """Per-sample (token, logprob) lists; an empty `counts` means none for every sample."""
+    if not counts:
+        return [[] for _ in range(num_samples)]
+    return _split(list(zip(token_ids, logprobs, strict=True)), counts)
+
+
+ErrorCodes = dict[type[BaseException], grpc.StatusCode]
+_log = logging.getLogger(__name__)
+
+
+def error_status(codes: ErrorCodes, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code of an exception type in `codes` (INTERNAL, logged, for any other) and the
+    message the caller gets."""
+    code = next((code for cls, code in codes.items() if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
+    if code is grpc.StatusCode.INTERNAL:
+        _log.error("internal error in a gRPC handler", exc_info=exc)
+    return code, str(exc) or type(exc).__name__
+
+
+def maps_errors(codes: ErrorCodes) -> Callable:
+    """Decorates an async servicer method (unary or server-streaming): an exception of a type in
+    `codes` aborts the call with that status code and the exception's message; any other exception
+    gives INTERNAL (and is logged). The server keeps serving either way."""
+
+    async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        await context.abort(*error_status(codes, exc))
+
+    def decorate(method: Callable) -> Callable:
+        if inspect.isasyncgenfunction(method):
+
+            @functools.wraps(method)
+            async def stream(self, request, context):
+                inner = method(self, request, context)
+                try:
+                    async for item in inner:
+                        yield item
+                except Exception as exc:  # noqa: BLE001 - mapped to a status code
+                    if isinstance(exc, grpc.aio.AbortError):
+                        raise
+                    await abort(context, exc)
+                finally:
+                    await inner.aclose()  # runs the handler's cleanup even when cancelled mid-yield
+
+            return stream
+
+        @functools.wraps(method)
+        async def unary(self, request, context):
+            try:
+                return await method(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - mapped to a status code
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                await abort(context, exc)
+
+        return unary
+
+    return decorate

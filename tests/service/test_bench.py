@@ -1,0 +1,251 @@
+"""`pagedserve bench`: the figures' arithmetic on synthetic inputs, the named model shapes, and one
+end-to-end CPU run through the real services (a config-only model folder: dummy weights, no
+tokenizer) with the Hugging Face peers on request prefixes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import grpc
+import pytest
+
+from clients.bench import run as bench
+from clients.bench.load import LoadRun, RequestRecord, StatsSample
+from clients.bench.report import (
+    DeviceRates,
+    StepTrace,
+    gpu_idle,
+    ideal_time,
+    percentile,
+    read_step_trace,
+    summarize,
+)
+from clients.cli import serve as launcher
+from scheduler_svc.sim.models import MODELS, ModelSpec
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 99) == pytest.approx(4.96)
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_gpu_idle_charges_each_gap_to_the_following_step():
+    # steps 1-2 prefill-ish, 3-4 full decodes of 4 sequences; times in seconds
+    steps = [
+        StepTrace(1, 0.000, 0.001, 0.010, 2, 40),
+        StepTrace(2, 0.012, 0.013, 0.020, 4, 4),  # gap 0.003
+        StepTrace(3, 0.021, 0.022, 0.030, 4, 4),  # gap 0.002
+        StepTrace(4, 0.035, 0.036, 0.040, 4, 4),  # gap 0.006
+        StepTrace(9, 0.050, 0.051, 0.060, 4, 4),  # not consecutive: no gap
+    ]
+    out = gpu_idle(steps, full_batch=4)
+    assert out["gap_source"] == "host clock"
+    assert out["idle_fraction"] == round(0.011 / (0.011 + 0.007 + 0.008 + 0.004), 4)
+    assert out["num_full_decode_steps"] == 3
+    assert out["full_decode_idle_fraction"] == round(0.011 / (0.011 + 0.007 + 0.008 + 0.004), 4)
+    assert out["full_decode_gap_ms"] == pytest.approx(11 / 3, abs=1e-3)
+    assert out["mean_seqs_per_step"] == 3.6
+
+
+def test_gpu_idle_reads_cuda_event_gaps_when_the_trace_has_them(tmp_path):
+    # Pipelined steps: each is launched before the previous one ends (host clock gap < 0); the
+    # events say the GPU idled 1 ms before step 2 and 0 before step 3.
+    trace = tmp_path / "steps.trace"
+    trace.write_text(
+        "1 0.000 0.001 0.020 4 4 -1 19.0\n"
+        "2 0.005 0.006 0.040 4 4 1.0 19.0\n"
+        "3 0.025 0.026 0.060 4 4 0.0 20.0\n"
+        "4 0.045 0.046\n"  # a line being written
+    )
+    steps = read_step_trace(str(trace), 0.0, 1.0)
+    assert [s.step_id for s in steps] == [1, 2, 3] and steps[1].gpu_gap_s == pytest.approx(0.001)
+    out = gpu_idle(steps, full_batch=4)
+    assert out["gap_source"] == "cuda events"
+    assert out["full_decode_idle_fraction"] == round(0.001 / (0.001 + 0.039), 4)
+    assert out["mean_gpu_step_ms"] == pytest.approx((19 + 19 + 20) / 3, abs=1e-3)
+
+
+def test_summarize_latencies_and_counts():
+    run = LoadRun(
+        records=[
+            RequestRecord(5, 3, arrival_s=10.0, sent_s=10.0, token_times_s=[10.5, 10.7, 11.1]),
+            RequestRecord(4, 2, arrival_s=10.0, sent_s=10.0, token_times_s=[11.0, 11.0]),
+        ],
+        stats=[
+            StatsSample(9.9, 0, 100, 1, 7),
+            StatsSample(10.5, 2, 60, 1, 9),
+            StatsSample(11.2, 0, 100, 3, 20),
+        ],
+        start_s=10.0,
+        end_s=11.1,
+        num_gpu_blocks=100,
+    )
+    s = summarize(run)
+    assert s["output_tokens"] == s["expected_output_tokens"] == 5
+    assert s["output_tok_s"] == round(5 / 1.1, 2)
+    assert s["ttft_ms"]["p50"] == pytest.approx(750.0)
+    assert s["tpot_ms"]["p50"] == pytest.approx(150.0)  # (0.3 s / 2, 0 s / 1)
+    assert s["itl_ms"]["p50"] == pytest.approx(300.0)  # gaps 0.2, 0.4; tokens of one message: none
+    assert s["normalized_latency_s_per_token"] == pytest.approx((1.1 / 3 + 1.0 / 2) / 2, abs=1e-5)
+    assert s["avg_running_seqs"] == 2 and s["kv_usage"]["max"] == 0.4
+    assert s["preemptions"] == 2 and s["steps"] == 13
+
+
+def test_ideal_time_by_hand():
+    spec = ModelSpec(1, 8, 2, 1, 16, 200, 64, gated_mlp=True)
+    rates = DeviceRates("test", copy_bytes_per_s=1e6, matmul_flops_per_s=1e6)
+    matmul_params = spec.num_params - 200 * 8
+    # prompts 2 and 3; outputs 3 and 1 -> decode steps k=1, 2 with the first request only
+    prefill = 2 * matmul_params * 5 + 4 * 8 * (2 * 3 / 2 + 3 * 4 / 2)
+    decode = 0.0
+    for k in (1, 2):
+        context = 2 + k
+        decode += max(
+            (2 * matmul_params + context * spec.kv_bytes_per_token) / 1e6,
+            (2 * matmul_params + 4 * 8 * context) / 1e6,
+        )
+    out = ideal_time(spec, [2, 3], [3, 1], rates)
+    assert out["prefill_s"] == round(prefill / 1e6, 4)
+    assert out["decode_s"] == round(decode, 4)
+
+
+def test_named_shapes_write_a_config_both_stacks_read(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from executor_svc.models.config import ModelConfig
+
+    monkeypatch.setattr(launcher, "CACHE_DIR", tmp_path)
+    for name in ("llama3-8b", "llama2-13b"):
+        args = argparse.Namespace(model=name, load_format="auto")
+        folder, spec = launcher.resolve_model(args)
+        assert args.load_format == "dummy" and spec == MODELS[name]
+        ours = ModelConfig.from_dir(folder)
+        assert (ours.num_layers, ours.hidden_size, ours.num_kv_heads, ours.vocab_size) == (
+            spec.num_layers,
+            spec.hidden_size,
+            spec.num_kv_heads,
+            spec.vocab_size,
+        )
+        assert ours.intermediate_size == spec.ffn_size
+        hf = AutoConfig.from_pretrained(folder)
+        assert hf.num_key_value_heads == spec.num_kv_heads and hf.intermediate_size == spec.ffn_size
+        assert launcher.spec_from_hf_config(hf.to_dict()) == spec
+
+
+@pytest.fixture(scope="module")
+def config_only_model(tmp_path_factory):
+    """The tiny Llama's config.json alone: served with dummy weights and without a tokenizer."""
+    from executor_svc.models.tiny import tiny_config
+
+    folder = tmp_path_factory.mktemp("bench") / "tiny-config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(tiny_config("llama")))
+    return folder
+
+
+def _args(mode: str, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args([mode, *extra])
+
+
+def test_server_without_tokenizer_takes_token_ids_only(config_only_model, tmp_path):
+    from clients.client import Client
+
+    args = _args("throughput", "--model", str(config_only_model), "--load-format", "dummy", "--device", "cpu")
+    with (
+        bench.servers(args, str(config_only_model), str(tmp_path / "trace")) as target,
+        Client(target) as client,
+    ):
+        result = client.generate([101, 102, 103], max_tokens=4, ignore_eos=True, temperature=0.0)
+        assert len(result.outputs[0].token_ids) == 4 and result.text == ""
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("some text", max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in err.value.details()
+
+
+def test_bench_throughput_end_to_end_with_peers(config_only_model, tmp_path, capsys):
+    out_file = tmp_path / "bench.json"
+    args = _args(
+        "throughput",
+        "--model",
+        str(config_only_model),
+        "--load-format",
+        "dummy",
+        "--device",
+        "cpu",
+        "--workload",
+        "alpaca",
+        "--requests",
+        "6",
+        "--prefixes",
+        "2",
+        "--compare",
+        "hf-static,hf-cb",
+        "--static-requests",
+        "3",
+        "--static-batch",
+        "2",
+        "--cb-requests",
+        "6",
+        "--max-num-seqs",
+        "4",
+        "--no-progress",
+        "--warmup",
+        "3",
+        "--out",
+        str(out_file),
+    )
+    assert bench.run(args) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out_file.read_text())
+    assert [r["label"] for r in result["runs"]] == ["ours[2]", "ours[3]", "ours[6]"]
+    for run in result["runs"]:
+        assert run["num_failed"] == 0 and run["output_tokens"] == run["expected_output_tokens"] > 0
+        assert run["gpu_idle"]["num_steps"] >= run["output_tokens"] // (2 * 4)
+        assert run["ttft_ms"]["p50"] > 0 and run["preemptions"] >= 0
+    by_size = {r["num_requests"]: r for r in result["runs"]}
+    peers = {p["peer"]: p for p in result["peers"]}
+    assert peers["hf-static"]["num_requests"] == 3 and peers["hf-cb"]["num_requests"] == 6
+    for peer in peers.values():
+        ours = by_size[peer["num_requests"]]
+        assert peer["output_tokens"] == ours["output_tokens"]  # identical request sets
+        assert peer["ratio"] == pytest.approx(ours["output_tok_s"] / peer["output_tok_s"], rel=0.02)
+        ratio_all = by_size[6]["output_tok_s"] / peer["output_tok_s"]
+        assert peer["ratio_ours_all"] == pytest.approx(ratio_all, rel=0.02)
+    assert "hf-cb on the first 6 requests" in table and "ours[6]" in table
+    assert "ours on all 6 requests" in table  # hf-static ran on 3 of them
+
+
+def test_bench_serve_sweeps_poisson_rates(config_only_model, tmp_path, capsys):
+    plot = tmp_path / "sweep.png"
+    args = _args(
+        "serve",
+        "--model",
+        str(config_only_model),
+        "--load-format",
+        "dummy",
+        "--device",
+        "cpu",
+        "--workload",
+        "alpaca",
+        "--requests",
+        "4",
+        "--rates",
+        "20,1000",
+        "--no-progress",
+        "--json",
+        "--warmup",
+        "0",
+        "--plot",
+        str(plot),
+    )
+    assert bench.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["rate_per_s"] for r in result["runs"]] == [20.0, 1000.0]
+    for run in result["runs"]:
+        assert run["output_tokens"] == run["expected_output_tokens"] and run["num_failed"] == 0
+    assert plot.exists() == (importlib.util.find_spec("matplotlib") is not None)

@@ -1,0 +1,170 @@
+"""The API front-end process path (scheduler_svc/frontend/main.py + frontend_servicer.py), served
+in the test's event loop in front of a real stack: the same tokens as a direct connection (greedy ==
+transformers, seeded n = 3, under preemption), errors passed through with their code and message, a cancelled
+stream frees its blocks, unary calls passed through, and the scheduler writes one batch per step
+for many streams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from clients.client import AsyncClient, Client
+from tests.service.test_grpc_generation import MAX_TOKENS, PROMPTS, _run_batch
+from tests.service.test_grpc_stack import Stack, _health
+
+
+class FrontendStack(Stack):
+    """A Stack whose public target is an API front-end in front of the scheduler."""
+
+    async def _start(self) -> None:
+        from scheduler_svc.frontend.main import start_frontend
+
+        await super()._start()
+        self.scheduler_target = self.target
+        started = await start_frontend(self.scheduler_target)
+        self.frontend, port, self.frontend_health, self.link_task = started
+        self.target = f"127.0.0.1:{port}"
+
+    def frontend_link_up(self) -> bool:
+        return _health(self.target, "") == "SERVING"
+
+    async def _stop(self) -> None:
+        await self.frontend.stop(0.5)
+        self.link_task.cancel()
+        await super()._stop()
+
+
+@pytest.fixture(scope="module")
+def frontend_stack(tiny_llama_dir):
+    with FrontendStack(tiny_llama_dir, num_gpu_blocks=14, num_cpu_blocks=14) as running:
+        yield running
+
+
+def test_front_end_streams_the_tokens_of_a_direct_connection(tiny_llama_dir, frontend_stack):
+    with Stack(tiny_llama_dir, num_gpu_blocks=14, num_cpu_blocks=14) as direct:
+        expected = asyncio.run(_run_batch(direct.target))
+    got = asyncio.run(_run_batch(frontend_stack.target))
+    assert got == expected
+    assert frontend_stack.engine.stats().num_preemptions > 0  # a tiny cache: preemption happened
+    with Client(frontend_stack.target) as client:
+        info, stats = client.model_info(), client.stats()
+    assert info.num_gpu_blocks == 14 and stats.num_free_gpu_blocks == 14
+
+
+def test_errors_pass_through_with_their_code_and_message(frontend_stack):
+    with Client(frontend_stack.target) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate([1, 2, 3], max_tokens=4, top_p=1.5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate([1, 10**9], max_tokens=4)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in info.value.details()
+        still_serving = client.generate(PROMPTS[0], max_tokens=3, temperature=0.0)
+        assert len(still_serving.outputs[0].token_ids) == 3
+        assert client.abort("no-such-request") is False
+
+
+def test_a_cancelled_stream_frees_its_blocks(frontend_stack):
+    async def scenario():
+        async with AsyncClient(frontend_stack.target) as client:
+            stream = client.stream(PROMPTS[1], max_tokens=150, ignore_eos=True)
+            async for _ in stream:
+                break  # the client goes away after the first delta
+            await stream.aclose()
+            for _ in range(200):
+                stats = await client.stats()
+                if stats.num_running == stats.num_waiting == 0:
+                    return stats
+                await asyncio.sleep(0.02)
+            raise AssertionError("the cancelled request kept running")
+
+    stats = asyncio.run(scenario())
+    assert stats.num_free_gpu_blocks == 14
+    frontend_stack.check_integrity()
+
+
+def test_many_streams_get_one_batch_per_step(tiny_llama_dir):
+    """32 concurrent streams: every token arrives, and the scheduler sent far fewer link messages
+    than responses (one batch per step carries every stream that advanced)."""
+    from scheduler_svc.server import frontend_link as frontend_servicer
+
+    batches = []
+    original = frontend_servicer._Link.next_batch
+
+    async def counting(self, reader):
+        batch = await original(self, reader)
+        if batch is not None:
+            batches.append(len(batch.events))
+        return batch
+
+    frontend_servicer._Link.next_batch = counting
+    try:
+        with FrontendStack(tiny_llama_dir) as stack:
+            async def scenario():
+                async with AsyncClient(stack.target) as client:
+                    prompts = PROMPTS * 4
+                    return await asyncio.gather(
+                        *(client.generate(p, max_tokens=MAX_TOKENS, ignore_eos=True) for p in prompts)
+                    )
+
+            results = asyncio.run(scenario())
+    finally:
+        frontend_servicer._Link.next_batch = original
+    assert all(len(r.outputs[0].token_ids) == MAX_TOKENS for r in results)
+    assert sum(batches) >= 32 * MAX_TOKENS  # every response went through a batch
+    assert len(batches) < sum(batches) / 8
+
+
+def test_a_broken_link_ends_streams_unavailable_and_reconnects_to_a_restarted_scheduler(tiny_llama_dir):
+    from dataclasses import replace
+
+    from scheduler_svc.server.main import ServeOptions, build_engine, start_scheduler_server
+
+    with FrontendStack(tiny_llama_dir) as stack:
+        port = int(stack.scheduler_target.rsplit(":", 1)[1])
+
+        async def generate_during_outage():
+            async with AsyncClient(stack.target) as client:
+                stream = client.stream(PROMPTS[1], max_tokens=400, ignore_eos=True)
+                await anext(stream)
+                stopping = asyncio.ensure_future(stack.scheduler.stop(0))  # the scheduler goes away
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in stream:
+                        pass
+                await stopping
+                return info.value.code()
+
+        assert stack.run(generate_during_outage()) == grpc.StatusCode.UNAVAILABLE
+
+        async def restart_scheduler():
+            opts = ServeOptions(model=stack.model_dir, executors=(stack.executor_target,), port=port)
+            stack.engine = await build_engine(replace(opts, **stack.options))
+            stack.scheduler = await start_scheduler_server(stack.engine, "127.0.0.1", port)
+
+        assert not stack.frontend_link_up()  # NOT_SERVING while the scheduler is gone
+        stack.run(restart_scheduler())
+        deadline = time.monotonic() + 10
+        while not stack.frontend_link_up():  # the front-end reconnects on its own
+            assert time.monotonic() < deadline, "the front-end did not reconnect"
+            time.sleep(0.05)
+        with Client(stack.target) as client:
+            assert len(client.generate(PROMPTS[0], max_tokens=5, temperature=0.0).outputs[0].token_ids) == 5
+
+
+def test_front_end_health_follows_the_schedulers(frontend_stack):
+    """The scheduler NOT_SERVING (draining, recovering) makes the front-end NOT_SERVING too."""
+
+    def wait_for(status: str) -> None:
+        deadline = time.monotonic() + 10
+        while _health(frontend_stack.target, "") != status:
+            assert time.monotonic() < deadline, f"the front-end never reported {status}"
+            time.sleep(0.1)
+
+    frontend_stack.run(frontend_stack.scheduler.health.set_serving(False))
+    wait_for("NOT_SERVING")
+    frontend_stack.run(frontend_stack.scheduler.health.set_serving(True))
+    wait_for("SERVING")

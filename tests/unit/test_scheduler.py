@@ -1,0 +1,249 @@
+"""Scheduler: exact plans (diffs, block ids, preemption order, swap ids, chunk sizes, forks, CoW)."""
+
+import pytest
+
+from scheduler_svc.request.sequence import FinishReason, SequenceStatus
+from scheduler_svc.sched.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
+from scheduler_svc.wire.sampling_params import SamplingParams
+from scheduler_svc.wire.step_plan import SampledToken, StepResult
+from tests.unit.test_scheduler_fake_executor import FakeExecutor
+
+
+def make(**cfg) -> Scheduler:
+    cfg.setdefault("max_model_len", 64)
+    return Scheduler(SchedulerConfig(**cfg), clock=lambda: 0.0)
+
+
+def add(sched, rid, prompt, arrival, **params):
+    group = sched.new_group(rid, list(prompt), SamplingParams(**params), arrival)
+    sched.add_request(group)
+    return group
+
+
+def answer(sched, plan, tokens):
+    """A StepResult giving tokens[seq_id] to each sequence in `tokens`."""
+    samples = [SampledToken(sid, tok, -0.5) for sid, tok in tokens.items()]
+    return sched.process_result(StepResult(plan.step_id, samples))
+
+
+def test_plan_is_full_once_then_diffs_and_finishes_on_max_tokens():
+    sched = make(block_size=4, num_gpu_blocks=8)
+    group = add(sched, "a", range(6), 0.0, max_tokens=4)
+    sid = group.seqs[0].seq_id
+    plan = sched.schedule()
+    (new,) = plan.new_seqs
+    assert (new.token_ids, new.num_computed_tokens, new.num_new_tokens, new.block_table) == (
+        list(range(6)),
+        0,
+        6,
+        [0, 1],
+    )
+    answer(sched, plan, {sid: 50})
+    expected = [([50], 2, []), ([51], 2, []), ([52], 2, [2])]  # position 8 opens block 2
+    for i, (new_tokens, start, blocks) in enumerate(expected):
+        plan = sched.schedule()
+        if not blocks:  # one new token, block table unchanged: the decode columns
+            assert plan.cont_seqs == []
+            assert (plan.decode_seq_ids, plan.decode_token_ids) == ([sid], new_tokens)
+        else:
+            (cont,) = plan.cont_seqs
+            assert plan.decode_seq_ids == []
+            assert (cont.new_token_ids, cont.num_new_tokens, cont.block_table_start, cont.block_ids) == (
+                new_tokens,
+                1,
+                start,
+                blocks,
+            )
+        outs = answer(sched, plan, {sid: 51 + i})
+    assert outs[0].finished and outs[0].samples[0].finish_reason is FinishReason.LENGTH
+    assert group.finished_seqs[0].output_token_ids == [50, 51, 52, 53]
+    assert sched.kv.num_free_blocks == 8 and not sched.has_unfinished()
+    assert sched.schedule().finished_seq_ids == [sid]
+
+
+def test_every_eos_id_of_the_model_ends_a_sequence():
+    sched = make(block_size=4, num_gpu_blocks=16, eos_token_ids=(2, 7, 9))
+    groups = [add(sched, rid, [5, 6], 0.0, max_tokens=5) for rid in ("a", "b", "c", "d")]
+    plan = sched.schedule()
+    outs = answer(sched, plan, {g.seqs[0].seq_id: tok for g, tok in zip(groups, (2, 7, 9, 8), strict=True)})
+    finished = {o.request_id: o.samples[0].finish_reason for o in outs if o.finished}
+    assert finished == {"a": FinishReason.STOP, "b": FinishReason.STOP, "c": FinishReason.STOP}
+    assert sched.get_group("d") is not None
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_eos_and_stop_token_ids(ignore_eos):
+    sched = make(block_size=4, num_gpu_blocks=8, eos_token_ids=(2,))
+    a = add(sched, "a", [5, 6], 0.0, max_tokens=5, ignore_eos=ignore_eos)
+    b = add(sched, "b", [5, 7], 0.0, max_tokens=5, stop_token_ids=(9,))
+    plan = sched.schedule()
+    outs = answer(sched, plan, {a.seqs[0].seq_id: 2, b.seqs[0].seq_id: 9})
+    reasons = {o.request_id: o.samples[0].finish_reason for o in outs}
+    assert reasons == {"a": None if ignore_eos else FinishReason.STOP, "b": FinishReason.STOP}
+    assert a.is_finished is not ignore_eos and b.is_finished
+
+
+def test_request_that_can_never_fit_is_refused_with_a_named_field():
+    sched = make(block_size=4, num_gpu_blocks=4, max_model_len=100)
+    with pytest.raises(RequestRejectedError) as err:
+        add(sched, "big", range(17), 0.0, max_tokens=1)
+    assert err.value.field == "prompt" and isinstance(err.value, ValueError)
+    with pytest.raises(RequestRejectedError) as err:
+        add(sched, "long", range(10), 0.0, max_tokens=91)
+    assert err.value.field == "max_tokens"
+    assert not sched.has_unfinished() and not sched.waiting
+    add(sched, "ok", range(16), 0.0, max_tokens=1)  # exactly the cache
+    with pytest.raises(RequestRejectedError, match="request_id"):
+        add(sched, "ok", range(3), 0.0)
+
+
+def _three_requests(sched):
+    groups = [add(sched, rid, [3 + i, 4, 5], float(i), max_tokens=10) for i, rid in enumerate("ABC")]
+    ex = FakeExecutor(sched)
+    for _ in range(2):  # prefill, then one decode: each has 4 of its 6 slots used
+        sched.process_result(ex.step(sched.schedule()))
+    return groups, ex
+
+
+def test_recompute_preempts_the_latest_arrival_first():
+    sched = make(block_size=2, num_gpu_blocks=6, enable_prefix_caching=False)
+    (a, b, c), ex = _three_requests(sched)
+    assert [sched.kv.block_table(g.seqs[0]) for g in (a, b, c)] == [[0, 1], [2, 3], [4, 5]]
+    plan = sched.schedule()  # position 4 needs a third block for everyone
+    assert plan.finished_seq_ids == [c.seqs[0].seq_id]
+    assert [s.seq_id for s in plan.cont_seqs] == [a.seqs[0].seq_id, b.seqs[0].seq_id]
+    assert [s.block_ids for s in plan.cont_seqs] == [[4], [5]]
+    assert list(sched.waiting) == [c] and c.seqs[0].status is SequenceStatus.WAITING
+    assert c.seqs[0].num_computed_tokens == 0 and sched.num_preemptions == 1
+    sched.process_result(ex.step(plan))
+    ex.run_until_done(check=sched.kv.check_integrity)
+    assert sched.kv.num_free_blocks == 6
+
+
+def test_recomputed_group_comes_back_as_a_new_sequence_with_its_outputs():
+    sched = make(block_size=2, num_gpu_blocks=6, enable_prefix_caching=False)
+    (a, b, c), ex = _three_requests(sched)
+    seq_c = c.seqs[0]
+    sched.process_result(ex.step(sched.schedule()))
+    for _ in range(40):
+        plan = sched.schedule()
+        back = [s for s in plan.new_seqs if s.seq_id == seq_c.seq_id]
+        if back:
+            break
+        sched.process_result(ex.step(plan))
+    (new,) = back
+    assert new.token_ids == seq_c.token_ids and new.prompt_len == 3 and new.num_computed_tokens == 0
+    assert len(new.token_ids) == 5 and new.num_new_tokens == 5  # prompt + its 2 outputs
+
+
+def test_swap_preemption_round_trip_block_ids():
+    sched = make(
+        block_size=2, num_gpu_blocks=4, num_cpu_blocks=4, preemption_mode="swap", enable_prefix_caching=False
+    )
+    a = add(sched, "A", [3, 4, 5], 0.0, max_tokens=4)
+    b = add(sched, "B", [6, 7, 8], 1.0, max_tokens=4)
+    ex = FakeExecutor(sched)
+    for _ in range(2):
+        sched.process_result(ex.step(sched.schedule()))
+    plan = sched.schedule()
+    assert plan.swap_out == [(2, 0), (3, 1)]
+    assert [(s.seq_id, s.block_ids) for s in plan.cont_seqs] == [(a.seqs[0].seq_id, [2])]
+    assert sched.swapped == [b] and b.seqs[0].status is SequenceStatus.SWAPPED
+    sched.process_result(ex.step(plan))
+    plan = sched.schedule()  # A alone; B cannot come back yet (2 blocks + 1 new > 1 free)
+    assert plan.swap_in == [] and plan.scheduled_seq_ids == [a.seqs[0].seq_id]
+    sched.process_result(ex.step(plan))
+    assert a.is_finished
+    plan = sched.schedule()
+    assert plan.swap_in == [(0, 0), (1, 1)]
+    (cont,) = plan.cont_seqs
+    assert (cont.seq_id, cont.block_table_start, cont.block_ids) == (b.seqs[0].seq_id, 0, [0, 1, 2])
+    sched.process_result(ex.step(plan))
+    ex.run_until_done(check=sched.kv.check_integrity)
+    assert sched.kv.num_free_blocks == 4 and sched.kv.cpu.num_free_blocks == 4
+
+
+def test_chunked_prefill_token_counts_per_step():
+    sched = make(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=8)
+    add(sched, "A", range(20), 0.0, max_tokens=3)
+    add(sched, "B", range(100, 105), 0.0, max_tokens=3)
+    ex = FakeExecutor(sched)
+    plans = []
+    for _ in range(6):
+        plan = sched.schedule()
+        decodes = [(seq_id, 1) for seq_id in plan.decode_seq_ids]
+        plans.append([(s.seq_id, s.num_new_tokens) for s in (*plan.new_seqs, *plan.cont_seqs)] + decodes)
+        sched.process_result(ex.step(plan))
+    a, b = 1, 2  # seq ids in arrival order
+    assert plans == [[(a, 8)], [(a, 8)], [(b, 4), (a, 4)], [(a, 1), (b, 1)], [(a, 1), (b, 1)], [(b, 1)]]
+    assert not sched.has_unfinished()
+
+
+def test_n4_samples_fork_after_the_shared_prefill_and_copy_the_partial_block():
+    sched = make(block_size=4, num_gpu_blocks=16)
+    group = add(sched, "n4", range(10), 0.0, n=4, max_tokens=3, temperature=1.0)
+    s0 = group.seqs[0].seq_id
+    ex = FakeExecutor(sched)
+    plan = sched.schedule()
+    assert [(s.seq_id, s.num_new_tokens, s.block_table) for s in plan.new_seqs] == [(s0, 9, [0, 1, 2])]
+    assert ex.step(plan).samples == []  # no token until the last prompt token is computed
+    sched.process_result(StepResult(plan.step_id))
+    plan = sched.schedule()
+    children = [s.seq_id for s in group.seqs[1:]]
+    assert plan.forks == [(c, s0) for c in children]
+    assert plan.copies == [(2, 3), (2, 4), (2, 5)]  # the last one keeps block 2
+    assert [(s.seq_id, s.num_new_tokens, s.block_table_start, s.block_ids) for s in plan.cont_seqs] == [
+        (s0, 1, 2, [3]),
+        (children[0], 1, 2, [4]),
+        (children[1], 1, 2, [5]),
+        (children[2], 1, 3, []),
+    ]
+    assert [s.sample_index for s in group.seqs] == [0, 1, 2, 3]
+    assert sched.kv.num_shared_block_refs == 6  # blocks 0 and 1 held by all four
+    outs = sched.process_result(ex.step(plan))
+    assert sorted(d.sample_index for d in outs[0].samples) == [0, 1, 2, 3]
+    ex.run_until_done(check=sched.kv.check_integrity)
+    assert sorted(len(s.output_token_ids) for s in group.finished_seqs) == [3, 3, 3, 3]
+    assert sched.kv.num_free_blocks == 16
+
+
+def test_abort_frees_blocks_at_once_and_reports_the_seq_next_step():
+    sched = make(block_size=4, num_gpu_blocks=8)
+    group = add(sched, "a", range(6), 0.0, max_tokens=10, n=2)
+    ex = FakeExecutor(sched)
+    for _ in range(3):
+        sched.process_result(ex.step(sched.schedule()))
+    ids = sorted(s.seq_id for s in group.seqs)
+    plan = sched.schedule()
+    assert sched.abort("a") and not sched.abort("a")
+    assert sched.kv.num_free_blocks == 8 and not sched.has_unfinished()
+    assert sched.process_result(ex.step(plan)) == []  # tokens of an aborted request are dropped
+    plan = sched.schedule()
+    assert sorted(plan.finished_seq_ids) == ids
+    ex.step(plan)
+    assert ex.states == {}
+
+
+def test_prefix_cache_hit_is_sent_as_computed_tokens_of_a_new_sequence():
+    sched = make(block_size=4, num_gpu_blocks=8)
+    a = add(sched, "a", range(10), 0.0, max_tokens=1)
+    ex = FakeExecutor(sched)
+    ex.run_until_done(check=sched.kv.check_integrity)
+    assert a.is_finished and sched.kv.num_cached_free_blocks == 2
+    add(sched, "b", [*range(8), 40, 41], 1.0, max_tokens=1)
+    plan = sched.schedule()
+    (new,) = plan.new_seqs
+    assert (new.num_computed_tokens, new.num_new_tokens, new.block_table[:2]) == (8, 2, [0, 1])
+    assert sched.kv.num_prefix_hit_tokens == 8 and sched.kv.num_prefix_query_tokens == 20
+    sched.process_result(ex.step(plan))  # the fake executor checks the cached KV it attends to
+    ex.run_until_done(check=sched.kv.check_integrity)
+
+
+def test_a_beam_group_is_admitted_only_with_room_for_all_its_beams():
+    sched = make(num_gpu_blocks=64, max_num_seqs=4)
+    add(sched, "greedy", [1, 2, 3], 0.0, temperature=0.0)
+    add(sched, "beam", [4, 5, 6], 1.0, beam_width=4, temperature=0.0)
+    plan = sched.schedule()
+    # One sequence is running; the beam group will grow to 4, which would make 5 > max_num_seqs.
+    assert [s.seq_id for s in plan.new_seqs] == [sched.get_group("greedy").seqs[0].seq_id]
+    assert sched.get_group("beam") in sched.waiting

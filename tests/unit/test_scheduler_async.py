@@ -1,0 +1,132 @@
+"""Async scheduling in the scheduler: plan i+1 built before step i's result (placeholder tokens),
+exact plans, prefix-cache hashes of the real tokens, stop tokens, beam groups, recovery."""
+
+import pytest
+
+from scheduler_svc.request.sequence import FinishReason
+from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.wire.sampling_params import SamplingParams
+from scheduler_svc.wire.step_plan import PENDING_TOKEN, SampledToken, StepResult
+from tests.unit.test_scheduler_fake_executor import FakeExecutor
+
+
+def make(**cfg) -> Scheduler:
+    cfg.setdefault("max_model_len", 64)
+    return Scheduler(SchedulerConfig(**cfg), clock=lambda: 0.0)
+
+
+def add(sched, rid, prompt, **params):
+    group = sched.new_group(rid, list(prompt), SamplingParams(**params), 0.0)
+    sched.add_request(group)
+    return group
+
+
+def result(plan, tokens):
+    return StepResult(plan.step_id, [SampledToken(sid, tok, -0.5) for sid, tok in tokens.items()])
+
+
+def test_plan_ahead_carries_a_placeholder_and_the_result_fills_it_in():
+    sched = make(block_size=4, num_gpu_blocks=8)
+    group = add(sched, "a", range(6), max_tokens=3)
+    seq = group.seqs[0]
+    p1 = sched.schedule()
+    assert sched.can_schedule_ahead()
+    p2 = sched.schedule()  # built before p1's result
+    assert (p2.decode_seq_ids, p2.decode_token_ids) == ([seq.seq_id], [PENDING_TOKEN])
+    assert seq.token_ids[-1] == PENDING_TOKEN and seq.pending
+    assert not sched.can_schedule_ahead()  # two in flight
+    with pytest.raises(RuntimeError):
+        sched.schedule()
+    with pytest.raises(RuntimeError):  # results come back in order
+        sched.process_result(result(p2, {seq.seq_id: 51}))
+    (out,) = sched.process_result(result(p1, {seq.seq_id: 50}))
+    assert out.samples[0].token_ids == [50] and not seq.pending
+    assert seq.token_ids == [*range(6), 50]
+    # Token 3 is the last (max_tokens): the sequence gets no placeholder, so nothing is planned ahead.
+    p3 = sched.schedule()
+    assert p3.decode_token_ids == [PENDING_TOKEN]  # token 2's input is token 1 (sampled by p2)
+    sched.process_result(result(p2, {seq.seq_id: 51}))
+    p4 = sched.schedule()  # ahead of p3, whose sample is the last token
+    assert p4.num_scheduled_seqs == 0
+    (out,) = sched.process_result(result(p3, {seq.seq_id: 52}))
+    assert out.finished and out.samples[0].finish_reason is FinishReason.LENGTH
+    assert group.finished_seqs[0].output_token_ids == [50, 51, 52]
+    sched.process_result(result(p4, {}))
+    assert sched.kv.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+def test_a_new_block_planned_ahead_goes_with_the_placeholder():
+    sched = make(block_size=4, num_gpu_blocks=8)
+    seq = add(sched, "a", range(8), max_tokens=4).seqs[0]  # the first output opens block 2
+    p1 = sched.schedule()
+    p2 = sched.schedule()
+    (cont,) = p2.cont_seqs
+    assert (cont.new_token_ids, cont.block_table_start, cont.block_ids) == ([PENDING_TOKEN], 2, [2])
+    sched.process_result(result(p1, {seq.seq_id: 50}))
+    assert seq.token_ids[8] == 50
+
+
+def test_a_stop_token_found_after_planning_ahead_wastes_one_step_and_ends_the_stream():
+    sched = make(block_size=4, num_gpu_blocks=8, eos_token_ids=(2,))
+    group = add(sched, "a", range(5, 11), max_tokens=10)
+    seq = group.seqs[0]
+    p1 = sched.schedule()
+    p2 = sched.schedule()
+    (out,) = sched.process_result(result(p1, {seq.seq_id: 2}))  # EOS
+    assert out.finished and out.samples[0].finish_reason is FinishReason.STOP
+    assert group.finished_seqs[0].output_token_ids == [2]
+    assert sched.kv.num_free_blocks == 8
+    assert sched.process_result(result(p2, {seq.seq_id: 30})) == []  # the wasted token is dropped
+    p3 = sched.schedule()
+    assert p3.finished_seq_ids == [seq.seq_id]
+
+
+def test_blocks_filled_by_a_sampled_token_are_cached_under_the_real_token():
+    sched = make(block_size=4, num_gpu_blocks=16, enable_prefix_caching=True)
+    ex = FakeExecutor(sched, seed=3)
+    first = add(sched, "a", [7, 8, 9], max_tokens=6)
+    ex.run_until_done(ahead=True)
+    outputs = first.finished_seqs[0].output_token_ids
+    # Block 0 = [7, 8, 9, output 0], block 1 = outputs 1..4: both were filled by planned-ahead tokens.
+    second = add(sched, "b", [7, 8, 9, *outputs[:5], 40], max_tokens=1)
+    (new,) = sched.schedule().new_seqs
+    assert new.num_computed_tokens == 8
+    assert second.seqs[0].token_ids[:8] == [7, 8, 9, *outputs[:5]]
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_async_runs_give_every_request_its_tokens(preemption_mode):
+    """Tight cache (preemption in plans built ahead), chunked prefill, n = 2: every request ends with
+    max_tokens tokens per sample and nothing leaks, as in the one-plan-at-a-time run."""
+    for ahead in (False, True):
+        sched = make(
+            block_size=2, num_gpu_blocks=24, num_cpu_blocks=24, max_num_batched_tokens=8,
+            enable_chunked_prefill=True, preemption_mode=preemption_mode, max_num_seqs=6,
+        )
+        ex = FakeExecutor(sched, seed=5)
+        groups = [add(sched, f"r{i}", range(3, 10 + i), max_tokens=5 + i, n=1 + i % 2) for i in range(6)]
+        ex.run_until_done(ahead=ahead, check=sched.kv.check_integrity)
+        for i, group in enumerate(groups):
+            assert [s.num_output_tokens for s in group.finished_seqs] == [5 + i] * (1 + i % 2)
+        assert sched.num_preemptions > 0
+        assert sched.kv.num_free_blocks == 24
+
+
+def test_a_running_beam_group_is_planned_one_step_at_a_time():
+    sched = make(block_size=4, num_gpu_blocks=16)
+    add(sched, "a", range(3, 9), max_tokens=3, beam_width=2)
+    sched.schedule()
+    assert not sched.can_schedule_ahead()
+
+
+def test_recovery_drops_the_placeholder_with_the_lost_step():
+    sched = make(block_size=4, num_gpu_blocks=8)
+    seq = add(sched, "a", range(6), max_tokens=5).seqs[0]
+    p1 = sched.schedule()
+    sched.process_result(result(p1, {seq.seq_id: 50}))
+    sched.schedule()
+    sched.schedule()  # ahead: placeholder for the token the lost step was sampling
+    sched.reset_for_recovery()
+    assert seq.token_ids == [*range(6), 50] and not seq.pending
+    (new,) = sched.schedule().new_seqs
+    assert new.token_ids == [*range(6), 50]
