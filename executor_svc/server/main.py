@@ -20,12 +20,12 @@ from typing import Any
 
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from scheduler_svc.wire.grpc_serving import (
+    MAX_MESSAGE_BYTES,
     parse_args_with_config,
     start_grpc_server,
 )
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
-MAX_MESSAGE_BYTES = 256 << 20
 
 
 async def start_executor_server(

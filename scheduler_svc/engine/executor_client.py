@@ -20,10 +20,10 @@ import grpc
 
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from scheduler_svc.wire.convert import describe_from_pb, step_plan_to_pb, step_result_from_pb
+from scheduler_svc.wire.grpc_serving import MAX_MESSAGE_BYTES
 from scheduler_svc.wire.step_plan import StepPlan, StepResult
 
 STEP_STREAM_METHOD = "/pagedserve.v1.Executor/StepStream"
-MAX_MESSAGE_BYTES = 256 << 20
 RECONNECT_OPTIONS = [
     # Reconnect soon after an executor restarts (the default backoff grows to minutes).
     ("grpc.initial_reconnect_backoff_ms", 200),

@@ -29,8 +29,8 @@ import signal
 import grpc
 
 from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
-from scheduler_svc.engine.executor_client import MAX_MESSAGE_BYTES
 from scheduler_svc.wire.grpc_serving import (
+    MAX_MESSAGE_BYTES,
     Health,
     message_size_options,
     parse_args_with_config,

@@ -21,12 +21,13 @@ from tokenizers import Tokenizer
 from protos.pagedserve.v1 import frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine.api import RecoveryOptions
 from scheduler_svc.engine.engine import Engine, InvalidRequestError, ModelLimits
-from scheduler_svc.engine.executor_client import MAX_MESSAGE_BYTES, ExecutorPool
+from scheduler_svc.engine.executor_client import ExecutorPool
 from scheduler_svc.sched.kv_policies import PAGED, POLICIES, check_policy_options, make_kv_manager
 from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.server.frontend_link import FrontendLinkServicer
 from scheduler_svc.server.servicer import GenerationServicer
 from scheduler_svc.wire.grpc_serving import (
+    MAX_MESSAGE_BYTES,
     Health,
     parse_args_with_config,
     read_auth_token,

@@ -128,6 +128,9 @@ async def start_grpc_server(
     return server, bound, health
 
 
+MAX_MESSAGE_BYTES = 256 << 20  # both ways, on every channel and server of the project
+
+
 def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Server/channel options bounding every message both ways (a larger one fails RESOURCE_EXHAUSTED)."""
     return [("grpc.max_send_message_length", max_message_bytes),
