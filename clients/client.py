@@ -20,6 +20,7 @@ import dataclasses
 import os
 import pathlib
 from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -68,7 +69,7 @@ def build_request(
     request_id: str = "",
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest; parameters left as None take the server's defaults."""
-    optional = dict(
+    optional: dict[str, Any] = dict(
         max_tokens=max_tokens,
         n=n,
         beam_width=beam_width,

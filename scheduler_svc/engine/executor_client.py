@@ -123,7 +123,8 @@ class ExecutorPool:
             if isinstance(err, TimeoutError):
                 detail = f"no result within {self.step_timeout_s} s"
                 raise ExecutorError(targets, "DEADLINE_EXCEEDED", detail) from err
-            if isinstance(err, asyncio.CancelledError) and not asyncio.current_task().cancelling():
+            task = asyncio.current_task()
+            if isinstance(err, asyncio.CancelledError) and not (task is not None and task.cancelling()):
                 # Not this step's task being cancelled: another step in flight failed and dropped the
                 # streams this one was reading. It failed too, as an executor error.
                 raise ExecutorError(targets, "CANCELLED", "stream dropped after another step failed") from err

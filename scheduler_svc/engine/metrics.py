@@ -8,6 +8,8 @@ since the last call, so a counter never goes backwards.
 
 from __future__ import annotations
 
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
@@ -79,8 +81,8 @@ class SchedulerMetrics:
             n: Histogram(PREFIX + n, h, labelnames=labels, buckets=b, registry=self.registry)
             for n, (h, labels, b) in HISTOGRAMS.items()
         }
-        self._totals: dict[tuple[str, tuple[str, ...]], float] = {}
-        self._http_server = None
+        self._totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._http_server: WSGIServer | None = None
 
     def set(self, name: str, value: float) -> None:
         self.gauges[name].set(value)

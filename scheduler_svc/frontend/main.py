@@ -25,6 +25,8 @@ import asyncio
 import itertools
 import logging
 import signal
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -57,10 +59,11 @@ class EngineLink:
         self._streams: dict[int, asyncio.Queue] = {}
         self._ids = itertools.count(1)
         self._outbox: asyncio.Queue = asyncio.Queue()
-        self._call = None
+        self._call: Any = None  # the Streams call while the link is up
         self.connected = asyncio.Event()
         self.scheduler_serving = True  # the scheduler's own health (watch_scheduler_health)
-        self.on_change = None  # called with True / False when serving through the link starts / stops
+        # called with True / False when serving through the link starts / stops
+        self.on_change: Callable[[bool], object] | None = None
 
     async def run(self, connect_timeout_s: float) -> None:
         """Keeps the link up for as long as the front-end runs."""

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from protos.pagedserve.v1 import frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine.api import RecoveryOptions
+from scheduler_svc.engine.api import Tokenizer as EngineTokenizer
 from scheduler_svc.engine.engine import Engine, InvalidRequestError, ModelLimits
 from scheduler_svc.engine.executor_client import ExecutorPool
 from scheduler_svc.sched.kv_policies import PAGED, POLICIES, check_policy_options, make_kv_manager
@@ -121,7 +122,7 @@ async def build_engine(opts: ServeOptions) -> Engine:
     )
     tokenizer_file = pathlib.Path(opts.model) / "tokenizer.json"
     if tokenizer_file.exists():
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        tokenizer: EngineTokenizer = Tokenizer.from_file(str(tokenizer_file))
     else:
         _log.warning("%s not found: serving token-id prompts only, with empty output text", tokenizer_file)
         tokenizer = TokenIdsOnly()
