@@ -33,11 +33,21 @@ class Tokenizer(Decoder, Protocol):
 
 
 class Executors(Protocol):
+    """The executor ranks as the engine drives them (scheduler_svc.engine.executor_client.ExecutorPool)."""
+
+    last_plan_bytes: int  # size of the last plan sent, serialized (a metric)
+
     async def step(self, plan: StepPlan) -> StepResult:
         """Run one plan on every rank; raises when a rank fails or misses the step deadline."""
+        ...
 
     async def recover(self) -> None:
         """Re-initialize every rank (cache and state) after a failure; raises while one is down."""
+        ...
+
+    async def close(self) -> None:
+        """Close the connections to the ranks (the engine is done with them)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from scheduler_svc.engine.api import (
     EngineStats,
@@ -30,10 +31,13 @@ from scheduler_svc.engine.outputs import RequestDelta, RequestState, RequestStre
 from scheduler_svc.engine.stats import engine_stats, record_output, record_step
 from scheduler_svc.request.sequence import FinishReason
 from scheduler_svc.sched.config import RequestRejectedError
+from scheduler_svc.sched.interface import SchedulerInterface
 from scheduler_svc.sched.output_processor import RequestOutput
-from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine.metrics import SchedulerMetrics
 
 __all__ = ["Engine", "EngineStats", "InvalidRequestError", "ModelLimits", "RequestFailedError",
            "RequestStream", "ServiceUnavailableError"]
@@ -43,11 +47,11 @@ _log = logging.getLogger(__name__)
 class Engine:
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: SchedulerInterface,
         executors: Executors,
         tokenizer: Tokenizer,
         limits: ModelLimits,
-        metrics=None,
+        metrics: SchedulerMetrics | None = None,
         recovery: RecoveryOptions | None = None,
         async_scheduling: bool = True,
     ):
@@ -106,7 +110,7 @@ class Engine:
         request = RequestState(request_id, prompt_ids, params, self.tokenizer, group)
         self._requests[request_id] = request
         self._wakeup.set()
-        return RequestStream(self, request)
+        return RequestStream(request, self.abort)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -136,7 +140,9 @@ class Engine:
         return found or request is not None
 
     def stats(self) -> EngineStats:
-        return engine_stats(self)
+        return engine_stats(
+            self.scheduler.stats(), self.num_steps, self.num_swapped_out_blocks, self.num_swapped_in_blocks
+        )
 
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -186,7 +192,8 @@ class Engine:
                 else:
                     deferred.append(out)
             if self.metrics is not None:
-                record_step(self.metrics, self, plan, time.perf_counter() - start)
+                record_step(self.metrics, self.limits, self.scheduler.stats(), plan,
+                            time.perf_counter() - start, self.executors.last_plan_bytes)
             if plan.is_empty and not in_flight:  # nothing runnable: wait for a new request or an abort
                 deferred = self._emit_all(deferred)
                 self._wakeup.clear()

@@ -7,17 +7,13 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from scheduler_svc.engine.api import RequestFailedError, ServiceUnavailableError
 from scheduler_svc.engine.detokenizer import Decoder, IncrementalDetokenizer, OutputText
+from scheduler_svc.request.beam import BeamHypothesis
 from scheduler_svc.request.sequence import SequenceGroup
-from scheduler_svc.sched.beam_search import BeamHypothesis
 from scheduler_svc.sched.output_processor import SampleDelta
 from scheduler_svc.wire.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from scheduler_svc.engine.engine import Engine
 
 
 @dataclass(slots=True)
@@ -145,8 +141,8 @@ class RequestState:
 class RequestStream:
     """What `Engine.add_request` returns: await `next_delta()` until one has `finished`."""
 
-    def __init__(self, engine: Engine, request: RequestState):
-        self._engine = engine
+    def __init__(self, request: RequestState, abort: Callable[[str], bool]):
+        self._abort = abort
         self._request = request
         self.request_id = request.request_id
         self.prompt_len = len(request.prompt_ids)
@@ -160,9 +156,9 @@ class RequestStream:
         return delta
 
     def abort(self) -> bool:
-        return self._engine.abort(self.request_id)
+        return self._abort(self.request_id)
 
-    def set_sink(self, sink) -> None:
+    def set_sink(self, sink: Callable[[RequestDelta], None]) -> None:
         """Deltas go to `sink(delta)` as they are produced instead of `next_delta()` (one call per
         delta, on the engine's thread; errors arrive as deltas with `error` set)."""
         self._request.sink = sink

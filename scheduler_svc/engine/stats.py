@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from scheduler_svc.engine.api import EngineStats
+from scheduler_svc.engine.api import EngineStats, ModelLimits
+from scheduler_svc.sched.interface import SchedulerStats
 from scheduler_svc.wire.step_plan import StepPlan
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine.engine import Engine
     from scheduler_svc.engine.metrics import SchedulerMetrics
     from scheduler_svc.engine.outputs import RequestDelta, RequestState
 
@@ -23,51 +23,56 @@ def prompt_tokens_of(plan: StepPlan) -> int:
     return num_new + sum(s.num_new_tokens for s in plan.cont_seqs if not s.new_token_ids)
 
 
-def engine_stats(engine: Engine) -> EngineStats:
-    """The engine's counters and the KV manager's block figures, as GetServerStats reports them."""
-    from scheduler_svc.sched.kv_policies import policy_name  # kv_policies imports the scheduler
-
-    s, kv = engine.scheduler, engine.scheduler.kv
-    cpu = getattr(kv, "cpu", None)
+def engine_stats(
+    sched: SchedulerStats, num_steps: int, num_swapped_out_blocks: int, num_swapped_in_blocks: int
+) -> EngineStats:
+    """The engine's totals and the scheduler's figures, as GetServerStats reports them."""
     return EngineStats(
-        num_free_gpu_blocks=kv.num_free_blocks,
-        num_free_cpu_blocks=cpu.num_free_blocks if cpu is not None else 0,
-        num_waiting=len(s.waiting),
-        num_running=len(s.running),
-        num_swapped=len(s.swapped),
-        num_steps=engine.num_steps,
-        num_preemptions=s.num_preemptions,
-        num_running_seqs=sum(len(g.seqs) for g in s.running),
-        num_swapped_out_blocks=engine.num_swapped_out_blocks,
-        num_swapped_in_blocks=engine.num_swapped_in_blocks,
-        num_shared_block_refs=kv.num_shared_block_refs,
-        kv_policy=policy_name(kv),
+        num_free_gpu_blocks=sched.num_free_gpu_blocks,
+        num_free_cpu_blocks=sched.num_free_cpu_blocks,
+        num_waiting=sched.num_waiting,
+        num_running=sched.num_running,
+        num_swapped=sched.num_swapped,
+        num_steps=num_steps,
+        num_preemptions=sched.num_preemptions,
+        num_running_seqs=sched.num_running_seqs,
+        num_swapped_out_blocks=num_swapped_out_blocks,
+        num_swapped_in_blocks=num_swapped_in_blocks,
+        num_shared_block_refs=sched.num_shared_block_refs,
+        kv_policy=sched.kv_policy,
     )
 
 
-def record_step(metrics: SchedulerMetrics, engine: Engine, plan: StepPlan, step_time_s: float) -> None:
-    m, stats, kv = metrics, engine.stats(), engine.scheduler.kv
-    m.set("gpu_blocks_total", engine.limits.num_gpu_blocks)
+def record_step(
+    metrics: SchedulerMetrics,
+    limits: ModelLimits,
+    stats: SchedulerStats,
+    plan: StepPlan,
+    step_time_s: float,
+    plan_bytes: int,
+) -> None:
+    m = metrics
+    m.set("gpu_blocks_total", limits.num_gpu_blocks)
     m.set("gpu_blocks_free", stats.num_free_gpu_blocks)
-    m.set("gpu_blocks_used", engine.limits.num_gpu_blocks - stats.num_free_gpu_blocks)
-    m.set("gpu_blocks_cached_free", kv.num_cached_free_blocks)
-    m.set("cpu_swap_blocks_total", engine.limits.num_cpu_blocks)
-    m.set("cpu_swap_blocks_used", engine.limits.num_cpu_blocks - stats.num_free_cpu_blocks)
-    m.set("kv_usage_ratio", 1 - stats.num_free_gpu_blocks / engine.limits.num_gpu_blocks)
+    m.set("gpu_blocks_used", limits.num_gpu_blocks - stats.num_free_gpu_blocks)
+    m.set("gpu_blocks_cached_free", stats.num_cached_free_blocks)
+    m.set("cpu_swap_blocks_total", limits.num_cpu_blocks)
+    m.set("cpu_swap_blocks_used", limits.num_cpu_blocks - stats.num_free_cpu_blocks)
+    m.set("kv_usage_ratio", 1 - stats.num_free_gpu_blocks / limits.num_gpu_blocks)
     m.set("blocks_saved_by_sharing", stats.num_shared_block_refs)
     m.set("num_requests_running", stats.num_running)
     m.set("num_requests_waiting", stats.num_waiting)
     m.set("num_requests_swapped", stats.num_swapped)
-    m.set_total("prefix_cache_queries_tokens", kv.num_prefix_query_tokens)
-    m.set_total("prefix_cache_hits_tokens", kv.num_prefix_hit_tokens)
-    m.set_total("preemptions", stats.num_preemptions, mode=engine.scheduler.config.preemption_mode)
+    m.set_total("prefix_cache_queries_tokens", stats.num_prefix_query_tokens)
+    m.set_total("prefix_cache_hits_tokens", stats.num_prefix_hit_tokens)
+    m.set_total("preemptions", stats.num_preemptions, mode=stats.preemption_mode)
     m.inc("swapped_out_blocks", len(plan.swap_out))
     m.inc("swapped_in_blocks", len(plan.swap_in))
     m.inc("cow_copies", len(plan.copies))
     m.inc("prompt_tokens", prompt_tokens_of(plan))
     m.observe("step_time_seconds", step_time_s)
     m.observe("batch_size", plan.num_scheduled_seqs)
-    m.observe("step_plan_bytes", getattr(engine.executors, "last_plan_bytes", 0))
+    m.observe("step_plan_bytes", plan_bytes)
 
 
 def record_output(

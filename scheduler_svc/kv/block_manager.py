@@ -48,6 +48,10 @@ class BlockManager(KVCacheManager):
         return self.gpu.num_free_blocks
 
     @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu.num_free_blocks
+
+    @property
     def num_cached_free_blocks(self) -> int:
         return self.gpu.num_cached_free_blocks
 
@@ -71,8 +75,17 @@ class BlockManager(KVCacheManager):
     def num_prefix_hit_tokens(self) -> int:
         return self._num_prefix_hit_tokens
 
+    @property
+    def policy_name(self) -> str:
+        return "paged"
+
     def block_table(self, seq: Sequence) -> list[int]:
         return self._seqs[seq.seq_id].block_table
+
+    def clear_prefix_cache(self) -> None:
+        for pool in (self.gpu, self.cpu):
+            for block in list(pool.cached.values()):
+                pool.uncache(block)
 
     # ---- GPU block references (keep num_filled_slots exact) ----------------------------------------
     def _new_block(self, num_filled_slots: int) -> Block:

@@ -128,6 +128,15 @@ class KVCacheManager(abc.ABC):
     def check_integrity(self) -> None:
         """Raise AssertionError if any internal invariant is broken (tests call it after each op)."""
 
+    @abc.abstractmethod
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (the executors lost the KV it names); held blocks stay."""
+
+    @property
+    @abc.abstractmethod
+    def policy_name(self) -> str:
+        """The policy's name as `--kv-policy` spells it ("paged", "reserve-max", ...)."""
+
     @property
     @abc.abstractmethod
     def num_total_blocks(self) -> int:
@@ -137,6 +146,11 @@ class KVCacheManager(abc.ABC):
     @abc.abstractmethod
     def num_free_blocks(self) -> int:
         """GPU blocks with no reference (including cached-free ones, which can be reused)."""
+
+    @property
+    @abc.abstractmethod
+    def num_free_cpu_blocks(self) -> int:
+        """CPU swap blocks with no reference (0 for policies that do not swap)."""
 
     @property
     def num_used_blocks(self) -> int:

@@ -225,6 +225,17 @@ class ReservationManager(KVCacheManager):
         return self.buddy.num_free_blocks
 
     @property
+    def num_free_cpu_blocks(self) -> int:
+        return 0
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy.value
+
+    def clear_prefix_cache(self) -> None:
+        return None  # no prefix cache
+
+    @property
     def num_allocated_slots(self) -> int:
         return self.buddy.num_allocated_blocks * self.block_size
 

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from scheduler_svc.request.beam import BeamState
 from scheduler_svc.wire.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from scheduler_svc.sched.beam_search import BeamState
 
 
 class SequenceStatus(enum.Enum):

@@ -15,18 +15,10 @@ The first step has a single beam (the prompt), as in HF where beams 1..k-1 start
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from scheduler_svc.request.beam import BeamHypothesis, BeamState
 from scheduler_svc.request.sequence import Sequence
-
-
-@dataclass(slots=True)
-class BeamHypothesis:
-    """A finished beam: its output tokens (ending with EOS when it stopped on one)."""
-
-    output_token_ids: list[int]
-    cumulative_logprob: float
-    score: float
 
 
 @dataclass(slots=True)
@@ -38,47 +30,35 @@ class BeamChoice:
     logprob: float
 
 
-@dataclass(slots=True)
-class BeamState:
-    beam_width: int
-    length_penalty: float
-    finished: list[BeamHypothesis] = field(default_factory=list)  # best first, at most beam_width
-    done: bool = False
-    # seq_id -> its 2k (token, logprob) candidates, gathered until every live beam has reported
-    pending: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
-
-    def _score(self, cumulative_logprob: float, num_output_tokens: int) -> float:
-        return cumulative_logprob / (num_output_tokens**self.length_penalty)
-
-    def step(
-        self, beams: list[Sequence], stop_token_ids: frozenset[int], max_tokens: int
-    ) -> list[BeamChoice]:
-        """Select the next live beams from `self.pending` (cleared); sets `done`."""
-        k = self.beam_width
-        candidates = []
-        for rank_in_beam, seq in enumerate(beams):
-            base = seq.cumulative_logprob
-            for j, (token_id, logprob) in enumerate(self.pending[seq.seq_id][: 2 * k]):
-                candidates.append((-(base + logprob), rank_in_beam, j, seq, token_id, logprob))
-        self.pending.clear()
-        candidates.sort(key=lambda c: (c[0], c[1], c[2]))
-        del candidates[2 * k :]
-        live: list[BeamChoice] = []
-        for rank, (neg_cum, _, _, seq, token_id, logprob) in enumerate(candidates):
-            num_output_tokens = seq.num_output_tokens + 1
-            if token_id in stop_token_ids or num_output_tokens >= max_tokens:
-                if rank < k:
-                    score = self._score(-neg_cum, num_output_tokens)
-                    self.finished.append(BeamHypothesis([*seq.output_token_ids, token_id], -neg_cum, score))
-            elif len(live) < k:
-                live.append(BeamChoice(seq, token_id, logprob))
-        self.finished.sort(key=lambda h: -h.score)
-        del self.finished[k:]
-        if not live:
-            self.done = True
-        elif len(self.finished) == k:
-            best = live[0]
-            best_cum = best.parent.cumulative_logprob + best.logprob
-            best_score = self._score(best_cum, best.parent.num_output_tokens + 1)
-            self.done = best_score <= self.finished[-1].score
-        return [] if self.done else live
+def select_beams(
+    state: BeamState, beams: list[Sequence], stop_token_ids: frozenset[int], max_tokens: int
+) -> list[BeamChoice]:
+    """Select the next live beams from `state.pending` (cleared); sets `state.done`."""
+    k = state.beam_width
+    candidates = []
+    for rank_in_beam, seq in enumerate(beams):
+        base = seq.cumulative_logprob
+        for j, (token_id, logprob) in enumerate(state.pending[seq.seq_id][: 2 * k]):
+            candidates.append((-(base + logprob), rank_in_beam, j, seq, token_id, logprob))
+    state.pending.clear()
+    candidates.sort(key=lambda c: (c[0], c[1], c[2]))
+    del candidates[2 * k :]
+    live: list[BeamChoice] = []
+    for rank, (neg_cum, _, _, seq, token_id, logprob) in enumerate(candidates):
+        num_output_tokens = seq.num_output_tokens + 1
+        if token_id in stop_token_ids or num_output_tokens >= max_tokens:
+            if rank < k:
+                score = state.score(-neg_cum, num_output_tokens)
+                state.finished.append(BeamHypothesis([*seq.output_token_ids, token_id], -neg_cum, score))
+        elif len(live) < k:
+            live.append(BeamChoice(seq, token_id, logprob))
+    state.finished.sort(key=lambda h: -h.score)
+    del state.finished[k:]
+    if not live:
+        state.done = True
+    elif len(state.finished) == k:
+        best = live[0]
+        best_cum = best.parent.cumulative_logprob + best.logprob
+        best_score = state.score(best_cum, best.parent.num_output_tokens + 1)
+        state.done = best_score <= state.finished[-1].score
+    return [] if state.done else live

@@ -37,11 +37,6 @@ def check_policy_options(policy: str, preemption_mode: str) -> None:
         raise ValueError(f"kv_policy {policy} does not swap: use --preemption recompute")
 
 
-def policy_name(kv: KVCacheManager) -> str:
-    """The policy name of a KV manager made by `make_kv_manager`."""
-    return str(kv.policy) if isinstance(kv, ReservationManager) else PAGED
-
-
 def make_kv_manager(config: SchedulerConfig, policy: str = PAGED) -> KVCacheManager:
     """The KV manager of `policy` over the config's GPU blocks (and CPU blocks, for paging)."""
     if policy == PAGED:

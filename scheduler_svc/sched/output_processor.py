@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from scheduler_svc.request.beam import BeamHypothesis, BeamState
 from scheduler_svc.request.sequence import FinishReason, Sequence, SequenceGroup
-from scheduler_svc.sched.beam_search import BeamHypothesis, BeamState
+from scheduler_svc.sched.beam_search import select_beams
 from scheduler_svc.wire.step_plan import SampledToken
 
 
@@ -103,12 +104,13 @@ def _process_beam(
     samples: list[tuple[Sequence, SampledToken]],
     stop_token_ids: frozenset[int],
 ) -> RequestOutput | None:
-    beam: BeamState = group.beam
+    beam: BeamState | None = group.beam
+    assert beam is not None
     for seq, sample in samples:
         beam.pending[seq.seq_id] = sample.beam_candidates
     if len(beam.pending) < len(group.seqs):
         return None  # some beams are still being (re)computed
-    choices = beam.step(list(group.seqs), stop_token_ids, group.sampling_params.max_tokens)
+    choices = select_beams(beam, list(group.seqs), stop_token_ids, group.sampling_params.max_tokens)
     chosen: dict[int, list] = {}
     for choice in choices:
         chosen.setdefault(choice.parent.seq_id, []).append(choice)

@@ -38,9 +38,10 @@ from collections.abc import Callable
 
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.kv.kv_manager import AllocStatus, KVCacheManager
+from scheduler_svc.request.beam import BeamState
 from scheduler_svc.request.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
-from scheduler_svc.sched.beam_search import BeamState
 from scheduler_svc.sched.config import RequestRejectedError, SchedulerConfig
+from scheduler_svc.sched.interface import SchedulerStats
 from scheduler_svc.sched.output_processor import (
     RequestOutput,
     process_samples,
@@ -180,9 +181,26 @@ class Scheduler:
         self._in_flight.clear()
         self._finished_ids.clear()  # the reset executors hold no state to drop
         self._pending_forks.clear()
-        for pool in (getattr(self.kv, "gpu", None), getattr(self.kv, "cpu", None)):  # paged policy
-            for block in list(pool.cached.values()) if pool is not None else ():
-                pool.uncache(block)
+        self.kv.clear_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv
+        return SchedulerStats(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_swapped=len(self.swapped),
+            num_running_seqs=sum(len(g.seqs) for g in self.running),
+            num_preemptions=self.num_preemptions,
+            preemption_mode=self.config.preemption_mode,
+            kv_policy=kv.policy_name,
+            num_total_gpu_blocks=kv.num_total_blocks,
+            num_free_gpu_blocks=kv.num_free_blocks,
+            num_free_cpu_blocks=kv.num_free_cpu_blocks,
+            num_cached_free_blocks=kv.num_cached_free_blocks,
+            num_shared_block_refs=kv.num_shared_block_refs,
+            num_prefix_query_tokens=kv.num_prefix_query_tokens,
+            num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
+        )
 
     # ---- sequence operations (also used by the output processor) -------------------------------
     def _new_seq_id(self) -> int:

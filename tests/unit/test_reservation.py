@@ -5,8 +5,8 @@ import pytest
 from scheduler_svc.kv.block_manager import BlockManager
 from scheduler_svc.kv.kv_manager import AllocStatus
 from scheduler_svc.kv.reservation import ReservationManager, next_pow2
+from scheduler_svc.request.beam import BeamState
 from scheduler_svc.request.sequence import Sequence, SequenceGroup, SequenceStatus
-from scheduler_svc.sched.beam_search import BeamState
 from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.kv_policies import POLICIES, make_kv_manager, make_scheduler
 from scheduler_svc.sim.executor import SimExecutor

@@ -3,8 +3,9 @@
 
 import pytest
 
+from scheduler_svc.request.beam import BeamState
 from scheduler_svc.request.sequence import Sequence
-from scheduler_svc.sched.beam_search import BeamState
+from scheduler_svc.sched.beam_search import select_beams
 from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import SampledToken, StepResult
@@ -78,7 +79,7 @@ def test_beam_search_stops_early_when_no_live_beam_can_beat_the_finished_ones():
     state = BeamState(beam_width=1, length_penalty=1.0)
     seq = Sequence(1, [1, 2], 2)
     state.pending[1] = [(2, -0.1), (7, -0.2)]  # EOS is the best candidate
-    assert state.step([seq], frozenset({2}), max_tokens=10) == []
+    assert select_beams(state, [seq], frozenset({2}), max_tokens=10) == []
     assert state.done and state.finished[0].output_token_ids == [2]
 
 
