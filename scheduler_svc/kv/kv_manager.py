@@ -63,8 +63,9 @@ class KVCacheManager(abc.ABC):
         """Make positions [num_computed_tokens, num_computed_tokens + num_new_tokens) writable.
 
         Returns copy-on-write pairs (src_block, dst_block) the executor must copy before the
-        forward pass. A pair means the block at table index `seq.num_computed_tokens // block_size`
-        was replaced by dst (the only entry that can change; all other changes are appends).
+        forward pass; each dst replaced an entry of the block table (paging: the one at index
+        `seq.num_computed_tokens // block_size`; a reservation's fork: all of them). Every other
+        change is an append.
         """
 
     @abc.abstractmethod

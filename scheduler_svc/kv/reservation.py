@@ -143,15 +143,12 @@ class ReservationManager(KVCacheManager):
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[BlockPair]:
         """Grows the block table inside the sequence's own range. A freshly forked child first gets
-        the copies of its parent's blocks; since its whole table differs from the parent's, it also
-        resets `seq.executor_num_blocks` so that the scheduler sends the child's table from block 0
-        (the scheduler's fork assumed the child shares its parent's table, as paging does)."""
+        the copies of its parent's blocks: its whole table differs from the parent's, so the copies
+        replace entries from block 0 on (and the plan sends the child's table again from there)."""
         state = self._seqs[seq.seq_id]
         if not self._fits(seq, num_new_tokens):
             raise MemoryError(f"seq {seq.seq_id} outgrew its reservation")
         copies, state.pending_copies = state.pending_copies, []
-        if copies:
-            seq.executor_num_blocks = 0
         end = seq.num_computed_tokens + num_new_tokens
         num_blocks = -(-end // self.block_size)
         table = state.block_table

@@ -34,10 +34,9 @@ class Sequence:
     `num_computed_tokens` counts tokens whose KV is in the cache or is being computed by the step in
     flight (the scheduler advances it when it schedules tokens).
 
-    The `executor_*` fields mirror what the executor holds for this sequence, so a step plan carries
-    only diffs: `executor_num_tokens` (-1: the executor has no state; the sequence must be sent as
-    a NewSequence) and `executor_num_blocks` (length of the prefix of the block table the executor
-    has right; entries from there on are sent again).
+    The `executor_*` fields mirror what the executors hold of this sequence, so a step plan carries
+    only diffs. They belong to the plan builder (scheduler_svc/sched/plan_builder.py, which says
+    what they mean): nothing else reads or writes them.
     """
 
     seq_id: int

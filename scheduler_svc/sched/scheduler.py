@@ -31,7 +31,6 @@ two plans are in flight.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -48,7 +47,9 @@ from scheduler_svc.sched.output_processor import (
     process_single_sample,
     stop_token_ids_of,
 )
-from scheduler_svc.sched.scheduling_pass import SchedulingPass, arrival_order, preempt_by_recompute
+from scheduler_svc.sched.plan_builder import PlanBuilder
+from scheduler_svc.sched.request_table import RequestTable, arrival_order
+from scheduler_svc.sched.scheduling_pass import SchedulingPass
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import PENDING_TOKEN, StepPlan, StepResult
 
@@ -71,21 +72,30 @@ class Scheduler:
             watermark_blocks=config.watermark_blocks,
         )
         self.clock = clock
-        self.waiting: deque[SequenceGroup] = deque()
-        self.running: list[SequenceGroup] = []  # arrival order
-        self.swapped: list[SequenceGroup] = []  # arrival order
-        self._groups: dict[str, SequenceGroup] = {}
-        self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
-        self._next_seq_id = 0
+        self.plans = PlanBuilder(self.kv)  # the executor mirror and the plan entries
+        self.requests = RequestTable(self.kv, self.plans, clock)  # queues, sequences, their operations
+        self._groups = self.requests.groups  # the table's own dicts
+        self._seqs = self.requests.seqs
         self._next_arrival_index = 0
         self._step_id = 0
         # Sequences scheduled by each plan in flight (oldest first), and whether its successor was
         # built ahead (its sampled sequences hold placeholders).
         self._in_flight: deque[tuple[list[Sequence], bool]] = deque()
-        self._finished_ids: list[int] = []  # executor state to drop, sent with the next plan
-        self._pending_forks: dict[int, tuple[Sequence, Sequence]] = {}  # child id -> (child, parent)
-        self._outputs: list[RequestOutput] = []  # produced outside process_result
         self.num_preemptions = 0
+
+    @property
+    def waiting(self) -> deque[SequenceGroup]:
+        return self.requests.waiting
+
+    @property
+    def running(self) -> list[SequenceGroup]:
+        """Arrival order."""
+        return self.requests.running
+
+    @property
+    def swapped(self) -> list[SequenceGroup]:
+        """Arrival order."""
+        return self.requests.swapped
 
     # ---- requests ------------------------------------------------------------------------------
     def new_group(
@@ -137,13 +147,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request now: its blocks are freed, its seq ids go out with the next plan."""
-        group = self._groups.get(request_id)
-        if group is None:
-            return False
-        for seq in list(group.seqs):
-            self.finish_seq(group, seq, FinishReason.ABORT)
-        self._finish_group(group)
-        return True
+        return self.requests.abort(request_id)
 
     def finish_sequence(self, seq_id: int, reason: FinishReason = FinishReason.STOP) -> bool:
         """Hook for stop strings (detokenizer): finish one sequence as if it hit a stop token."""
@@ -151,9 +155,9 @@ class Scheduler:
         if entry is None:
             return False
         seq, group = entry
-        self.finish_seq(group, seq, reason)
+        self.requests.finish_seq(group, seq, reason)
         if group.is_finished:
-            self._finish_group(group)
+            self.requests.finish_group(group)
         return True
 
     def has_unfinished(self) -> bool:
@@ -176,11 +180,10 @@ class Scheduler:
                 if seq.pending:  # its token was lost with the step in flight (never streamed)
                     seq.token_ids.pop()
                     seq.pending = False
-            preempt_by_recompute(self, group)
+            self.requests.preempt_by_recompute(group)
             self.waiting.append(group)
         self._in_flight.clear()
-        self._finished_ids.clear()  # the reset executors hold no state to drop
-        self._pending_forks.clear()
+        self.plans.reset()  # the reset executors hold no state to drop
         self.kv.clear_prefix_cache()
 
     def stats(self) -> SchedulerStats:
@@ -202,54 +205,8 @@ class Scheduler:
             num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
         )
 
-    # ---- sequence operations (also used by the output processor) -------------------------------
     def _new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id
-
-    def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: FinishReason) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        group.seqs.remove(seq)
-        group.finished_seqs.append(seq)
-        self.kv.free(seq)
-        self._forget_executor_state(seq)
-        del self._seqs[seq.seq_id]
-
-    def fork_seq(self, group: SequenceGroup, parent: Sequence) -> Sequence:
-        assert not parent.pending, "a sequence waiting for its sampled token is never forked"
-        child = Sequence(
-            self._new_seq_id(),
-            list(parent.token_ids),
-            parent.prompt_len,
-            sample_index=len(group.seqs) + len(group.finished_seqs),
-            status=parent.status,
-            num_computed_tokens=parent.num_computed_tokens,
-            cumulative_logprob=parent.cumulative_logprob,
-            output_logprobs=list(parent.output_logprobs),
-        )
-        self.kv.fork(parent, child)
-        if parent.executor_num_tokens >= 0:  # the executor copies the parent's state
-            child.executor_num_tokens = parent.executor_num_tokens
-            child.executor_num_blocks = parent.executor_num_blocks
-            self._pending_forks[child.seq_id] = (child, parent)
-        group.seqs.append(child)
-        self._seqs[child.seq_id] = (child, group)
-        return child
-
-    def _forget_executor_state(self, seq: Sequence) -> None:
-        if self._pending_forks.pop(seq.seq_id, None) is None and seq.executor_num_tokens >= 0:
-            self._finished_ids.append(seq.seq_id)
-        seq.executor_num_tokens = -1
-        seq.executor_num_blocks = 0
-
-    def _finish_group(self, group: SequenceGroup) -> None:
-        self._groups.pop(group.request_id, None)
-        group.finished_time = self.clock()
-        for queue in (self.running, self.swapped, self.waiting):
-            if group in queue:
-                queue.remove(group)
-                break
+        return self.requests.new_seq_id()
 
     # ---- scheduling ------------------------------------------------------------------------------
     def can_schedule_ahead(self) -> bool:
@@ -270,13 +227,11 @@ class Scheduler:
             self._add_placeholders(last)
             self._in_flight[-1] = (last, True)
         self._step_id += 1
-        plan = StepPlan(self._step_id)
-        self._in_flight.append((SchedulingPass(self, plan).run(), False))
-        plan.finished_seq_ids = self._finished_ids
-        self._finished_ids = []
-        plan.forks = [(child.seq_id, parent.seq_id) for child, parent in self._pending_forks.values()]
-        self._pending_forks.clear()
-        return plan
+        self.plans.begin(self._step_id)
+        scheduling = SchedulingPass(self.config, self.kv, self.plans, self.requests)
+        self._in_flight.append((scheduling.run(), False))
+        self.num_preemptions += scheduling.num_preemptions
+        return self.plans.end()
 
     def _add_placeholders(self, in_flight: list[Sequence]) -> None:
         """Each sequence the step in flight samples gets PENDING_TOKEN as its next token, unless that
@@ -305,7 +260,8 @@ class Scheduler:
                     entry[0].token_ids[-1] = sample.token_id
         running = SequenceStatus.RUNNING
         self.kv.mark_computed_many([s for s in in_flight if s.status is running])
-        outputs, self._outputs = self._outputs, []
+        requests = self.requests
+        outputs, requests.dropped = requests.dropped, []
         multi: dict[int, tuple[SequenceGroup, list]] = {}
         now = None
         for sample in result.samples:
@@ -319,29 +275,18 @@ class Scheduler:
             if group.first_token_time is None:
                 group.first_token_time = now = now or self.clock()
             if group.beam is None and len(group.seqs) == 1:
-                out = process_single_sample(self, group, seq, sample)
+                out = process_single_sample(requests, group, seq, sample)
                 outputs.append(out)
                 if out.finished:
-                    self._finish_group(group)
+                    requests.finish_group(group)
             elif id(group) in multi:
                 multi[id(group)][1].append((seq, sample))
             else:
                 multi[id(group)] = (group, [(seq, sample)])
         for group, samples in multi.values():
-            out = process_samples(self, group, samples, group.stop_token_ids)
+            out = process_samples(requests, group, samples, group.stop_token_ids)
             if out is not None:
                 outputs.append(out)
             if group.is_finished:
-                self._finish_group(group)
+                requests.finish_group(group)
         return outputs
-
-    # ---- helpers for the scheduling pass -------------------------------------------------------------
-    def _insert_running(self, group: SequenceGroup) -> None:
-        bisect.insort(self.running, group, key=arrival_order)
-
-    def _insert_swapped(self, group: SequenceGroup) -> None:
-        bisect.insort(self.swapped, group, key=arrival_order)
-
-    def _drop_unservable(self, group: SequenceGroup, error: str) -> None:
-        self.abort(group.request_id)
-        self._outputs.append(RequestOutput(group.request_id, finished=True, error=error))

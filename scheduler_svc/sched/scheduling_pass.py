@@ -1,32 +1,15 @@
-"""One `schedule()` step: which tokens of which groups run, preemption, swap-in, admission, and
-the diff-based plan entries of every scheduled sequence (see scheduler.py for the policy)."""
+"""One `schedule()` step: which tokens of which groups run, preemption, swap-in and admission (see
+scheduler.py for the policy). The plan entries are the plan builder's (plan_builder.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from itertools import repeat
 
-from scheduler_svc.kv.kv_manager import AllocStatus
+from scheduler_svc.kv.kv_manager import AllocStatus, BlockPair, KVCacheManager
 from scheduler_svc.request.sequence import Sequence, SequenceGroup, SequenceStatus
-from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, StepPlan
-
-if TYPE_CHECKING:
-    from scheduler_svc.sched.scheduler import Scheduler
-
-
-def arrival_order(group: SequenceGroup) -> tuple[float, int]:
-    return (group.arrival_time, group.arrival_index)
-
-
-def preempt_by_recompute(sched: Scheduler, group: SequenceGroup) -> None:
-    """Recompute preemption: free the group's blocks (GPU or CPU) and forget its executor state;
-    prompt + outputs become the prompt to prefill again. The caller requeues it in `waiting`."""
-    for seq in group.seqs:
-        sched.kv.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        sched._forget_executor_state(seq)
-    if group.beam is not None:
-        group.beam.pending.clear()
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.plan_builder import PlanBuilder
+from scheduler_svc.sched.request_table import RequestTable, arrival_order
 
 
 def _is_running(group: SequenceGroup) -> bool:
@@ -34,19 +17,27 @@ def _is_running(group: SequenceGroup) -> bool:
 
 
 class SchedulingPass:
-    def __init__(self, sched: Scheduler, plan: StepPlan):
-        self.sched = sched
-        self.kv = sched.kv
-        self.plan = plan
-        self.budget = sched.config.max_num_batched_tokens
+    """Lives for one `schedule()`: the budget left, what it scheduled and whom it preempted."""
+
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, plans: PlanBuilder, requests: RequestTable
+    ):
+        self.config = config
+        self.kv = kv
+        self.plans = plans
+        self.requests = requests
+        self.budget = config.max_num_batched_tokens
         self.num_seqs = 0
         self.scheduled: list[Sequence] = []
         self.scheduled_groups: set[int] = set()
         self.preempted = False
+        self.num_preemptions = 0
 
     def run(self) -> list[Sequence]:
-        single_decodes, multi, prefilling = [], [], []
-        for group in self.sched.running:
+        single_decodes: list[SequenceGroup] = []
+        multi: list[SequenceGroup] = []
+        prefilling: list[SequenceGroup] = []
+        for group in self.requests.running:
             seqs = group.seqs
             if len(seqs) == 1 and (group.samples_forked or group.sampling_params.n == 1):
                 seq = seqs[0]
@@ -66,56 +57,30 @@ class SchedulingPass:
 
     def _schedule_single_decodes(self, groups: list[SequenceGroup]) -> None:
         """The common case in a tight loop: one-sequence groups decoding one token each."""
-        max_num_seqs = self.sched.config.max_num_seqs
+        max_num_seqs, requests = self.config.max_num_seqs, self.requests
         while groups:
             batch = groups[: max(0, min(self.budget, max_num_seqs - self.num_seqs))]
             if not batch:
                 return
             num_served, copies = self.kv.append_decode_slots(batch)
-            self._commit_decodes(batch[:num_served], copies)
+            if num_served:
+                served = batch[:num_served]
+                seqs = [group.seqs[0] for group in served]
+                self.plans.add(seqs, repeat(1), served, copies)
+                self.scheduled.extend(seqs)
+                self.scheduled_groups.update(map(id, served))
+                self.budget -= num_served
+                self.num_seqs += num_served
             if num_served == len(batch):
                 groups = groups[num_served:]
                 continue
             group = batch[num_served]  # needs a block and none is free
             victim = self._pick_victim(group)
-            if victim is None and self.sched.running == [group]:
-                self.sched._drop_unservable(group, "the request outgrew the KV cache")
+            if victim is None and requests.running == [group]:
+                requests.drop_unservable(group, "the request outgrew the KV cache")
             else:
                 self._preempt(victim or group)
             groups = [g for g in groups[num_served:] if _is_running(g)]
-
-    def _commit_decodes(self, groups: list[SequenceGroup], copies: dict[int, list]) -> None:
-        plan, block_table = self.plan, self.kv.block_table
-        cont_append, scheduled_append = plan.cont_seqs.append, self.scheduled.append
-        decode_ids_append, decode_tokens_append = plan.decode_seq_ids.append, plan.decode_token_ids.append
-        scheduled_groups = self.scheduled_groups
-        block_size = self.kv.block_size
-        for i, group in enumerate(groups):
-            seq = group.seqs[0]
-            if copies and i in copies:
-                plan.copies.extend(copies[i])
-                seq.executor_num_blocks = min(seq.executor_num_blocks, seq.num_computed_tokens // block_size)
-            table = block_table(seq)
-            token_ids = seq.token_ids
-            if seq.executor_num_tokens < 0:
-                self._append_new(seq, 1, table, group)
-            elif seq.executor_num_tokens == len(token_ids) - 1 and seq.executor_num_blocks == len(table):
-                decode_ids_append(seq.seq_id)
-                decode_tokens_append(token_ids[-1])
-            else:
-                start = seq.executor_num_blocks
-                cont_append(
-                    ContinuingSequence(
-                        seq.seq_id, 1, token_ids[seq.executor_num_tokens :], start, table[start:]
-                    )
-                )
-            seq.executor_num_tokens = len(token_ids)
-            seq.executor_num_blocks = len(table)
-            seq.num_computed_tokens += 1
-            scheduled_append(seq)
-            scheduled_groups.add(id(group))
-        self.budget -= len(groups)
-        self.num_seqs += len(groups)
 
     # ---- what to compute -------------------------------------------------------------------------
     @staticmethod
@@ -134,13 +99,13 @@ class SchedulingPass:
             return
         group.samples_forked = True
         for _ in range(n - 1):
-            self.sched.fork_seq(group, seq0)
+            self.requests.fork_seq(group, seq0)
 
     def _tokens_to_compute(self, group: SequenceGroup) -> list[tuple[Sequence, int]]:
         """(seq, num_new_tokens) to schedule now, [] when the group cannot run this step."""
         self._maybe_fork_samples(group)
         unforked = group.sampling_params.n > 1 and not group.samples_forked
-        todo = []
+        todo: list[tuple[Sequence, int]] = []
         total = 0
         for seq in group.seqs:
             target = seq.prompt_len - 1 if unforked else seq.num_tokens
@@ -148,13 +113,13 @@ class SchedulingPass:
             if num_new > 0:
                 todo.append((seq, num_new))
                 total += num_new
-        if not todo or self.num_seqs + len(todo) > self.sched.config.max_num_seqs:
+        if not todo or self.num_seqs + len(todo) > self.config.max_num_seqs:
             return []
         if total <= self.budget:
             return todo
         # Over budget: take sequences in order; the one that does not fit is chunked when chunked
         # prefill is on, else it (and those after it) wait for a later step.
-        chunked_prefill = self.sched.config.enable_chunked_prefill
+        chunked_prefill = self.config.enable_chunked_prefill
         partial = []
         budget = self.budget
         for seq, num_new in todo:
@@ -175,9 +140,9 @@ class SchedulingPass:
         need = {seq.seq_id: num_new for seq, num_new in todo}
         while not self.kv.can_append_slots(group, need):
             victim = self._pick_victim(group)
-            if victim is None and self.sched.running == [group]:
+            if victim is None and self.requests.running == [group]:
                 # Alone in the cache and still short of blocks: it can never make progress.
-                self.sched._drop_unservable(group, "the request outgrew the KV cache")
+                self.requests.drop_unservable(group, "the request outgrew the KV cache")
                 return
             self._preempt(victim or group)
             if victim is None:
@@ -185,79 +150,79 @@ class SchedulingPass:
         self._commit(group, todo)
 
     def _pick_victim(self, group: SequenceGroup) -> SequenceGroup | None:
-        for candidate in reversed(self.sched.running):
+        for candidate in reversed(self.requests.running):
             if candidate is not group and id(candidate) not in self.scheduled_groups:
                 return candidate
         return None
 
     def _preempt(self, group: SequenceGroup) -> None:
-        sched, kv = self.sched, self.kv
+        requests, kv, config = self.requests, self.kv, self.config
         self.preempted = True
-        sched.num_preemptions += 1
-        sched.running.remove(group)
-        mode = sched.config.preemption_mode
-        if (mode == "swap" or len(group.seqs) > 1) and sched.config.num_cpu_blocks and kv.can_swap_out(group):
-            self.plan.swap_out.extend(kv.swap_out(group))
+        self.num_preemptions += 1
+        requests.running.remove(group)
+        swap = config.preemption_mode == "swap" or len(group.seqs) > 1
+        if swap and config.num_cpu_blocks and kv.can_swap_out(group):
+            self.plans.swap_out(group, kv.swap_out(group))
             for seq in group.seqs:
                 seq.status = SequenceStatus.SWAPPED
-                seq.executor_num_blocks = 0  # swap-in resends the whole table
-            sched._insert_swapped(group)
+            requests.insert_swapped(group)
             return
-        preempt_by_recompute(sched, group)
-        sched.waiting.appendleft(group)
+        requests.preempt_by_recompute(group)
+        requests.waiting.appendleft(group)
 
     # ---- swapped and waiting -----------------------------------------------------------------------
     def _resume_swapped(self) -> None:
-        sched = self.sched
-        while sched.swapped:
-            group = sched.swapped[0]
+        requests = self.requests
+        while requests.swapped:
+            group = requests.swapped[0]
             todo = self._tokens_to_compute(group)
             if not todo:
                 return
             if not self.kv.can_swap_in(group):
-                if not sched.running and not self.scheduled:
-                    sched.swapped.pop(0)
-                    sched._drop_unservable(group, "the request outgrew the KV cache")
+                if not requests.running and not self.scheduled:
+                    requests.swapped.pop(0)
+                    requests.drop_unservable(group, "the request outgrew the KV cache")
                     continue
                 return
-            self.plan.swap_in.extend(self.kv.swap_in(group))
-            sched.swapped.pop(0)
+            self.plans.swap_in(self.kv.swap_in(group))
+            requests.swapped.pop(0)
             group.set_status(SequenceStatus.RUNNING)
-            sched._insert_running(group)
+            requests.insert_running(group)
             need = {seq.seq_id: num_new for seq, num_new in todo}
             if self.kv.can_append_slots(group, need):
                 self._commit(group, todo)
 
     def _admit_waiting(self) -> None:
-        sched = self.sched
-        while sched.waiting and self.budget > 0:
-            group = sched.waiting[0]
-            if sched.swapped and arrival_order(sched.swapped[0]) < arrival_order(group):
+        requests, config = self.requests, self.config
+        while requests.waiting and self.budget > 0:
+            group = requests.waiting[0]
+            if requests.swapped and arrival_order(requests.swapped[0]) < arrival_order(group):
                 return  # FCFS: an earlier swapped group comes back first
             params = group.sampling_params  # room for every sample or beam the group will grow to
             num_waiting = max(len(group.seqs) + (params.n - 1 if not group.samples_forked else 0),
                               params.beam_width)
-            if self.num_seqs + num_waiting > sched.config.max_num_seqs:
+            if self.num_seqs + num_waiting > config.max_num_seqs:
                 return
-            if not sched.config.enable_chunked_prefill:
+            if not config.enable_chunked_prefill:
                 upper = max(seq.num_tokens - seq.num_computed_tokens for seq in group.seqs)
                 if upper > self.budget:  # (before prefix-cache hits) its first sequence must fit whole
                     return
             status = self.kv.can_allocate(group)
-            if status is AllocStatus.LATER and not sched.running and not sched.swapped and not self.scheduled:
+            alone = not requests.running and not requests.swapped and not self.scheduled
+            if status is AllocStatus.LATER and alone:
                 status = AllocStatus.NEVER  # it does not fit even with nothing else in the cache
             if status is AllocStatus.NEVER:
-                sched.waiting.popleft()
-                sched._drop_unservable(group, "the request no longer fits in the KV cache")
+                requests.waiting.popleft()
+                requests.drop_unservable(group, "the request no longer fits in the KV cache")
                 continue
             if status is AllocStatus.LATER:
                 return
-            sched.waiting.popleft()
+            requests.waiting.popleft()
             self.kv.allocate(group)
             group.set_status(SequenceStatus.RUNNING)
             if group.first_scheduled_time is None:
-                group.first_scheduled_time = sched.clock()
-            sched._insert_running(group)
+                group.first_scheduled_time = requests.clock()
+            requests.insert_running(group)
             todo = self._tokens_to_compute(group)
             # n > 1 forks need copy-on-write blocks: if there are none now, the group waits in
             # running for the next step (where it may preempt later arrivals).
@@ -266,46 +231,15 @@ class SchedulingPass:
 
     # ---- plan entries --------------------------------------------------------------------------------
     def _commit(self, group: SequenceGroup, todo: list[tuple[Sequence, int]]) -> None:
-        kv, plan = self.kv, self.plan
-        block_size = kv.block_size
-        for seq, num_new in todo:
-            copies = kv.append_slots(seq, num_new)
-            if copies:
-                plan.copies.extend(copies)
-                seq.executor_num_blocks = min(seq.executor_num_blocks, seq.num_computed_tokens // block_size)
-            table = kv.block_table(seq)
-            token_ids = seq.token_ids
-            if seq.executor_num_tokens < 0:
-                self._append_new(seq, num_new, table, group)
-            elif (num_new == 1 and seq.executor_num_tokens == len(token_ids) - 1 == seq.num_computed_tokens
-                  and seq.executor_num_blocks == len(table)):
-                plan.decode_seq_ids.append(seq.seq_id)
-                plan.decode_token_ids.append(token_ids[-1])
-            else:
-                start = seq.executor_num_blocks
-                plan.cont_seqs.append(
-                    ContinuingSequence(
-                        seq.seq_id, num_new, token_ids[seq.executor_num_tokens :], start, table[start:]
-                    )
-                )
-            seq.executor_num_tokens = len(token_ids)
-            seq.executor_num_blocks = len(table)
-            seq.num_computed_tokens += num_new
-            self.scheduled.append(seq)
-            self.budget -= num_new
+        append_slots = self.kv.append_slots
+        copies: dict[int, list[BlockPair]] = {}
+        for i, (seq, num_new) in enumerate(todo):
+            pairs = append_slots(seq, num_new)
+            if pairs:
+                copies[i] = pairs
+        seqs = [seq for seq, _ in todo]
+        self.plans.add(seqs, [num_new for _, num_new in todo], repeat(group), copies)
+        self.scheduled.extend(seqs)
+        self.budget -= sum(num_new for _, num_new in todo)
         self.num_seqs += len(todo)
         self.scheduled_groups.add(id(group))
-
-    def _append_new(self, seq: Sequence, num_new: int, table: list[int], group: SequenceGroup) -> None:
-        self.plan.new_seqs.append(
-            NewSequence(
-                seq.seq_id,
-                list(seq.token_ids),
-                seq.num_computed_tokens,
-                num_new,
-                list(table),
-                group.sampling_params,
-                seq.sample_index,
-                seq.prompt_len,
-            )
-        )

@@ -9,6 +9,7 @@ from scheduler_svc.request.beam import BeamState
 from scheduler_svc.request.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.kv_policies import POLICIES, make_kv_manager, make_scheduler
+from scheduler_svc.sched.plan_builder import first_replaced_index
 from scheduler_svc.sim.executor import SimExecutor
 from scheduler_svc.wire.sampling_params import SamplingParams
 
@@ -104,17 +105,16 @@ def test_parallel_samples_reserve_their_ranges_and_fork_copies_the_parent():
     assert kv.block_table(parent) == [0, 1, 2]
     kv.append_slots(parent, 9)
     parent.num_computed_tokens = 9
-    parent.executor_num_blocks = 3
     child = Sequence(next(_next_seq_id), list(parent.token_ids), 10, status=SequenceStatus.RUNNING)
     child.num_computed_tokens = 9
-    child.executor_num_blocks = 3  # the scheduler assumes a paged fork shares the table
     kv.fork(parent, child)
     group.seqs.append(child)
     assert kv.num_free_blocks == 64 - 12  # the fork used a reserved range
     table = kv.block_table(child)
     assert table == [4, 5, 6]
-    assert kv.append_slots(child, 1) == [(0, 4), (1, 5), (2, 6)]
-    assert child.executor_num_blocks == 0  # the whole table is resent
+    copies = kv.append_slots(child, 1)
+    assert copies == [(0, 4), (1, 5), (2, 6)]
+    assert first_replaced_index(table, copies) == 0  # the plan sends the whole table again
     assert kv.append_slots(child, 1) == []
     kv.check_integrity()
     kv.free(child)  # parallel samples never fork again: the range goes back at once
