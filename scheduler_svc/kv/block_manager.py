@@ -140,7 +140,9 @@ class BlockManager(KVCacheManager):
                 table.append(self._new_block(min(bs, num_tokens - i * bs)).block_id)
             state = SeqBlocks(table, num_published_blocks=len(hits))
             if hits:
-                state.parent_hash, state.parent_serial = hits[-1].block_hash, hits[-1].serial
+                last_hit = hits[-1]
+                assert last_hit.block_hash is not None  # a hit is a cached block
+                state.parent_hash, state.parent_serial = last_hit.block_hash, last_hit.serial
             self._seqs[seq.seq_id] = state
             seq.num_computed_tokens = len(hits) * bs
             if self.enable_prefix_caching:

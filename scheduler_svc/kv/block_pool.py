@@ -54,6 +54,7 @@ class BlockPool:
     # ---- free queue ------------------------------------------------------------------------------
     def _push_tail(self, block: Block) -> None:
         last = self._tail.prev
+        assert last is not None
         last.next = block
         block.prev = last
         block.next = self._tail
@@ -62,6 +63,7 @@ class BlockPool:
 
     def _push_head(self, block: Block) -> None:
         first = self._head.next
+        assert first is not None
         first.prev = block
         block.next = first
         block.prev = self._head
@@ -75,8 +77,10 @@ class BlockPool:
             self.num_cached_free_blocks += 1
 
     def _unlink(self, block: Block) -> None:
-        block.prev.next = block.next
-        block.next.prev = block.prev
+        prev, next_ = block.prev, block.next
+        assert prev is not None and next_ is not None, f"block {block.block_id} is not in the free queue"
+        prev.next = next_
+        next_.prev = prev
         block.prev = block.next = None
         block.in_free_queue = False
         self.num_free_blocks -= 1
@@ -87,7 +91,7 @@ class BlockPool:
         """Free queue from head to tail (for tests and integrity checks)."""
         ids = []
         node = self._head.next
-        while node is not self._tail:
+        while node is not None and node is not self._tail:
             ids.append(node.block_id)
             node = node.next
         return ids
@@ -96,7 +100,7 @@ class BlockPool:
     def allocate(self) -> Block:
         """Take the head of the free queue (evicting its cached prefix, if any); ref_cnt = 1."""
         block = self._head.next
-        if block is self._tail:
+        if block is None or block is self._tail:
             raise MemoryError("block pool exhausted")
         self._unlink(block)
         if block.block_hash is not None:
@@ -144,6 +148,7 @@ class BlockPool:
     def uncache(self, block: Block) -> None:
         if block.in_free_queue:
             self.num_cached_free_blocks -= 1
+        assert block.block_hash is not None, f"block {block.block_id} is not cached"
         del self.cached[block.block_hash]
         block.block_hash = None
         block.token_ids = ()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler_svc.request.sequence import FinishReason, SequenceGroup
+from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.output_processor import RequestOutput
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import StepPlan, StepResult
@@ -39,6 +40,11 @@ class SchedulerInterface(Protocol):
     step's result, in plan order. While one plan is in flight, `schedule()` may build the next one
     only when `can_schedule_ahead()`.
     """
+
+    @property
+    def config(self) -> SchedulerConfig:
+        """Its sizes and policies (the server reports some of them)."""
+        ...
 
     def new_group(
         self,

@@ -284,9 +284,9 @@ class Scheduler:
             else:
                 multi[id(group)] = (group, [(seq, sample)])
         for group, samples in multi.values():
-            out = process_samples(requests, group, samples, group.stop_token_ids)
-            if out is not None:
-                outputs.append(out)
+            group_out = process_samples(requests, group, samples, group.stop_token_ids)
+            if group_out is not None:
+                outputs.append(group_out)
             if group.is_finished:
                 requests.finish_group(group)
         return outputs

@@ -221,9 +221,7 @@ class SchedulerServer:
         self.engine.stop()
         await self.server.stop(grace_s)
         await asyncio.gather(self.loop_task, return_exceptions=True)
-        close = getattr(self.engine.executors, "close", None)
-        if close is not None:
-            await close()
+        await self.engine.executors.close()
 
 
 async def start_scheduler_server(

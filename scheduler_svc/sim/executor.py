@@ -97,12 +97,12 @@ class SimExecutor:
                 list(src.prefix_keys),
             )
         if self.verify_kv:
-            for src, dst in plan.swap_out:
-                self._cpu[dst] = dict(self._gpu.get(src, {}))
-            for src, dst in plan.swap_in:
-                self._gpu[dst] = dict(self._cpu.get(src, {}))
-            for src, dst in plan.copies:
-                self._gpu[dst] = dict(self._gpu.get(src, {}))
+            for src_block, dst_block in plan.swap_out:
+                self._cpu[dst_block] = dict(self._gpu.get(src_block, {}))
+            for src_block, dst_block in plan.swap_in:
+                self._gpu[dst_block] = dict(self._cpu.get(src_block, {}))
+            for src_block, dst_block in plan.copies:
+                self._gpu[dst_block] = dict(self._gpu.get(src_block, {}))
         scheduled: list[tuple[int, _SeqState, int]] = []
         for new in plan.new_seqs:
             if new.seq_id in states:

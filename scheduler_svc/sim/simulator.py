@@ -23,7 +23,9 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
+from scheduler_svc.request.sequence import SequenceGroup
 from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.kv_policies import POLICIES, make_scheduler
 from scheduler_svc.sim.executor import SimExecutor
@@ -99,7 +101,7 @@ def _mean(total: float, count: int) -> float:
     return total / count if count else 0.0
 
 
-def simulate(config: SimConfig) -> dict:
+def simulate(config: SimConfig) -> dict[str, Any]:
     """Runs the whole workload; returns the figures and the config as one JSON-ready dict."""
     wall_start = time.perf_counter()
     model = MODELS[config.model]
@@ -163,12 +165,12 @@ def simulate(config: SimConfig) -> dict:
             shared = kv.num_shared_block_refs
             sums["saving"] += shared / (used + shared)
             num_sharing_steps += 1
-    done = [g for g in groups if g.finished_time is not None and not _was_dropped(g)]
-    makespan_s = max((g.finished_time for g in done), default=0.0) - min(r.arrival_time_s for r in requests)
-    num_output_tokens = sum(g.sampling_params.max_tokens * g.sampling_params.n for g in done)
-    latencies = [(g.finished_time - g.arrival_time) / g.sampling_params.max_tokens for g in done]
+    done = [(g, g.finished_time) for g in groups if g.finished_time is not None and not _was_dropped(g)]
+    makespan_s = max((t for _, t in done), default=0.0) - min(r.arrival_time_s for r in requests)
+    num_output_tokens = sum(g.sampling_params.max_tokens * g.sampling_params.n for g, _ in done)
+    latencies = [(t - g.arrival_time) / g.sampling_params.max_tokens for g, t in done]
     queried = kv.num_prefix_query_tokens
-    figures = {
+    figures: dict[str, Any] = {
         "kv_utilization": _mean(sums["util"], num_steps),
         "kv_occupancy": _mean(sums["occupancy"], num_steps),
         "avg_running": _mean(sums["running"], num_steps),
@@ -195,7 +197,7 @@ def simulate(config: SimConfig) -> dict:
     return figures
 
 
-def _was_dropped(group) -> bool:
+def _was_dropped(group: SequenceGroup) -> bool:
     return any(s.finish_reason is not None and s.finish_reason.value == "abort" for s in group.finished_seqs)
 
 

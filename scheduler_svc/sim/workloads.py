@@ -106,14 +106,14 @@ def make_workload(
     token_rng = random.Random(f"{seed}/{name}/tokens")
     arrival_rng = random.Random(f"{seed}/{name}/arrivals")
     prefix = _token_ids(token_rng, spec.shared_prefix_len_tokens, vocab_size)
-    poisson = rate_per_s is not None and not math.isinf(rate_per_s)
+    rate = rate_per_s if rate_per_s is not None and not math.isinf(rate_per_s) else None  # None: all at 0
     requests = []
     arrival_time_s = 0.0
     for index in range(num_requests):
         input_len = spec.input_len.sample(length_rng)
         output_len = spec.output_len.sample(length_rng)
-        if poisson:
-            arrival_time_s += arrival_rng.expovariate(rate_per_s)
+        if rate is not None:
+            arrival_time_s += arrival_rng.expovariate(rate)
         requests.append(
             RequestSpec(
                 request_id=f"{name}-{index}",
