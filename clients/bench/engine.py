@@ -32,8 +32,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from executor_svc.worker.protocol import OneStepAtATime
 from scheduler_svc.sim.executor import SimExecutor
 from scheduler_svc.wire.step_plan import StepPlan, StepResult
+from scheduler_svc.wire.worker_description import WorkerDescription
 
 VOCAB_SIZE = 512  # executor_svc.models.tiny.VOCAB_SIZE
 MIN_TOKEN_ID = 3  # above the tiny tokenizer's special tokens
@@ -64,8 +66,8 @@ class DeterministicSimExecutor(SimExecutor):
         return result, work
 
 
-class SimWorker:
-    """The Worker interface the executor servicer calls (describe / init_cache / execute / reset)
+class SimWorker(OneStepAtATime):
+    """The Worker interface the executor servicer calls (executor_svc/worker/protocol.py StepWorker)
     around a SimExecutor, which applies plans as the real worker does."""
 
     def __init__(self, num_gpu_blocks: int, max_model_len: int):
@@ -74,12 +76,13 @@ class SimWorker:
         self.sim: SimExecutor | None = None
         self.reset()
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "model_name": "sim", "family": "sim", "rank": 0, "world_size": 1, "vocab_size": VOCAB_SIZE,
-            "max_model_len": self.max_model_len, "block_size": BLOCK_SIZE,
-            "num_gpu_blocks": self.num_gpu_blocks, "num_cpu_blocks": 0, "eos_token_ids": [2],
-        }
+    def describe(self) -> WorkerDescription:
+        return WorkerDescription(
+            model_name="sim", family="sim", rank=0, world_size=1, vocab_size=VOCAB_SIZE,
+            max_model_len=self.max_model_len, num_layers=0, num_heads=0, num_kv_heads=0, head_dim=0,
+            block_size=BLOCK_SIZE, num_gpu_blocks=self.num_gpu_blocks, num_cpu_blocks=0,
+            eos_token_ids=(2,), dtype="", device="",
+        )
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.reset()

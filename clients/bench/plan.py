@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+from executor_svc.worker.protocol import OneStepAtATime
 from scheduler_svc.engine.executor_client import ExecutorPool
 from scheduler_svc.wire.convert import (
     step_plan_from_pb,
@@ -34,17 +35,22 @@ from scheduler_svc.wire.convert import (
     step_result_to_pb,
 )
 from scheduler_svc.wire.step_plan import ContinuingSequence, SampledToken, StepPlan, StepResult
+from scheduler_svc.wire.worker_description import WorkerDescription
 
 
-class NullWorker:
+class NullWorker(OneStepAtATime):
     """Answers every plan with token 1 for each decoding sequence; no model. Writes "step_id time"
     to `arrivals_path` when each plan reaches it (time.perf_counter(), taken before the write)."""
 
     def __init__(self, arrivals_path: str) -> None:
         self._arrivals = open(arrivals_path, "a", buffering=1)  # noqa: SIM115 - lives with the process
 
-    def describe(self) -> dict:
-        return {"model_name": "null"}
+    def describe(self) -> WorkerDescription:
+        return WorkerDescription(
+            model_name="null", family="", rank=0, world_size=1, vocab_size=0, max_model_len=0, num_layers=0,
+            num_heads=0, num_kv_heads=0, head_dim=0, block_size=16, num_gpu_blocks=0, num_cpu_blocks=0,
+            eos_token_ids=(), dtype="", device="",
+        )
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         pass

@@ -102,16 +102,14 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
     serve_args = argparse.Namespace(**vars(args))
     serve_args.port = args.port or launcher.free_port()
     serve_args.no_prefix_caching = not args.prefix_caching
-    os.environ["PAGEDSERVE_STEP_TRACE"] = trace_path
     procs: list[subprocess.Popen] = []
     try:
         targets = []
         dist_port = launcher.free_port()
         for rank in range(args.tensor_parallel_size):
             port = launcher.free_port()
-            procs.append(
-                subprocess.Popen(launcher.executor_command(serve_args, model, rank, port, dist_port))
-            )
+            cmd = launcher.executor_command(serve_args, model, rank, port, dist_port, trace_path)
+            procs.append(subprocess.Popen(cmd))
             targets.append(f"127.0.0.1:{port}")
         for target in targets:
             launcher.wait_serving(target, procs, args.startup_timeout)
@@ -120,7 +118,6 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
         launcher.wait_serving(public, procs, args.startup_timeout)
         yield public
     finally:
-        os.environ.pop("PAGEDSERVE_STEP_TRACE", None)
         launcher.stop_all(procs)
 
 

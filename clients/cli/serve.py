@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true", help="executors run without CUDA graphs")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     parser.add_argument("--executor-metrics-port", type=int, default=None,
                         help="executors' /metrics: rank r serves on this port + r")
@@ -116,13 +117,21 @@ def spec_from_hf_config(hf: dict) -> ModelSpec:
     )
 
 
-def executor_command(args: argparse.Namespace, model: str, rank: int, port: int, dist_port: int) -> list[str]:
+def executor_command(
+    args: argparse.Namespace, model: str, rank: int, port: int, dist_port: int,
+    step_trace_path: str | None = None,
+) -> list[str]:
+    """`step_trace_path`: rank 0 writes its per-step trace there (executor_svc/worker/step_trace.py)."""
     cmd = [sys.executable, "-m", "executor_svc.server.main", "--model", model, "--port", str(port),
            "--rank", str(rank), "--world-size", str(args.tensor_parallel_size), "--dtype", args.dtype,
            "--load-format", args.load_format, "--block-size", str(args.block_size),
            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.device:
         cmd += ["--device", args.device]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    if step_trace_path:
+        cmd += ["--step-trace-path", step_trace_path]
     if getattr(args, "executor_metrics_port", None) is not None:
         cmd += ["--metrics-port", str(args.executor_metrics_port + rank)]
     if args.tensor_parallel_size > 1:

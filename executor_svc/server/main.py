@@ -16,8 +16,12 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+import grpc
+
+from executor_svc.worker.protocol import StepWorker
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from scheduler_svc.wire.grpc_serving import (
     MAX_MESSAGE_BYTES,
@@ -25,17 +29,21 @@ from scheduler_svc.wire.grpc_serving import (
     start_grpc_server,
 )
 
+if TYPE_CHECKING:
+    from executor_svc.server.metrics import ExecutorMetrics
+    from executor_svc.worker.worker import Worker
+
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
 async def start_executor_server(
-    worker: Any,
+    worker: StepWorker[Any],
     host: str = "127.0.0.1",
     port: int = 0,
-    on_fatal=None,
-    metrics=None,
+    on_fatal: Callable[[BaseException], None] | None = None,
+    metrics: ExecutorMetrics | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
-):
+) -> tuple[grpc.aio.Server, int]:
     """Starts serving `worker`; returns (server, bound port). Health is SERVING once started.
     `on_fatal(exc)` is called when a call fails with an error that is not the plan's fault;
     `metrics` (executor_svc.server.metrics.ExecutorMetrics) gets each step's time."""
@@ -68,9 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode runs eagerly")
+    parser.add_argument("--step-trace-path", default=None,
+                        help="rank 0 appends a line per step here (executor_svc/worker/step_trace.py)")
 
 
-def build_worker(args: argparse.Namespace) -> Any:
+def build_worker(args: argparse.Namespace) -> Worker:
     from executor_svc.worker.distributed import init_process_group, rank_device, resolve_distributed
     from executor_svc.worker.worker import Worker, WorkerConfig
 
@@ -89,6 +100,8 @@ def build_worker(args: argparse.Namespace) -> Any:
         swap_space_gib=args.swap_space_gib,
         cpu_kv_gib=args.cpu_kv_gib,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        step_trace_path=args.step_trace_path,
     )
     return Worker(config)
 

@@ -3,17 +3,19 @@
 Step time and step count are fed by the servicer; memory gauges are read at scrape time: GPU
 memory allocated and reserved by torch's caching allocator (0 on a CPU executor), the process's
 resident CPU memory, and the bytes of the KV cache (the device cache and the CPU swap space) once
-InitCache allocated it. Each `ExecutorMetrics` owns its registry (no process-global state).
+InitCache allocated it (all but the CPU memory from the worker's `memory_usage()`). Each
+`ExecutorMetrics` owns its registry (no process-global state).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from wsgiref.simple_server import WSGIServer
 
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
+
+from executor_svc.worker.protocol import ReportsMemory
 
 PREFIX = "pagedserve:executor_"
 
@@ -49,32 +51,21 @@ def _rss_bytes() -> float:
 
 
 class ExecutorMetrics:
-    def __init__(self, worker: Any):
+    def __init__(self, worker: ReportsMemory):
         self.registry = CollectorRegistry()
-        self._worker = worker
-        device = getattr(worker, "device", torch.device("cpu"))
-        on_gpu = device.type == "cuda"
         gauges = {n: Gauge(PREFIX + n, h, labelnames=labels, registry=self.registry)
                   for n, (h, labels) in GAUGES.items()}
-        gauges["gpu_memory_allocated_bytes"].set_function(
-            lambda: torch.cuda.memory_allocated(device) if on_gpu else 0.0)
-        gauges["gpu_memory_reserved_bytes"].set_function(
-            lambda: torch.cuda.memory_reserved(device) if on_gpu else 0.0)
+        gauges["gpu_memory_allocated_bytes"].set_function(lambda: worker.memory_usage().gpu_allocated_bytes)
+        gauges["gpu_memory_reserved_bytes"].set_function(lambda: worker.memory_usage().gpu_reserved_bytes)
         gauges["cpu_memory_rss_bytes"].set_function(_rss_bytes)
         kv_bytes = gauges["kv_cache_bytes"]
-        kv_bytes.labels(pool="gpu").set_function(lambda: self._kv_bytes("num_gpu_blocks"))
-        kv_bytes.labels(pool="cpu_swap").set_function(lambda: self._kv_bytes("num_cpu_blocks"))
+        kv_bytes.labels(pool="gpu").set_function(lambda: worker.memory_usage().kv_cache_gpu_bytes)
+        kv_bytes.labels(pool="cpu_swap").set_function(lambda: worker.memory_usage().kv_cache_cpu_bytes)
         self._steps = Counter(PREFIX + "steps", COUNTERS["steps"][0], registry=self.registry)
         help_text, _, buckets = HISTOGRAMS["step_time_seconds"]
         self._step_time = Histogram(PREFIX + "step_time_seconds", help_text, buckets=buckets,
                                     registry=self.registry)
-        self._http_server = None
-
-    def _kv_bytes(self, count_name: str) -> float:
-        worker = self._worker
-        if getattr(worker, "runner", None) is None:  # no cache allocated yet (before InitCache)
-            return 0.0
-        return float(getattr(worker, "block_bytes", 0) * max(getattr(worker, count_name, 0), 0))
+        self._http_server: WSGIServer | None = None
 
     def observe_step(self, seconds: float) -> None:
         self._steps.inc()

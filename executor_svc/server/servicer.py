@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from executor_svc.runner.errors import PlanError, StepOrderError
-from executor_svc.server.convert import describe_to_pb
+from executor_svc.worker.protocol import StepWorker
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
-from scheduler_svc.wire.convert import maps_errors, step_plan_from_pb, step_result_to_pb
+from scheduler_svc.wire.convert import description_to_pb, maps_errors, step_plan_from_pb, step_result_to_pb
+
+if TYPE_CHECKING:
+    from executor_svc.server.metrics import ExecutorMetrics
 
 ERROR_CODES = {
     StepOrderError: grpc.StatusCode.FAILED_PRECONDITION,  # a plan that skips a step: reset first
@@ -27,12 +30,15 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     e.g. a collective that failed because another rank died) is passed to `on_fatal` too."""
 
     def __init__(
-        self, worker: Any, on_fatal: Callable[[BaseException], None] | None = None, metrics: Any = None
+        self,
+        worker: StepWorker[Any],
+        on_fatal: Callable[[BaseException], None] | None = None,
+        metrics: ExecutorMetrics | None = None,
     ):
         self._worker = worker
         self._lock = asyncio.Lock()
         self._on_fatal = on_fatal
-        self._metrics = metrics  # executor_svc.server.metrics.ExecutorMetrics, fed with each step's time
+        self._metrics = metrics  # fed with each step's time
 
     async def _call(self, fn, *args):
         """Runs fn in a worker thread, one call at a time. A cancelled RPC (the scheduler dropped its
@@ -56,7 +62,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     @maps_errors(ERROR_CODES)
     async def Describe(self, request, context):
-        return describe_to_pb(await self._call(self._worker.describe))
+        return description_to_pb(await self._call(self._worker.describe))
 
     @maps_errors(ERROR_CODES)
     async def InitCache(self, request, context):
@@ -72,7 +78,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         """Plans in, results out, in order. When plan i+1 arrives while the GPU still runs step i
         (the scheduler plans ahead), step i+1 is launched before step i's result is collected, so
         the GPU goes from one step to the next without waiting for the host."""
-        if not hasattr(self._worker, "launch"):  # a worker without launch/finish: one step at a time
+        if not self._worker.launches_ahead:  # launch would run the step to the end: one at a time
             async for request in request_iterator:
                 yield await self._step(request)
             return

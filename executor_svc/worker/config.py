@@ -1,10 +1,10 @@
-"""Configuration and self-description of one executor rank's Worker."""
+"""Configuration of one executor rank's Worker (its description: scheduler_svc/wire/worker_description.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from executor_svc.models.config import DTYPES, ModelConfig
+from executor_svc.models.config import DTYPES
 from executor_svc.runner.kv_cache import CacheConfig
 
 _CACHE_DEFAULTS = CacheConfig()
@@ -29,6 +29,9 @@ class WorkerConfig:
     rank: int = 0
     world_size: int = 1
     seed: int = 0
+    # Switches of the executor process (flags --enforce-eager, --step-trace-path):
+    enforce_eager: bool = False  # no CUDA graphs: decode steps run eagerly too
+    step_trace_path: str | None = None  # rank 0 appends one line per step here (worker/step_trace.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -48,28 +51,3 @@ class WorkerConfig:
             self.swap_space_gib,
             self.max_num_batched_tokens,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerDescription:
-    """What the scheduler needs to know (field names of the Executor API's DescribeResponse)."""
-
-    model_name: str
-    family: str
-    rank: int
-    world_size: int
-    vocab_size: int
-    max_model_len: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    num_gpu_blocks: int  # blocks that fit (or the count set by init_cache)
-    num_cpu_blocks: int
-    eos_token_ids: tuple[int, ...]
-    dtype: str
-    device: str
-    bos_token_id: int | None = None
-    hidden_size: int = 0
-    model_config: ModelConfig | None = field(default=None, compare=False)

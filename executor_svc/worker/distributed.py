@@ -89,7 +89,7 @@ def init_process_group(config: DistributedConfig, device: str) -> None:
     """Joins the executor set's process group (blocks until every rank has joined)."""
     if config.world_size == 1:
         return
-    kwargs = {}
+    kwargs: dict[str, torch.device] = {}
     if device.startswith("cuda"):
         kwargs["device_id"] = torch.device(device)
     torch.distributed.init_process_group(
@@ -98,5 +98,5 @@ def init_process_group(config: DistributedConfig, device: str) -> None:
         rank=config.rank,
         world_size=config.world_size,
         timeout=datetime.timedelta(seconds=config.timeout_s),
-        **kwargs,
+        **kwargs,  # type: ignore[arg-type]  # device_id only
     )

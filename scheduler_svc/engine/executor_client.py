@@ -19,9 +19,10 @@ from typing import Any
 import grpc
 
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
-from scheduler_svc.wire.convert import describe_from_pb, step_plan_to_pb, step_result_from_pb
+from scheduler_svc.wire.convert import description_from_pb, step_plan_to_pb, step_result_from_pb
 from scheduler_svc.wire.grpc_serving import MAX_MESSAGE_BYTES
 from scheduler_svc.wire.step_plan import StepPlan, StepResult
+from scheduler_svc.wire.worker_description import WorkerDescription
 
 STEP_STREAM_METHOD = "/pagedserve.v1.Executor/StepStream"
 RECONNECT_OPTIONS = [
@@ -84,12 +85,12 @@ class ExecutorPool:
     async def wait_ready(self, timeout_s: float) -> None:
         await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in self._channels)), timeout_s)
 
-    async def describe(self) -> list[dict[str, Any]]:
+    async def describe(self) -> list[WorkerDescription]:
         """Every rank's description; the ranks must be one tensor-parallel set, listed rank 0 first
         (a rank missing from the list would wait forever in its collectives)."""
         replies = await self._all(s.Describe(executor_pb2.DescribeRequest()) for s in self._stubs)
-        described = [describe_from_pb(r) for r in replies]
-        places = [(d["rank"], d["world_size"]) for d in described]
+        described = [description_from_pb(r) for r in replies]
+        places = [(d.rank, d.world_size) for d in described]
         if places != [(i, len(self.targets)) for i in range(len(self.targets))]:
             raise ValueError(
                 f"executors {','.join(self.targets)} report (rank, world size) {places}: list every rank "

@@ -88,17 +88,17 @@ async def build_engine(opts: ServeOptions) -> Engine:
     await pool.wait_ready(opts.connect_timeout_s)
     ranks = await pool.describe()
     first = ranks[0]
-    fit_gpu = min(r["num_gpu_blocks"] for r in ranks)
-    fit_cpu = min(r["num_cpu_blocks"] for r in ranks)
+    fit_gpu = min(r.num_gpu_blocks for r in ranks)
+    fit_cpu = min(r.num_cpu_blocks for r in ranks)
     num_gpu_blocks = min(opts.num_gpu_blocks or fit_gpu, fit_gpu)
     wanted_cpu = fit_cpu if opts.num_cpu_blocks is None else opts.num_cpu_blocks
     num_cpu_blocks = min(wanted_cpu, num_gpu_blocks, fit_cpu)
     await pool.init_cache(num_gpu_blocks, num_cpu_blocks)
     await pool.reset()
-    max_model_len = min(opts.max_model_len or first["max_model_len"], first["max_model_len"])
-    eos = first["eos_token_ids"]
+    max_model_len = min(opts.max_model_len or first.max_model_len, first.max_model_len)
+    eos = first.eos_token_ids
     config = SchedulerConfig(
-        block_size=first["block_size"],
+        block_size=first.block_size,
         num_gpu_blocks=num_gpu_blocks,
         num_cpu_blocks=num_cpu_blocks,
         max_num_batched_tokens=opts.max_num_batched_tokens,
@@ -109,10 +109,10 @@ async def build_engine(opts: ServeOptions) -> Engine:
         eos_token_ids=tuple(eos),
     )
     limits = ModelLimits(
-        model_name=first["model_name"] or pathlib.Path(opts.model).name,
-        vocab_size=first["vocab_size"],
+        model_name=first.model_name or pathlib.Path(opts.model).name,
+        vocab_size=first.vocab_size,
         max_model_len=max_model_len,
-        block_size=first["block_size"],
+        block_size=first.block_size,
         num_gpu_blocks=num_gpu_blocks,
         num_cpu_blocks=num_cpu_blocks,
         eos_token_ids=tuple(eos),

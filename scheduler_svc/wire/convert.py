@@ -1,4 +1,5 @@
-"""Protobuf ↔ domain objects for the Executor API: step plans, step results, sampling parameters.
+"""Protobuf ↔ domain objects for the Executor API: step plans, step results, sampling parameters, the
+worker description.
 
 Shared by both ends of the wire (the scheduler encodes plans and decodes results; the executor
 servicer does the reverse). Continuing sequences and results travel column by column as packed
@@ -10,18 +11,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import logging
 from collections.abc import Callable
 from itertools import chain, islice
 from operator import attrgetter
-from typing import Any
 
 import grpc
 
 from protos.pagedserve.v1 import executor_pb2, generation_pb2
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, SampledToken, StepPlan, StepResult
+from scheduler_svc.wire.worker_description import WorkerDescription
 
 _OPTIONAL_SAMPLING_FIELDS = ("n", "beam_width", "temperature", "top_p", "max_tokens", "length_penalty")
 
@@ -63,12 +63,52 @@ def sampling_params_from_pb(msg: generation_pb2.SamplingParameters, **limits: in
     return SamplingParams(**kwargs, **limits)
 
 
-def describe_from_pb(msg: executor_pb2.DescribeResponse) -> dict[str, Any]:
-    """An executor's description as a dict (the fields of DescribeResponse; `extra` from extra_json)."""
-    values: dict[str, Any] = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
-    values["eos_token_ids"] = tuple(msg.eos_token_ids)
-    values["extra"] = json.loads(values.pop("extra_json") or "{}")
-    return values
+def description_to_pb(info: WorkerDescription) -> executor_pb2.DescribeResponse:
+    msg = executor_pb2.DescribeResponse(
+        model_name=info.model_name,
+        family=info.family,
+        rank=info.rank,
+        world_size=info.world_size,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        num_layers=info.num_layers,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        block_size=info.block_size,
+        num_gpu_blocks=info.num_gpu_blocks,
+        num_cpu_blocks=info.num_cpu_blocks,
+        eos_token_ids=info.eos_token_ids,
+        dtype=info.dtype,
+        device=info.device,
+        hidden_size=info.hidden_size,
+    )
+    if info.bos_token_id is not None:
+        msg.bos_token_id = info.bos_token_id
+    return msg
+
+
+def description_from_pb(msg: executor_pb2.DescribeResponse) -> WorkerDescription:
+    return WorkerDescription(
+        model_name=msg.model_name,
+        family=msg.family,
+        rank=msg.rank,
+        world_size=msg.world_size,
+        vocab_size=msg.vocab_size,
+        max_model_len=msg.max_model_len,
+        num_layers=msg.num_layers,
+        num_heads=msg.num_heads,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        block_size=msg.block_size,
+        num_gpu_blocks=msg.num_gpu_blocks,
+        num_cpu_blocks=msg.num_cpu_blocks,
+        eos_token_ids=tuple(msg.eos_token_ids),
+        dtype=msg.dtype,
+        device=msg.device,
+        bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
+        hidden_size=msg.hidden_size,
+    )
 
 
 def _flatten_pairs(pairs: list[tuple[int, int]]) -> list[int]:

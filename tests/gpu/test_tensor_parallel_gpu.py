@@ -105,6 +105,7 @@ def _worker(model_dir: str, device: str, rank: int, world_size: int):
             num_cpu_blocks=0,
             rank=rank,
             world_size=world_size,
+            enforce_eager=True,  # the same eager path on both sides (graphs are tested apart)
         )
     )
 
@@ -126,7 +127,6 @@ def _rank_main(rank: int, model_dir: str, device_type: str, addr: str, forced, o
 def compare(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path) -> dict:
     from clients.cli.serve import free_port
 
-    os.environ["PAGEDSERVE_ENFORCE_EAGER"] = "1"  # same eager path on both sides (graphs are tested apart)
     device = "cuda:0" if device_type == "cuda" else "cpu"
     one = _worker(str(model_dir), device, 0, 1)
     ref_logits, ref_tokens = run_greedy(one, None)

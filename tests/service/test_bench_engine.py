@@ -19,7 +19,7 @@ def test_every_request_gets_exactly_its_tokens():
 
 def test_sim_worker_follows_the_step_order_after_reset():
     worker = bench_engine.SimWorker(num_gpu_blocks=8, max_model_len=64)
-    assert worker.describe()["num_gpu_blocks"] == 8
+    assert worker.describe().num_gpu_blocks == 8
     from scheduler_svc.wire.step_plan import StepPlan
 
     assert worker.execute(StepPlan(step_id=41)).step_id == 41

@@ -3,6 +3,8 @@ batches and preemption, step-id checks, reset, describe / init_cache, and plan e
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -285,19 +287,22 @@ def test_describe_and_init_cache(tiny_model_dirs):
 
 
 def test_description_converts_for_the_grpc_edge(tiny_llama_dir):
-    from executor_svc.server.convert import describe_to_pb
-    from scheduler_svc.wire.convert import describe_from_pb
+    from scheduler_svc.wire.convert import description_from_pb, description_to_pb
 
     worker = make_worker(tiny_llama_dir)
-    values = describe_from_pb(describe_to_pb(worker.describe()))
-    assert (values["family"], values["vocab_size"], values["num_gpu_blocks"], values["num_cpu_blocks"]) == (
+    info = worker.describe()
+    described = description_from_pb(description_to_pb(info))
+    assert described == info
+    assert (described.family, described.vocab_size, described.num_gpu_blocks, described.num_cpu_blocks) == (
         "llama",
         512,
         32,
         16,
     )
-    assert (values["eos_token_ids"], values["block_size"], values["model_name"]) == ((2,), BS, "llama")
-    assert values["extra"]["bos_token_id"] == 1 and values["extra"]["rope_type"] == "llama3"
+    assert (described.eos_token_ids, described.block_size, described.model_name) == ((2,), BS, "llama")
+    assert (described.bos_token_id, described.hidden_size) == (1, worker.model_config.hidden_size)
+    no_bos = description_from_pb(description_to_pb(dataclasses.replace(info, bos_token_id=None)))
+    assert no_bos.bos_token_id is None
 
 
 def test_dummy_weights_worker_runs_and_profile_run_works_on_cpu(tiny_model_dirs):

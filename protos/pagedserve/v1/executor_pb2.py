@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pagedserve.v1 import generation_pb2 as protos_dot_pagedserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pagedserve/v1/executor.proto\x12\rpagedserve.v1\x1a%protos/pagedserve/v1/generation.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xe0\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x11\n\tnum_heads\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x0c \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\r \x01(\r\x12\x15\n\reos_token_ids\x18\x0e \x03(\x03\x12\r\n\x05\x64type\x18\x0f \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x10 \x01(\t\x12\x12\n\nextra_json\x18\x11 \x01(\t\"B\n\x10InitCacheRequest\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\"\x13\n\x11InitCacheResponse\"\xd9\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x33\n\x08sampling\x18\x06 \x01(\x0b\x32!.pagedserve.v1.SamplingParameters\x12\x14\n\x0csample_index\x18\x07 \x01(\r\x12\x12\n\nprompt_len\x18\x08 \x01(\r\"\xb1\x01\n\x13\x43ontinuingSequences\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x03\x12\x16\n\x0enum_new_tokens\x18\x02 \x03(\r\x12\x17\n\x0fnew_token_count\x18\x03 \x03(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\x03\x12\x19\n\x11\x62lock_table_start\x18\x05 \x03(\r\x12\x13\n\x0b\x62lock_count\x18\x06 \x03(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\x05\"\x1b\n\nBlockPairs\x12\r\n\x05pairs\x18\x01 \x03(\x05\"\xdf\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.NewSequence\x12\x35\n\tcont_seqs\x18\x03 \x01(\x0b\x32\".pagedserve.v1.ContinuingSequences\x12\r\n\x05\x66orks\x18\x04 \x03(\x03\x12\x18\n\x10\x66inished_seq_ids\x18\x05 \x03(\x03\x12+\n\x08swap_out\x18\x06 \x01(\x0b\x32\x19.pagedserve.v1.BlockPairs\x12*\n\x07swap_in\x18\x07 \x01(\x0b\x32\x19.pagedserve.v1.BlockPairs\x12)\n\x06\x63opies\x18\x08 \x01(\x0b\x32\x19.pagedserve.v1.BlockPairs\x12\x16\n\x0e\x64\x65\x63ode_seq_ids\x18\t \x03(\x03\x12\x18\n\x10\x64\x65\x63ode_token_ids\x18\n \x03(\x03\"\xf5\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x0f\n\x07num_top\x18\x05 \x03(\r\x12\x15\n\rtop_token_ids\x18\x06 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02\x12\x1b\n\x13num_beam_candidates\x18\x08 \x03(\r\x12\x16\n\x0e\x62\x65\x61m_token_ids\x18\t \x03(\x03\x12\x15\n\rbeam_logprobs\x18\n \x03(\x02\x12\x16\n\x0e\x65xecute_time_s\x18\x0b \x01(\x01\"\x0e\n\x0cResetRequest\"\x0f\n\rResetResponse2\xed\x02\n\x08\x45xecutor\x12K\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x1f.pagedserve.v1.DescribeResponse\x12N\n\tInitCache\x12\x1f.pagedserve.v1.InitCacheRequest\x1a .pagedserve.v1.InitCacheResponse\x12:\n\x04Step\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult\x12\x44\n\nStepStream\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x12\x42\n\x05Reset\x12\x1b.pagedserve.v1.ResetRequest\x1a\x1c.pagedserve.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pagedserve/v1/executor.proto\x12\rpagedserve.v1\x1a%protos/pagedserve/v1/generation.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x9f\x03\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x11\n\tnum_heads\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x0c \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\r \x01(\r\x12\x15\n\reos_token_ids\x18\x0e \x03(\x03\x12\r\n\x05\x64type\x18\x0f \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x10 \x01(\t\x12\x19\n\x0c\x62os_token_id\x18\x12 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0bhidden_size\x18\x13 \x01(\rB\x0f\n\r_bos_token_idJ\x04\x08\x11\x10\x12R\nextra_json\"B\n\x10InitCacheRequest\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\"\x13\n\x11InitCacheResponse\"\xd9\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x33\n\x08sampling\x18\x06 \x01(\x0b\x32!.pagedserve.v1.SamplingParameters\x12\x14\n\x0csample_index\x18\x07 \x01(\r\x12\x12\n\nprompt_len\x18\x08 \x01(\r\"\xb1\x01\n\x13\x43ontinuingSequences\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x03\x12\x16\n\x0enum_new_tokens\x18\x02 \x03(\r\x12\x17\n\x0fnew_token_count\x18\x03 \x03(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\x03\x12\x19\n\x11\x62lock_table_start\x18\x05 \x03(\r\x12\x13\n\x0b\x62lock_count\x18\x06 \x03(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\x05\"\x1b\n\nBlockPairs\x12\r\n\x05pairs\x18\x01 \x03(\x05\"\xdf\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.NewSequence\x12\x35\n\tcont_seqs\x18\x03 \x01(\x0b\x32\".pagedserve.v1.ContinuingSequences\x12\r\n\x05\x66orks\x18\x04 \x03(\x03\x12\x18\n\x10\x66inished_seq_ids\x18\x05 \x03(\x03\x12+\n\x08swap_out\x18\x06 \x01(\x0b\x32\x19.pagedserve.v1.BlockPairs\x12*\n\x07swap_in\x18\x07 \x01(\x0b\x32\x19.pagedserve.v1.BlockPairs\x12)\n\x06\x63opies\x18\x08 \x01(\x0b\x32\x19.pagedserve.v1.BlockPairs\x12\x16\n\x0e\x64\x65\x63ode_seq_ids\x18\t \x03(\x03\x12\x18\n\x10\x64\x65\x63ode_token_ids\x18\n \x03(\x03\"\xf5\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x0f\n\x07num_top\x18\x05 \x03(\r\x12\x15\n\rtop_token_ids\x18\x06 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02\x12\x1b\n\x13num_beam_candidates\x18\x08 \x03(\r\x12\x16\n\x0e\x62\x65\x61m_token_ids\x18\t \x03(\x03\x12\x15\n\rbeam_logprobs\x18\n \x03(\x02\x12\x16\n\x0e\x65xecute_time_s\x18\x0b \x01(\x01\"\x0e\n\x0cResetRequest\"\x0f\n\rResetResponse2\xed\x02\n\x08\x45xecutor\x12K\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x1f.pagedserve.v1.DescribeResponse\x12N\n\tInitCache\x12\x1f.pagedserve.v1.InitCacheRequest\x1a .pagedserve.v1.InitCacheResponse\x12:\n\x04Step\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult\x12\x44\n\nStepStream\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x12\x42\n\x05Reset\x12\x1b.pagedserve.v1.ResetRequest\x1a\x1c.pagedserve.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,25 +35,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=93
   _globals['_DESCRIBEREQUEST']._serialized_end=110
   _globals['_DESCRIBERESPONSE']._serialized_start=113
-  _globals['_DESCRIBERESPONSE']._serialized_end=465
-  _globals['_INITCACHEREQUEST']._serialized_start=467
-  _globals['_INITCACHEREQUEST']._serialized_end=533
-  _globals['_INITCACHERESPONSE']._serialized_start=535
-  _globals['_INITCACHERESPONSE']._serialized_end=554
-  _globals['_NEWSEQUENCE']._serialized_start=557
-  _globals['_NEWSEQUENCE']._serialized_end=774
-  _globals['_CONTINUINGSEQUENCES']._serialized_start=777
-  _globals['_CONTINUINGSEQUENCES']._serialized_end=954
-  _globals['_BLOCKPAIRS']._serialized_start=956
-  _globals['_BLOCKPAIRS']._serialized_end=983
-  _globals['_STEPPLAN']._serialized_start=986
-  _globals['_STEPPLAN']._serialized_end=1337
-  _globals['_STEPRESULT']._serialized_start=1340
-  _globals['_STEPRESULT']._serialized_end=1585
-  _globals['_RESETREQUEST']._serialized_start=1587
-  _globals['_RESETREQUEST']._serialized_end=1601
-  _globals['_RESETRESPONSE']._serialized_start=1603
-  _globals['_RESETRESPONSE']._serialized_end=1618
-  _globals['_EXECUTOR']._serialized_start=1621
-  _globals['_EXECUTOR']._serialized_end=1986
+  _globals['_DESCRIBERESPONSE']._serialized_end=528
+  _globals['_INITCACHEREQUEST']._serialized_start=530
+  _globals['_INITCACHEREQUEST']._serialized_end=596
+  _globals['_INITCACHERESPONSE']._serialized_start=598
+  _globals['_INITCACHERESPONSE']._serialized_end=617
+  _globals['_NEWSEQUENCE']._serialized_start=620
+  _globals['_NEWSEQUENCE']._serialized_end=837
+  _globals['_CONTINUINGSEQUENCES']._serialized_start=840
+  _globals['_CONTINUINGSEQUENCES']._serialized_end=1017
+  _globals['_BLOCKPAIRS']._serialized_start=1019
+  _globals['_BLOCKPAIRS']._serialized_end=1046
+  _globals['_STEPPLAN']._serialized_start=1049
+  _globals['_STEPPLAN']._serialized_end=1400
+  _globals['_STEPRESULT']._serialized_start=1403
+  _globals['_STEPRESULT']._serialized_end=1648
+  _globals['_RESETREQUEST']._serialized_start=1650
+  _globals['_RESETREQUEST']._serialized_end=1664
+  _globals['_RESETRESPONSE']._serialized_start=1666
+  _globals['_RESETRESPONSE']._serialized_end=1681
+  _globals['_EXECUTOR']._serialized_start=1684
+  _globals['_EXECUTOR']._serialized_end=2049
 # @@protoc_insertion_point(module_scope)

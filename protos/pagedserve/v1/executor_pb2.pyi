@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "family", "rank", "world_size", "vocab_size", "max_model_len", "num_layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_gpu_blocks", "num_cpu_blocks", "eos_token_ids", "dtype", "device", "extra_json")
+    __slots__ = ("model_name", "family", "rank", "world_size", "vocab_size", "max_model_len", "num_layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_gpu_blocks", "num_cpu_blocks", "eos_token_ids", "dtype", "device", "bos_token_id", "hidden_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -29,7 +29,8 @@ class DescribeResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
-    EXTRA_JSON_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     family: str
     rank: int
@@ -46,8 +47,9 @@ class DescribeResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     device: str
-    extra_json: str
-    def __init__(self, model_name: _Optional[str] = ..., family: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., extra_json: _Optional[str] = ...) -> None: ...
+    bos_token_id: int
+    hidden_size: int
+    def __init__(self, model_name: _Optional[str] = ..., family: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_gpu_blocks", "num_cpu_blocks")

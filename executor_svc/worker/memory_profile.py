@@ -1,0 +1,80 @@
+"""How many KV blocks fit on one rank, and what its memory holds now.
+
+Explicit block counts (CacheConfig) win. Otherwise on CUDA the device cache gets what a profile
+leaves: total memory * gpu_memory_utilization - (the peak of a forward pass over
+max_num_batched_tokens + memory held outside torch); on CPU it gets `cpu_kv_gib`. The swap space
+gets `swap_space_gib`, never more blocks than the device cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor_svc.runner.kv_cache import GIB, CacheConfig, KVCache, blocks_from_profile
+from executor_svc.runner.model_runner import ModelRunner
+from executor_svc.worker.protocol import MemoryUsage
+
+
+def blocks_that_fit(
+    cc: CacheConfig, device: torch.device, block_bytes: int, profile_gpu_blocks
+) -> tuple[int, int]:
+    """(num_gpu_blocks, num_cpu_blocks); `profile_gpu_blocks()` runs the profile (CUDA only)."""
+    num_gpu = cc.num_gpu_blocks
+    if num_gpu is None and device.type == "cuda":
+        num_gpu = profile_gpu_blocks()
+    elif num_gpu is None:
+        num_gpu = int(cc.cpu_kv_gib * GIB) // block_bytes
+    num_cpu = cc.num_cpu_blocks
+    if num_cpu is None:
+        num_cpu = int(cc.swap_space_gib * GIB) // block_bytes
+    if num_gpu < 1:
+        raise MemoryError("no KV cache block fits in the memory budget")
+    return num_gpu, min(num_cpu, num_gpu)
+
+
+def profile_gpu_blocks(
+    model,
+    cc: CacheConfig,
+    num_layers: int,
+    num_kv_heads_per_rank: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_bytes: int,
+) -> int:
+    """Runs a forward pass over max_num_batched_tokens with a one-block cache and measures its peak."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    probe = KVCache(
+        num_layers,
+        num_kv_heads_per_rank,
+        head_dim,
+        cc.block_size,
+        1,
+        0,
+        dtype,
+        device,
+    )
+    ModelRunner(model, probe).profile_run(cc.max_num_batched_tokens)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = (total - free) - torch.cuda.memory_reserved(device)
+    del probe
+    torch.cuda.empty_cache()
+    return blocks_from_profile(
+        total, cc.gpu_memory_utilization, peak + max(0, non_torch), block_bytes
+    )
+
+
+def memory_usage(
+    device: torch.device, block_bytes: int, num_gpu_blocks: int, num_cpu_blocks: int, cache_allocated: bool
+) -> MemoryUsage:
+    """torch's allocator on the device (0 on CPU) and the KV cache's bytes once allocated."""
+    on_gpu = device.type == "cuda"
+    return MemoryUsage(
+        gpu_allocated_bytes=torch.cuda.memory_allocated(device) if on_gpu else 0,
+        gpu_reserved_bytes=torch.cuda.memory_reserved(device) if on_gpu else 0,
+        kv_cache_gpu_bytes=block_bytes * max(num_gpu_blocks, 0) if cache_allocated else 0,
+        kv_cache_cpu_bytes=block_bytes * max(num_cpu_blocks, 0) if cache_allocated else 0,
+    )

@@ -1,0 +1,195 @@
+"""Plan application: the per-sequence state of one rank and the steps that change it.
+
+`launch(plan)` checks the step order, drops finished sequences, applies forks, carries out the
+block operations (swap-out, swap-in, copies), updates or creates each scheduled sequence's state,
+builds the batch and queues the forward pass and sampling without waiting for them; `finish(step)`
+collects the samples once the device is done. Order and errors: scheduler_svc/wire/step_plan.py,
+executor_svc/worker/protocol.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from executor_svc.runner.errors import PlanError, StepOrderError
+from executor_svc.runner.host_to_device import to_device
+from executor_svc.runner.inputs import ScheduledSequence, SequenceState, build_model_input
+from executor_svc.runner.model_runner import ModelRunner
+from executor_svc.worker.launched_step import LaunchedStep, copy_to_host, to_samples
+from executor_svc.worker.step_trace import StepTrace
+from scheduler_svc.wire.step_plan import PENDING_TOKEN, StepPlan, StepResult
+
+
+class PlanApplier:
+    """`ensure_runner()` gives the model runner (allocating the caches on first use)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        block_size: int,
+        seed: int,
+        ensure_runner: Callable[[], ModelRunner],
+        trace: StepTrace | None = None,
+    ):
+        self.device = device
+        self.block_size = block_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.seqs: dict[int, SequenceState] = {}
+        self.last_step_id: int | None = None
+        self._ensure_runner = ensure_runner
+        self._trace = trace
+        self._last_launched: LaunchedStep | None = None
+
+    def reset(self) -> None:
+        self.seqs.clear()
+        self.last_step_id = None
+        self._last_launched = None
+        if self._trace is not None:
+            self._trace.reset()
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        if self.last_step_id is not None and plan.step_id != self.last_step_id + 1:
+            raise StepOrderError(
+                f"step {plan.step_id} does not follow step {self.last_step_id}; expected "
+                f"{self.last_step_id + 1} (reset the executor to start over)"
+            )
+        step = LaunchedStep(plan.step_id, time.perf_counter())
+        runner = self._ensure_runner()
+        for seq_id in plan.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        self._apply_forks(plan.forks)
+        runner.kv_cache.swap_out(plan.swap_out)
+        runner.kv_cache.swap_in(plan.swap_in)
+        runner.kv_cache.copy(plan.copies)
+        scheduled = self._apply_sequences(plan)
+        batch = None
+        if scheduled:
+            batch = build_model_input(scheduled, self.block_size, self.device, self.generator)
+            if batch.pending_seq_ids:
+                self._fill_pending_tokens(batch, step.step_id)
+        # The start event goes on the stream just before the forward pass: the GPU is idle from the
+        # previous step's end to it unless this step was queued while that one ran.
+        start_event = self._record_event() if self._trace is not None else None  # timing: trace only
+        step.launch = time.perf_counter()
+        if batch is not None:
+            output = runner.execute(batch)
+            for s in scheduled:
+                s.state.num_computed_tokens += s.num_new_tokens
+            if output is not None:
+                step.rows = {seq_id: row for row, seq_id in enumerate(batch.sampled_seq_ids)}
+                step.token_ids = output.token_ids
+                step.host = copy_to_host(batch, output)
+        step.num_seqs, step.num_tokens = len(scheduled), sum(s.num_new_tokens for s in scheduled)
+        step.events = (start_event, self._record_event())
+        self.last_step_id = plan.step_id
+        self._last_launched = step
+        return step
+
+    def wait(self, step: LaunchedStep) -> None:
+        if step.events is not None and step.events[1] is not None:
+            step.events[1].synchronize()
+
+    def finish(self, step: LaunchedStep) -> StepResult:
+        self.wait(step)
+        end = time.perf_counter()
+        samples = to_samples(*step.host) if step.host is not None else []
+        step.sampled_token_ids = [s.token_id for s in samples]
+        for state, index, row in step.pending_fixes:
+            state.token_ids[index] = step.sampled_token_ids[row]
+        step.pending_fixes.clear()
+        if self._trace is not None:
+            self._trace.write(step, end)
+        return StepResult(step.step_id, samples, end - step.start)
+
+    def _fill_pending_tokens(self, batch, step_id: int) -> None:
+        """PENDING_TOKEN in the batch = the token the previous step sampled for that sequence: copied
+        into input_ids on the device (the previous step may still be running), and into the
+        sequence's token ids as soon as it is known on the host."""
+        prev = self._last_launched
+        if prev is None or prev.step_id != step_id - 1:
+            raise PlanError(f"step {step_id} takes tokens from a previous step this executor did not run")
+        rows = []
+        for seq_id in batch.pending_seq_ids:
+            row = prev.rows.get(seq_id)
+            if row is None:
+                raise PlanError(f"sequence {seq_id}: pending token, step {prev.step_id} sampled none for it")
+            rows.append(row)
+        assert prev.token_ids is not None  # it sampled rows
+        source = torch.tensor(rows, dtype=torch.int64)
+        batch.input_ids[to_device(batch.pending_token_indices, self.device)] = prev.token_ids[
+            to_device(source, self.device)
+        ]
+        for seq_id, row in zip(batch.pending_seq_ids, rows, strict=True):
+            state = self.seqs[seq_id]
+            index = len(state.token_ids) - 1
+            if state.token_ids[index] != PENDING_TOKEN:
+                raise PlanError(f"sequence {seq_id}: a pending token that is not its last")
+            if prev.sampled_token_ids is not None:  # the previous step is finished already
+                state.token_ids[index] = prev.sampled_token_ids[row]
+            else:
+                prev.pending_fixes.append((state, index, row))
+
+    def _record_event(self):
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=self._trace is not None)
+        event.record()
+        return event
+
+    def _apply_forks(self, forks: list[tuple[int, int]]) -> None:
+        """child := copy of parent. Forks carry no sample index, so the k-th child forked from a parent
+        in one plan gets the parent's sample_index + k: the numbering the scheduler gives the n samples
+        of a request (it forks samples 1..n-1 from sample 0 in one plan), so a seeded request draws the
+        same streams here as when its sequences come back as NewSequences with their own index. Beam
+        candidates ignore the index (they are not random)."""
+        forks_per_parent: dict[int, int] = {}
+        for child_id, parent_id in forks:
+            if child_id in self.seqs:
+                raise PlanError(f"fork child {child_id} already exists")
+            parent = self._state(parent_id, "fork parent")
+            forks_per_parent[parent_id] = forks_per_parent.get(parent_id, 0) + 1
+            child = parent.copy()
+            child.sample_index = parent.sample_index + forks_per_parent[parent_id]
+            self.seqs[child_id] = child
+
+    def _apply_sequences(self, plan: StepPlan) -> list[ScheduledSequence]:
+        scheduled = []
+        for new in plan.new_seqs:
+            state = SequenceState(
+                list(new.token_ids),
+                new.num_computed_tokens,
+                list(new.block_table),
+                new.sampling_params,
+                new.sample_index,
+                new.prompt_len,
+            )
+            self.seqs[new.seq_id] = state
+            scheduled.append(ScheduledSequence(new.seq_id, state, new.num_new_tokens))
+        for cont in plan.cont_seqs:
+            state = self._state(cont.seq_id, "continuing sequence")
+            state.token_ids.extend(cont.new_token_ids)
+            if cont.block_table_start > len(state.block_table):
+                raise PlanError(
+                    f"sequence {cont.seq_id}: block_table_start {cont.block_table_start} past its "
+                    f"{len(state.block_table)} blocks"
+                )
+            if cont.block_ids:  # no block ids: the table is unchanged (whatever block_table_start says)
+                state.set_blocks(cont.block_table_start, cont.block_ids)
+            scheduled.append(ScheduledSequence(cont.seq_id, state, cont.num_new_tokens))
+        seqs = self.seqs
+        for seq_id, token_id in zip(plan.decode_seq_ids, plan.decode_token_ids, strict=True):
+            decoding = seqs.get(seq_id)
+            if decoding is None:
+                raise PlanError(f"decoding sequence {seq_id} is unknown to this executor")
+            decoding.token_ids.append(token_id)
+            scheduled.append(ScheduledSequence(seq_id, decoding, 1))
+        return scheduled
+
+    def _state(self, seq_id: int, what: str) -> SequenceState:
+        state = self.seqs.get(seq_id)
+        if state is None:
+            raise PlanError(f"{what} {seq_id} is unknown to this executor")
+        return state

@@ -1,0 +1,64 @@
+"""The worker's seams: the executor flags that became WorkerConfig fields (eager mode, the step
+trace), the step trace's lines, the memory snapshot metrics read, and the one-step-at-a-time fakes."""
+
+from __future__ import annotations
+
+import argparse
+
+from executor_svc.server.main import add_arguments
+from executor_svc.worker.protocol import MemoryUsage, OneStepAtATime
+from executor_svc.worker.step_trace import open_step_trace
+from executor_svc.worker.worker import Worker
+from scheduler_svc.wire.sampling_params import SamplingParams
+from scheduler_svc.wire.step_plan import NewSequence, SampledToken, StepPlan, StepResult
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def make_worker(model_dir, **kwargs) -> Worker:
+    return Worker(str(model_dir), device="cpu", dtype="float32", **kwargs)
+
+
+def test_the_executor_flags_of_the_switches(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "m"])
+    assert (args.enforce_eager, args.step_trace_path) == (False, None)
+    args = parser.parse_args(["--model", "m", "--enforce-eager", "--step-trace-path", "t"])
+    assert (args.enforce_eager, args.step_trace_path) == (True, "t")
+
+
+def test_enforce_eager_turns_cuda_graphs_off(tiny_llama_dir):
+    assert not make_worker(tiny_llama_dir, enforce_eager=True).use_cuda_graphs
+    assert not make_worker(tiny_llama_dir).use_cuda_graphs  # on CPU anyway
+
+
+def test_the_step_trace_has_one_line_per_step_and_no_gpu_times_on_cpu(tiny_llama_dir, tmp_path):
+    trace = tmp_path / "trace"
+    worker = make_worker(tiny_llama_dir, step_trace_path=str(trace), block_size=4)
+    worker.execute(StepPlan(0, new_seqs=[NewSequence(1, [5, 6, 7, 8, 9], 0, 5, [0, 1], GREEDY)]))
+    worker.execute(StepPlan(1))
+    lines = [line.split() for line in trace.read_text().splitlines()]
+    assert [(int(f[0]), int(f[4]), int(f[5])) for f in lines] == [(0, 1, 5), (1, 0, 0)]
+    assert all(f[6:] == ["-1.0000", "-1.0000"] for f in lines)
+    start, launch, end = (float(x) for x in lines[0][1:4])
+    assert start <= launch <= end
+    assert open_step_trace(str(trace), rank=1) is None  # rank 0 alone writes it
+
+
+def test_memory_usage_counts_the_kv_cache_once_allocated(tiny_llama_dir):
+    worker = make_worker(tiny_llama_dir)
+    assert worker.memory_usage() == MemoryUsage(0, 0, 0, 0)
+    worker.init_cache(8, 2)
+    assert worker.memory_usage() == MemoryUsage(0, 0, 8 * worker.block_bytes, 2 * worker.block_bytes)
+
+
+def test_a_one_step_at_a_time_worker_launches_by_executing():
+    class Echo(OneStepAtATime):
+        def execute(self, plan: StepPlan) -> StepResult:
+            return StepResult(plan.step_id, [SampledToken(7, 1, -0.5)])
+
+    worker = Echo()
+    step = worker.launch(StepPlan(3))
+    worker.wait(step)
+    assert not worker.launches_ahead and worker.finish(step) == StepResult(3, [SampledToken(7, 1, -0.5)])
