@@ -5,7 +5,7 @@
         --requests 200 --max-duration-s 60 --out paper.json --plot paper.png
 
 For each KV policy (a fresh server, `--kv-policy`) it runs the `bench serve` rate sweep
-(clients/bench.sweep_rates: Poisson arrivals, the same requests per rate for every policy) and
+(clients/bench/serving.py sweep_rates: Poisson arrivals, the same requests per rate for every policy) and
 reports per rate the normalized latency (paper §6.1: mean over requests of end-to-end latency /
 output length). A policy's sustainable rate is the highest rate whose normalized latency is at most
 --latency-factor (1.5) x its normalized latency at the lowest rate; the result gives paged's
@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 
+from clients.bench.serving import report, servers, sweep_rates, warm_up
 from scheduler_svc.sched.kv_policies import PAGED, POLICIES
 from scheduler_svc.sim.models import ModelSpec
 
@@ -159,7 +160,6 @@ def plot_paper(latency: dict[str, dict[str, float]], path: str) -> None:
 
 
 def run_paper(args: argparse.Namespace, model: str, spec: ModelSpec, result: dict) -> int:
-    from clients.bench import run as bench
 
     try:
         policies = parse_policies(args.policies)
@@ -182,12 +182,12 @@ def run_paper(args: argparse.Namespace, model: str, spec: ModelSpec, result: dic
             print(f"bench paper: {policy} ...", file=sys.stderr, flush=True)
             policy_args = argparse.Namespace(**{**vars(args), "kv_policy": policy})
             trace_path = args.trace or os.path.join(tmp, f"{policy}.trace")
-            with bench.servers(policy_args, model, trace_path) as target:
-                bench.warm_up(policy_args, target, spec.vocab_size)
-                runs = bench.sweep_rates(policy_args, target, spec.vocab_size, trace_path, args.stop_factor)
+            with servers(policy_args, model, trace_path) as target:
+                warm_up(policy_args, target, spec.vocab_size)
+                runs = sweep_rates(policy_args, target, spec.vocab_size, trace_path, args.stop_factor)
             by_policy[policy] = runs
             result["runs"] += [{"policy": policy, **r} for r in runs]
     result.update(compare(by_policy, args.latency_factor))
     if args.plot:
         plot_paper(result["normalized_latency_s_per_token"], args.plot)
-    return bench.report(args, result, format_paper_table(result))
+    return report(args, result, format_paper_table(result))

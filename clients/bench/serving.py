@@ -1,0 +1,106 @@
+"""What every `pagedserve bench` mode shares: the servers it launches (or --server), the warm-up, one
+measured load run (`run_ours`), the rate sweep, and the report (table or JSON, exit status)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from clients.bench.load import Decoding, run_load
+from clients.bench.report import gpu_idle, read_step_trace, summarize
+from clients.cli import serve as launcher
+from scheduler_svc.sim.workloads import make_workload
+
+
+@contextlib.contextmanager
+def servers(args: argparse.Namespace, model: str, trace_path: str):
+    """Launches the executor(s) and the scheduler (or uses --server); yields the public target."""
+    if args.server:
+        yield args.server
+        return
+    serve_args = argparse.Namespace(**vars(args))
+    serve_args.port = args.port or launcher.free_port()
+    serve_args.no_prefix_caching = not args.prefix_caching
+    procs: list[subprocess.Popen] = []
+    try:
+        targets = []
+        dist_port = launcher.free_port()
+        for rank in range(args.tensor_parallel_size):
+            port = launcher.free_port()
+            cmd = launcher.executor_command(serve_args, model, rank, port, dist_port, trace_path)
+            procs.append(subprocess.Popen(cmd))
+            targets.append(f"127.0.0.1:{port}")
+        for target in targets:
+            launcher.wait_serving(target, procs, args.startup_timeout)
+        procs += launcher.start_public(serve_args, model, targets)
+        public = f"127.0.0.1:{serve_args.port}"
+        launcher.wait_serving(public, procs, args.startup_timeout)
+        yield public
+    finally:
+        launcher.stop_all(procs)
+
+
+def warm_up(args, target: str, vocab_size: int) -> None:
+    """A few short requests of the workload (another seed) before measuring: the first steps of a
+    fresh server compile Triton kernels for new shapes (seconds each on the H100 host)."""
+    if args.warmup > 0:
+        warm = make_workload(args.workload, args.warmup, vocab_size=vocab_size, seed=args.seed + 1)
+        warm = [dataclasses.replace(r, max_tokens=min(r.max_tokens, 8)) for r in warm]
+        asyncio.run(run_load(target, warm, "warm-up", show_progress=False))
+
+
+# The idle time is also given over the decode steps of at least this many sequences (issue 6's
+# target: GPU idle <= 10 % at a batch of 256 decodes), or of max_num_seqs when that is smaller.
+IDLE_DECODE_BATCH = 256
+
+
+def decoding_of(args) -> Decoding:
+    return Decoding(args.n, args.beam_width)
+
+
+def run_ours(args, target: str, requests, label: str, trace_path: str) -> dict:
+    show = not args.no_progress
+    run = asyncio.run(run_load(target, requests, label, show_progress=show, decoding=decoding_of(args)))
+    summary = {"label": label, **summarize(run)}
+    if os.path.exists(trace_path) and not args.server:
+        steps = read_step_trace(trace_path, run.start_s, run.end_s)
+        summary["gpu_idle"] = gpu_idle(steps, min(args.max_num_seqs, IDLE_DECODE_BATCH))
+    if summary["output_tokens"] != summary["expected_output_tokens"] or summary["num_failed"]:
+        print(
+            f"bench: {label}: {summary['num_failed']} requests failed: {summary['errors']}", file=sys.stderr
+        )
+    return summary
+
+
+def sweep_rates(args, target: str, vocab_size: int, trace_path: str, stop_factor: float | None = None):
+    """One `run_ours` per rate of --rates (Poisson arrivals), at most --max-duration-s of arrivals
+    each; with `stop_factor`, the rates after one whose normalized latency exceeds stop_factor x the
+    first rate's are skipped (past the knee: they would only take long)."""
+    runs: list[dict] = []
+    for rate in [float(r) for r in args.rates.split(",") if r]:
+        num = args.requests
+        if args.max_duration_s is not None:
+            num = max(1, min(num, round(rate * args.max_duration_s)))
+        reqs = make_workload(args.workload, num, vocab_size=vocab_size, seed=args.seed, rate_per_s=rate)
+        runs.append({"rate_per_s": rate, **run_ours(args, target, reqs, f"rate {rate}", trace_path)})
+        latency = [r["normalized_latency_s_per_token"] for r in runs]
+        if stop_factor is not None and latency[-1] > stop_factor * latency[0]:
+            break
+    return runs
+
+
+def report(args, result: dict, table: str) -> int:
+    """Prints the table (or the JSON with --json), writes --out; 1 when a run lost requests or tokens."""
+    text = json.dumps(result, indent=2)
+    if args.out:
+        pathlib.Path(args.out).write_text(text + "\n")
+    print(text if args.json else table, flush=True)
+    failed = any(r["num_failed"] or r["output_tokens"] != r["expected_output_tokens"] for r in result["runs"])
+    return 1 if failed else 0
