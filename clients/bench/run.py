@@ -53,13 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("paper", "the serve sweep for each KV policy (the paper's Fig. 12 comparison)"),
     ):
         sub = modes.add_parser(mode, help=help_text)
-        launcher.add_arguments(sub)
-        sub.set_defaults(port=0)
+        launcher.add_arguments(sub)  # the serve flags, passed on to the servers bench launches
+        sub.set_defaults(port=0, enable_prefix_caching=False)  # a repeated request set is no cache hit
         sub.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt")
         sub.add_argument("--requests", type=int, default=100)
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--server", default=None, help="HOST:PORT of a running server (default: launch one)")
-        sub.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on")
         sub.add_argument("--json", action="store_true", help="print the results as JSON")
         sub.add_argument("--out", default=None, help="also write the JSON results to this file")
         sub.add_argument("--no-progress", action="store_true")

@@ -27,7 +27,6 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
         return
     serve_args = argparse.Namespace(**vars(args))
     serve_args.port = args.port or launcher.free_port()
-    serve_args.no_prefix_caching = not args.prefix_caching
     procs: list[subprocess.Popen] = []
     try:
         targets = []

@@ -21,57 +21,55 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
-from scheduler_svc.sched.kv_policies import PAGED, POLICIES, check_policy_options
+from executor_svc.server.main import ExecutorOptions
+from executor_svc.worker.config import WorkerConfig
+from scheduler_svc.frontend.main import FrontendOptions
+from scheduler_svc.sched.kv_policies import check_policy_options
+from scheduler_svc.server.main import ServeOptions
 from scheduler_svc.sim.models import MODELS, ModelSpec
+from scheduler_svc.wire import options
+from scheduler_svc.wire.options import option
 
 CACHE_DIR = pathlib.Path(os.environ.get("PAGEDSERVE_CACHE", "~/.cache/pagedserve")).expanduser()
 DEFAULT_MODEL_DIR = CACHE_DIR / "tiny-llama"
 
 
+@dataclass(frozen=True, slots=True)
+class LauncherOptions:
+    """What `pagedserve serve` decides itself. Its other flags are the options of the processes it
+    starts, generated from their configs (ServeOptions, FrontendOptions, ExecutorOptions) and passed
+    on to them by `to_argv`, less those it sets per process (LAUNCHER_SETS)."""
+
+    model: str | None = option(None, "Hugging Face model folder (default: the tiny model), or a named shape "
+                               f"served with dummy weights and token-id prompts only: {', '.join(MODELS)}")
+    device: str | None = option(None, "the executors' device (default: cuda if available)",
+                                choices=("cpu", "cuda"))
+    tensor_parallel_size: int = option(1, "executor ranks (one per GPU)")
+    api_frontend: bool = option(False, "serve clients from a separate front-end process (one batch per step "
+                                "from the scheduler instead of one message per request)")
+    executor_metrics_port: int | None = option(None, "executors' /metrics: rank r serves on this port + r")
+    startup_timeout: float = option(300.0, "seconds to wait for health")
+
+
+# Fields of the started processes' configs that the launcher sets per process (not flags of `serve`);
+# an executor's seed stays its default (`bench --seed` seeds the workload).
+LAUNCHER_SETS = {
+    "scheduler": ("model", "executors"),
+    "frontend": ("engine",),
+    "executor": ("model_dir", "device", "seed", "host", "port", "metrics_port", "rank", "world_size",
+                 "dist_init_addr", "dist_timeout_s"),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="Hugging Face model folder (default: the tiny model), or a named shape "
-                        f"served with dummy weights and token-id prompts only: {', '.join(MODELS)}")
-    parser.add_argument("--host", default="127.0.0.1", help="address the public API listens on")
-    parser.add_argument("--port", type=int, default=50051, help="public API port")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="executor ranks (one per GPU)")
-    parser.add_argument("--preemption", choices=("swap", "recompute"), default="recompute")
-    parser.add_argument("--kv-policy", choices=POLICIES, default=PAGED,
-                        help="KV memory: paged, or a contiguous reservation baseline of the paper's "
-                             "section 6 (reserve-oracle reserves each request's max_tokens; no swap, "
-                             "no prefix cache)")
-    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profiled number")
-    parser.add_argument("--num-cpu-blocks", type=int, default=None, help="override the swap space size")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="build each plan only after the previous step's result")
-    parser.add_argument("--api-frontend", action="store_true",
-                        help="serve clients from a separate front-end process (one batch per step from the "
-                        "scheduler instead of one message per request)")
-    parser.add_argument("--max-n", type=int, default=None, help="largest n a request may ask for")
-    parser.add_argument("--max-beam-width", type=int, default=None, help="largest beam width allowed")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--enforce-eager", action="store_true", help="executors run without CUDA graphs")
-    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
-    parser.add_argument("--executor-metrics-port", type=int, default=None,
-                        help="executors' /metrics: rank r serves on this port + r")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
-    parser.add_argument("--drain-grace-period-s", type=float, default=30.0,
-                        help="on stop, in-flight requests get this long to finish")
-    parser.add_argument("--recovery-timeout-s", type=float, default=120.0,
-                        help="requests wait this long for a failed executor to come back")
-    parser.add_argument("--tls-cert-file", default=None, help="serve the public API over TLS (PEM chain)")
-    parser.add_argument("--tls-key-file", default=None, help="PEM key of --tls-cert-file")
-    parser.add_argument("--auth-token-file", default=None,
-                        help="require this bearer token on the public API (or set PAGEDSERVE_AUTH_TOKEN)")
+    """The launcher's flags, then the union of the flags of the processes it starts (an option two
+    of them share, like --host or --max-message-bytes, is one flag passed to both)."""
+    options.add_arguments(parser, LauncherOptions)
+    options.add_arguments(parser, ServeOptions, exclude=LAUNCHER_SETS["scheduler"])
+    options.add_arguments(parser, FrontendOptions, exclude=LAUNCHER_SETS["frontend"])
+    options.add_arguments(parser, ExecutorOptions, exclude=LAUNCHER_SETS["executor"])
 
 
 def free_port() -> int:
@@ -121,57 +119,41 @@ def executor_command(
     args: argparse.Namespace, model: str, rank: int, port: int, dist_port: int,
     step_trace_path: str | None = None,
 ) -> list[str]:
-    """`step_trace_path`: rank 0 writes its per-step trace there (executor_svc/worker/step_trace.py)."""
-    cmd = [sys.executable, "-m", "executor_svc.server.main", "--model", model, "--port", str(port),
-           "--rank", str(rank), "--world-size", str(args.tensor_parallel_size), "--dtype", args.dtype,
-           "--load-format", args.load_format, "--block-size", str(args.block_size),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    if args.device:
-        cmd += ["--device", args.device]
-    if args.enforce_eager:
-        cmd.append("--enforce-eager")
-    if step_trace_path:
-        cmd += ["--step-trace-path", step_trace_path]
-    if getattr(args, "executor_metrics_port", None) is not None:
-        cmd += ["--metrics-port", str(args.executor_metrics_port + rank)]
-    if args.tensor_parallel_size > 1:
-        cmd += ["--dist-init-addr", f"127.0.0.1:{dist_port}"]
-    return cmd
+    """`step_trace_path`: rank 0 writes its per-step trace there (executor_svc/worker/step_trace.py);
+    default: --step-trace-path."""
+    worker = options.from_args(
+        WorkerConfig, args, exclude=LAUNCHER_SETS["executor"], model_dir=model, device=args.device,
+        step_trace_path=step_trace_path or args.step_trace_path,
+    )
+    metrics_port = None if args.executor_metrics_port is None else args.executor_metrics_port + rank
+    executor = ExecutorOptions(
+        worker=worker, port=port, metrics_port=metrics_port, max_message_bytes=args.max_message_bytes,
+        rank=rank, world_size=args.tensor_parallel_size,
+        dist_init_addr=f"127.0.0.1:{dist_port}" if args.tensor_parallel_size > 1 else None,
+    )
+    return [sys.executable, "-m", "executor_svc.server.main", *options.to_argv(executor)]
+
+
+def _absolute(path: str | None) -> str | None:
+    return str(pathlib.Path(path).resolve()) if path else None
 
 
 def scheduler_command(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "scheduler_svc.server.main", "--model", model, "--host", args.host,
-           "--port", str(args.port), "--executors", ",".join(executor_targets),
-           "--preemption", args.preemption, "--kv-policy", args.kv_policy,
-           "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    for flag, value in (("--num-gpu-blocks", args.num_gpu_blocks), ("--num-cpu-blocks", args.num_cpu_blocks),
-                        ("--max-model-len", args.max_model_len), ("--metrics-port", args.metrics_port),
-                        ("--max-n", args.max_n), ("--max-beam-width", args.max_beam_width)):
-        if value is not None:
-            cmd += [flag, str(value)]
-    if args.no_prefix_caching:
-        cmd.append("--no-prefix-caching")
-    if args.no_async_scheduling:
-        cmd.append("--no-async-scheduling")
-    cmd += ["--drain-grace-period-s", str(args.drain_grace_period_s),
-            "--recovery-timeout-s", str(args.recovery_timeout_s)]
-    for flag, value in (("--tls-cert-file", args.tls_cert_file), ("--tls-key-file", args.tls_key_file),
-                        ("--auth-token-file", args.auth_token_file)):
-        if value:
-            cmd += [flag, str(pathlib.Path(value).resolve())]
-    return cmd
+    scheduler = options.from_args(
+        ServeOptions, args, model=model, executors=tuple(executor_targets),
+        tls_cert_file=_absolute(args.tls_cert_file), tls_key_file=_absolute(args.tls_key_file),
+        auth_token_file=_absolute(args.auth_token_file),
+    )
+    return [sys.executable, "-m", "scheduler_svc.server.main", *options.to_argv(scheduler)]
 
 
 def frontend_command(args: argparse.Namespace, engine_target: str) -> list[str]:
-    cmd = [sys.executable, "-m", "scheduler_svc.frontend.main", "--engine", engine_target,
-           "--host", args.host, "--port", str(args.port),
-           "--drain-grace-period-s", str(args.drain_grace_period_s)]
-    for flag, value in (("--tls-cert-file", args.tls_cert_file), ("--tls-key-file", args.tls_key_file),
-                        ("--auth-token-file", args.auth_token_file)):
-        if value:
-            cmd += [flag, str(pathlib.Path(value).resolve())]
-    return cmd
+    frontend = options.from_args(
+        FrontendOptions, args, engine=engine_target,
+        tls_cert_file=_absolute(args.tls_cert_file), tls_key_file=_absolute(args.tls_key_file),
+        auth_token_file=_absolute(args.auth_token_file),
+    )
+    return [sys.executable, "-m", "scheduler_svc.frontend.main", *options.to_argv(frontend)]
 
 
 def start_public(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[subprocess.Popen]:

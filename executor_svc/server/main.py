@@ -17,17 +17,18 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from executor_svc.worker.config import WorkerConfig
+from executor_svc.worker.distributed import DistributedConfig
 from executor_svc.worker.protocol import StepWorker
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
-from scheduler_svc.wire.grpc_serving import (
-    MAX_MESSAGE_BYTES,
-    parse_args_with_config,
-    start_grpc_server,
-)
+from scheduler_svc.wire import options
+from scheduler_svc.wire.grpc_serving import MAX_MESSAGE_BYTES, ApiServerOptions, start_grpc_server
+from scheduler_svc.wire.options import borrow, from_args, option
 
 if TYPE_CHECKING:
     from executor_svc.server.metrics import ExecutorMetrics
@@ -58,55 +59,38 @@ async def start_executor_server(
     return server, bound
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecutorOptions:
+    """One executor process: its server, its place in the executor set (None: from the environment,
+    worker/distributed.py) and its Worker's config. The fields are its flags (wire/options.py)."""
+
+    worker: WorkerConfig
+    host: str = option("127.0.0.1", "where gRPC and /metrics listen (0.0.0.0: all)")
+    port: int = option(0, "gRPC port (0: a free one, printed)")
+    metrics_port: int | None = option(None, "Prometheus /metrics port")
+    max_message_bytes: int = borrow(ApiServerOptions, "max_message_bytes")
+    rank: int | None = option(None, "this rank (default: see worker/distributed.py)")
+    world_size: int | None = option(None, "ranks in the set (default: see worker/distributed.py)",
+                                    aliases=("--tensor-parallel-size",))
+    dist_init_addr: str | None = option(None, "HOST:PORT of rank 0's rendezvous")
+    dist_timeout_s: float = borrow(DistributedConfig, "timeout_s", help="collective timeout")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Hugging Face model folder")
-    parser.add_argument("--host", default="127.0.0.1", help="where gRPC and /metrics listen (0.0.0.0: all)")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--rank", type=int, default=None, help="default: see worker/distributed.py")
-    parser.add_argument("--world-size", "--tensor-parallel-size", dest="world_size", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--swap-space-gib", type=float, default=0.25, help="CPU swap space per rank")
-    parser.add_argument("--cpu-kv-gib", type=float, default=0.25, help="KV cache size when on CPU")
-    parser.add_argument("--dist-init-addr", default=None, help="HOST:PORT of rank 0's rendezvous")
-    parser.add_argument("--dist-timeout-s", type=float, default=300.0, help="collective timeout")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
-    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode runs eagerly")
-    parser.add_argument("--step-trace-path", default=None,
-                        help="rank 0 appends a line per step here (executor_svc/worker/step_trace.py)")
+    options.add_arguments(parser, ExecutorOptions)
 
 
-def build_worker(args: argparse.Namespace) -> Worker:
+def build_worker(opts: ExecutorOptions) -> Worker:
     from executor_svc.worker.distributed import init_process_group, rank_device, resolve_distributed
-    from executor_svc.worker.worker import Worker, WorkerConfig
+    from executor_svc.worker.worker import Worker
 
-    dist = resolve_distributed(args.rank, args.world_size, args.dist_init_addr, args.dist_timeout_s)
-    device = rank_device(args.device, dist.rank)
+    dist = resolve_distributed(opts.rank, opts.world_size, opts.dist_init_addr, opts.dist_timeout_s)
+    device = rank_device(opts.worker.device, dist.rank)
     init_process_group(dist, device)
-    config = WorkerConfig(
-        model_dir=args.model,
-        device=device,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        block_size=args.block_size,
-        rank=dist.rank,
-        world_size=dist.world_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        swap_space_gib=args.swap_space_gib,
-        cpu_kv_gib=args.cpu_kv_gib,
-        seed=args.seed,
-        enforce_eager=args.enforce_eager,
-        step_trace_path=args.step_trace_path,
-    )
-    return Worker(config)
+    return Worker(replace(opts.worker, device=device, rank=dist.rank, world_size=dist.world_size))
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: ExecutorOptions) -> int:
     """Serves until SIGINT/SIGTERM (returns 0) or a fatal error in a multi-rank set (returns 1)."""
     worker = build_worker(args)
     stop, fatal = asyncio.Event(), []
@@ -141,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m executor_svc.server.main", description=__doc__.split("\n")[0]
     )
     add_arguments(parser)
-    sys.exit(asyncio.run(serve(parse_args_with_config(parser, argv))))
+    opts = from_args(ExecutorOptions, options.parse_args_with_config(parser, argv))
+    sys.exit(asyncio.run(serve(opts)))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from executor_svc.models.config import DTYPES
 from executor_svc.runner.kv_cache import CacheConfig
+from scheduler_svc.wire.options import option
 
 _CACHE_DEFAULTS = CacheConfig()
 
@@ -13,25 +14,27 @@ _CACHE_DEFAULTS = CacheConfig()
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """One rank's settings. The cache fields are `CacheConfig`'s, flattened so a server's flags map
-    onto this one object; their defaults and their validation are CacheConfig's."""
+    onto this one object; their defaults and their validation are CacheConfig's. The fields with
+    help are flags of the executor process (scheduler_svc/wire/options.py)."""
 
-    model_dir: str
-    device: str | None = None  # None: cuda when available, else cpu
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: the checkpoint's; fp32 -> bf16 on CUDA)
-    load_format: str = "auto"  # auto | safetensors | dummy
-    block_size: int = _CACHE_DEFAULTS.block_size
-    num_gpu_blocks: int | None = _CACHE_DEFAULTS.num_gpu_blocks
-    num_cpu_blocks: int | None = _CACHE_DEFAULTS.num_cpu_blocks
-    gpu_memory_utilization: float = _CACHE_DEFAULTS.gpu_memory_utilization
-    cpu_kv_gib: float = _CACHE_DEFAULTS.cpu_kv_gib
-    swap_space_gib: float = _CACHE_DEFAULTS.swap_space_gib
-    max_num_batched_tokens: int = _CACHE_DEFAULTS.max_num_batched_tokens
-    rank: int = 0
-    world_size: int = 1
-    seed: int = 0
-    # Switches of the executor process (flags --enforce-eager, --step-trace-path):
-    enforce_eager: bool = False  # no CUDA graphs: decode steps run eagerly too
-    step_trace_path: str | None = None  # rank 0 appends one line per step here (worker/step_trace.py)
+    model_dir: str = option(help="Hugging Face model folder", flag="model")
+    device: str | None = option(None, "cpu | cuda | cuda:N (default: cuda when available, else cpu)")
+    # auto: the checkpoint's dtype (fp32 -> bf16 on CUDA)
+    dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: the checkpoint's)")
+    load_format: str = option("auto", "weights from the folder, or random (dummy)", choices=("auto", "dummy"))
+    block_size: int = option(_CACHE_DEFAULTS.block_size, "tokens per KV cache block")
+    num_gpu_blocks: int | None = option(_CACHE_DEFAULTS.num_gpu_blocks, cli=False)  # the scheduler sets it
+    num_cpu_blocks: int | None = option(_CACHE_DEFAULTS.num_cpu_blocks, cli=False)
+    gpu_memory_utilization: float = option(_CACHE_DEFAULTS.gpu_memory_utilization,
+                                           "fraction of GPU memory for weights, activations and KV cache")
+    cpu_kv_gib: float = option(_CACHE_DEFAULTS.cpu_kv_gib, "KV cache size when on CPU (GiB)")
+    swap_space_gib: float = option(_CACHE_DEFAULTS.swap_space_gib, "CPU swap space per rank (GiB)")
+    max_num_batched_tokens: int = option(_CACHE_DEFAULTS.max_num_batched_tokens, cli=False)
+    rank: int = option(0, cli=False)  # from the process group (worker/distributed.py)
+    world_size: int = option(1, cli=False)
+    seed: int = option(0, "sampling seed of this rank")
+    enforce_eager: bool = option(False, "no CUDA graphs: decode steps run eagerly too")
+    step_trace_path: str | None = option(None, "rank 0 appends one line per step here (worker/step_trace.py)")
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

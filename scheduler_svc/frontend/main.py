@@ -26,6 +26,7 @@ import itertools
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -33,13 +34,14 @@ import grpc
 from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
 from scheduler_svc.wire.grpc_serving import (
     MAX_MESSAGE_BYTES,
+    ApiServerOptions,
     Health,
     message_size_options,
-    parse_args_with_config,
     read_auth_token,
     server_credentials,
     start_grpc_server,
 )
+from scheduler_svc.wire.options import add_arguments, from_args, option, parse_args_with_config
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
@@ -179,22 +181,24 @@ class FrontendServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(err.code(), err.details() or "")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrontendOptions(ApiServerOptions):
+    """The front-end process's configuration (flags: scheduler_svc/wire/options.py). Its TLS and
+    token apply to clients; the same token is presented to the scheduler."""
+
+    engine: str = option(help="HOST:PORT of the scheduler process")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
         prog="python -m scheduler_svc.frontend.main", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--engine", required=True, help="HOST:PORT of the scheduler process")
-    p.add_argument("--host", default="127.0.0.1", help="where the public API listens")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--drain-grace-period-s", type=float, default=30.0, help="SIGTERM: grace to finish")
-    p.add_argument("--connect-timeout-s", type=float, default=60.0, help="wait for the scheduler at start")
-    p.add_argument("--tls-cert-file", default=None, help="PEM cert chain: TLS for the API")
-    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
-    p.add_argument("--auth-token-file", default=None,
-                   help="require `authorization: Bearer <token>` (default: $PAGEDSERVE_AUTH_TOKEN if set); "
-                   "also presented to the scheduler")
-    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
-    return parse_args_with_config(p, argv)
+    add_arguments(parser, FrontendOptions)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> FrontendOptions:
+    return from_args(FrontendOptions, parse_args_with_config(build_parser(), argv))
 
 
 async def start_frontend(
@@ -228,7 +232,7 @@ async def start_frontend(
     return server, bound, health, link_task
 
 
-async def serve(a: argparse.Namespace) -> None:
+async def serve(a: FrontendOptions) -> None:
     server, port, health, link_task = await start_frontend(
         a.engine, a.host, a.port, server_credentials(a.tls_cert_file, a.tls_key_file),
         read_auth_token(a.auth_token_file), a.max_message_bytes, a.connect_timeout_s,

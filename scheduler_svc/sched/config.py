@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler_svc.wire.options import option
+
 PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -28,11 +30,13 @@ class SchedulerConfig:
     block_size: int = 16
     num_gpu_blocks: int = 1024
     num_cpu_blocks: int = 0
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int = option(2048, "most tokens computed in one step (prompt chunks + decodes)")
+    max_num_seqs: int = option(256, "most sequences in one step's batch")
     max_model_len: int = 2048
-    preemption_mode: str = "recompute"
-    enable_prefix_caching: bool = True
+    preemption_mode: str = option("recompute", "a preempted request's KV cache is recomputed later, or "
+                                  "swapped to the CPU pool", choices=PREEMPTION_MODES, flag="preemption")
+    enable_prefix_caching: bool = option(True, "automatic prefix caching (blocks of a shared prompt prefix "
+                                         "are computed once)", flag="prefix-caching")
     enable_chunked_prefill: bool = True
     eos_token_ids: tuple[int, ...] = ()  # every id that ends a sequence (Llama 3 has several)
     watermark_blocks: int = 0  # free blocks admission keeps in reserve (fewer preemptions)

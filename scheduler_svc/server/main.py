@@ -13,7 +13,7 @@ import gc
 import logging
 import pathlib
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from tokenizers import Tokenizer
@@ -29,12 +29,13 @@ from scheduler_svc.server.frontend_link import FrontendLinkServicer
 from scheduler_svc.server.servicer import GenerationServicer
 from scheduler_svc.wire.grpc_serving import (
     MAX_MESSAGE_BYTES,
+    ApiServerOptions,
     Health,
-    parse_args_with_config,
     read_auth_token,
     server_credentials,
     start_grpc_server,
 )
+from scheduler_svc.wire.options import add_arguments, borrow, from_args, option, parse_args_with_config
 from scheduler_svc.wire.sampling_params import MAX_BEAM_WIDTH, MAX_N
 
 GC_GEN0_THRESHOLD = 20_000
@@ -42,45 +43,43 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 _log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class ServeOptions:
-    model: str
-    executors: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 50051
-    preemption: str = "recompute"
-    kv_policy: str = PAGED  # kv_policies.POLICIES; a reservation policy serves without prefix caching
-    async_scheduling: bool = True  # build plan i+1 while the executors run step i (scheduler.py)
-    num_gpu_blocks: int | None = None
-    num_cpu_blocks: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    max_n: int = MAX_N
-    max_beam_width: int = MAX_BEAM_WIDTH
-    metrics_port: int | None = None
-    connect_timeout_s: float = 60.0
-    drain_grace_period_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
-    recovery_timeout_s: float = 120.0  # executor failure: requests wait this long for it to come back
-    step_timeout_s: float | None = 120.0  # a rank that takes longer over one step counts as failed
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    auth_token: str | None = field(default=None, repr=False)  # bearer token the public API requires
-    max_message_bytes: int = MAX_MESSAGE_BYTES  # both ways, public API and executor channels
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeOptions(ApiServerOptions):
+    """The scheduler process's configuration; each field is a flag of
+    `python -m scheduler_svc.server.main` (scheduler_svc/wire/options.py). The scheduling options
+    are SchedulerConfig's (their defaults and help are declared there)."""
+
+    model: str = option(help="model folder (its tokenizer.json is used)")
+    executors: tuple[str, ...] = option(help="HOST:PORT of every executor rank, rank 0 first")
+    preemption: str = borrow(SchedulerConfig, "preemption_mode")
+    kv_policy: str = option(PAGED, "KV memory: paged, or a contiguous reservation baseline of the paper's "
+                            "section 6 (no swap, no prefix cache)", choices=POLICIES)
+    async_scheduling: bool = option(True, "build plan i+1 while the executors run step i (off: each plan "
+                                    "only after the previous step's result)")
+    num_gpu_blocks: int | None = option(None, "KV cache blocks (default: what fits on every rank)")
+    num_cpu_blocks: int | None = option(None, "swap space blocks (default: what fits on every rank)")
+    max_num_seqs: int = borrow(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int = borrow(SchedulerConfig, "max_num_batched_tokens")
+    max_model_len: int | None = option(None, "cap on prompt + output tokens (default: the model's)")
+    enable_prefix_caching: bool = borrow(SchedulerConfig, "enable_prefix_caching")
+    max_n: int = option(MAX_N, "largest n (parallel samples) a request may ask for")
+    max_beam_width: int = option(MAX_BEAM_WIDTH, "largest beam width a request may ask for")
+    metrics_port: int | None = option(None, "Prometheus /metrics port")
+    recovery_timeout_s: float = option(120.0, "executor failure: requests wait this long for the executors "
+                                       "to come back")
+    step_timeout_s: float | None = option(120.0, "a rank that takes longer over one step counts as failed "
+                                          "(none: no deadline)")
+    auth_token: str | None = option(None, cli=False, repr=False)  # default: read from auth_token_file
 
     def __post_init__(self) -> None:
+        ApiServerOptions.__post_init__(self)
         if not self.executors:
             raise ValueError("executors: at least one HOST:PORT is needed")
         check_policy_options(self.kv_policy, self.preemption)
-        if self.drain_grace_period_s < 0 or self.recovery_timeout_s < 0:
-            raise ValueError("drain_grace_period_s and recovery_timeout_s must be >= 0")
+        if self.recovery_timeout_s < 0:
+            raise ValueError("recovery_timeout_s must be >= 0")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be > 0")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
-        if self.max_message_bytes < 1 << 16:
-            raise ValueError("max_message_bytes must be >= 65536")
 
 
 async def build_engine(opts: ServeOptions) -> Engine:
@@ -246,52 +245,18 @@ async def start_scheduler_server(
     return running
 
 
-def parse_args(argv: list[str] | None = None) -> ServeOptions:
-    p = argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
         prog="python -m scheduler_svc.server.main", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--model", required=True, help="model folder (its tokenizer.json is used)")
-    p.add_argument("--executors", required=True, help="comma-separated HOST:PORT of every rank, rank 0 first")
-    p.add_argument("--host", default="127.0.0.1", help="where the public API and /metrics listen")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
-    p.add_argument("--kv-policy", choices=POLICIES, default=PAGED,
-                   help="KV memory: paged, or a contiguous reservation baseline (no swap, no prefix cache)")
-    p.add_argument("--num-gpu-blocks", type=int, default=None)
-    p.add_argument("--num-cpu-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="build each plan only after the previous step's result (default: one step ahead)")
-    p.add_argument("--max-n", type=int, default=MAX_N)
-    p.add_argument("--max-beam-width", type=int, default=MAX_BEAM_WIDTH)
-    p.add_argument("--metrics-port", type=int, default=None)
-    p.add_argument("--drain-grace-period-s", type=float, default=30.0, help="SIGTERM: grace to finish")
-    p.add_argument("--recovery-timeout-s", type=float, default=120.0,
-                   help="executor failure: how long requests wait for the executors to come back")
-    p.add_argument("--step-timeout-s", type=float, default=120.0, help="per-step deadline of an executor")
-    p.add_argument("--tls-cert-file", default=None, help="PEM cert chain: TLS for the API")
-    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
-    p.add_argument("--auth-token-file", default=None,
-                   help="require `authorization: Bearer <token>` (default: $PAGEDSERVE_AUTH_TOKEN if set)")
-    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
-    p.add_argument("--connect-timeout-s", type=float, default=60.0, help="executors wait at start")
-    a = parse_args_with_config(p, argv)
-    return ServeOptions(
-        model=a.model, executors=tuple(t for t in a.executors.split(",") if t), host=a.host, port=a.port,
-        preemption=a.preemption, kv_policy=a.kv_policy, num_gpu_blocks=a.num_gpu_blocks,
-        num_cpu_blocks=a.num_cpu_blocks,
-        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
-        async_scheduling=not a.no_async_scheduling, max_n=a.max_n,
-        max_beam_width=a.max_beam_width, metrics_port=a.metrics_port,
-        drain_grace_period_s=a.drain_grace_period_s, recovery_timeout_s=a.recovery_timeout_s,
-        step_timeout_s=a.step_timeout_s, tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file,
-        auth_token=read_auth_token(a.auth_token_file), max_message_bytes=a.max_message_bytes,
-        connect_timeout_s=a.connect_timeout_s,
-    )
+    add_arguments(parser, ServeOptions)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> ServeOptions:
+    """The flags (and `--config FILE`); the bearer token from --auth-token-file or the environment."""
+    args = parse_args_with_config(build_parser(), argv)
+    return from_args(ServeOptions, args, auth_token=read_auth_token(args.auth_token_file))
 
 
 async def serve(opts: ServeOptions) -> None:

@@ -31,6 +31,8 @@ from scheduler_svc.sched.kv_policies import POLICIES, make_scheduler
 from scheduler_svc.sim.executor import SimExecutor
 from scheduler_svc.sim.models import MODELS, StepTimeModel
 from scheduler_svc.sim.workloads import WORKLOADS, make_workload
+from scheduler_svc.wire import options
+from scheduler_svc.wire.options import borrow, option
 from scheduler_svc.wire.sampling_params import SamplingParams
 
 GIB = 1 << 30
@@ -38,23 +40,25 @@ GIB = 1 << 30
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    workload: str = "sharegpt"
-    num_requests: int = 1000
-    rate_per_s: float | None = None  # None: every request arrives at t = 0
-    n: int = 1
-    beam_width: int = 1
-    policy: str = "paged"
-    model: str = "llama2-13b"
-    kv_gib: float = 12.0
-    swap_gib: float = 4.0
-    block_size: int = 16
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    watermark: float = 0.01  # fraction of GPU blocks admission keeps free (vLLM's default)
-    verify_kv: bool = False
+    """One simulation; the fields are the flags of `pagedserve simulate` (scheduler_svc/wire/options.py)."""
+
+    workload: str = option("sharegpt", "synthetic request set", choices=sorted(WORKLOADS))
+    num_requests: int = option(1000, "number of requests", flag="requests")
+    rate_per_s: float | None = option(None, "Poisson arrivals/s (default: all at t=0)", flag="rate")
+    n: int = option(1, "parallel samples per request")
+    beam_width: int = option(1, "beam width of every request")
+    policy: str = option("paged", "KV memory policy", choices=POLICIES)
+    model: str = option("llama2-13b", "model shape (step times, KV bytes per token)", choices=sorted(MODELS))
+    kv_gib: float = option(12.0, "GPU KV cache budget (GiB)")
+    swap_gib: float = option(4.0, "CPU swap (GiB, paged only)")
+    block_size: int = option(16, "tokens per KV block")
+    seed: int = option(0, "workload seed")
+    enable_prefix_caching: bool = borrow(SchedulerConfig, "enable_prefix_caching")
+    preemption_mode: str = borrow(SchedulerConfig, "preemption_mode")
+    max_num_seqs: int = borrow(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int = borrow(SchedulerConfig, "max_num_batched_tokens")
+    watermark: float = option(0.01, "fraction of GPU blocks admission keeps free (vLLM's default)")
+    verify_kv: bool = option(False, "check every KV read (slow; for tests)")
 
     def __post_init__(self) -> None:
         for name, allowed in (("workload", WORKLOADS), ("policy", POLICIES), ("model", MODELS)):
@@ -202,48 +206,13 @@ def _was_dropped(group: SequenceGroup) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    default = SimConfig()
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default=default.workload)
-    parser.add_argument("--requests", type=int, default=default.num_requests, help="number of requests")
-    parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals/s (default: all at t=0)")
-    parser.add_argument("--n", type=int, default=1, help="parallel samples per request")
-    parser.add_argument("--beam-width", type=int, default=1)
-    parser.add_argument("--policy", choices=POLICIES, default=default.policy)
-    parser.add_argument("--model", choices=sorted(MODELS), default=default.model)
-    parser.add_argument("--kv-gib", type=float, default=default.kv_gib, help="GPU KV cache budget (GiB)")
-    parser.add_argument("--swap-gib", type=float, default=default.swap_gib, help="CPU swap (GiB, paged only)")
-    parser.add_argument("--block-size", type=int, default=default.block_size)
-    parser.add_argument("--seed", type=int, default=default.seed)
-    parser.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
-    parser.add_argument("--preemption", choices=("recompute", "swap"), default=default.preemption_mode)
-    parser.add_argument("--max-num-seqs", type=int, default=default.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens)
-    parser.add_argument("--watermark", type=float, default=default.watermark, help="free-block reserve")
-    parser.add_argument("--verify-kv", action="store_true", help="check every KV read (slow; for tests)")
+    options.add_arguments(parser, SimConfig)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = SimConfig(
-            workload=args.workload,
-            num_requests=args.requests,
-            rate_per_s=args.rate,
-            n=args.n,
-            beam_width=args.beam_width,
-            policy=args.policy,
-            model=args.model,
-            kv_gib=args.kv_gib,
-            swap_gib=args.swap_gib,
-            block_size=args.block_size,
-            seed=args.seed,
-            enable_prefix_caching=not args.no_prefix_caching,
-            preemption_mode=args.preemption,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            watermark=args.watermark,
-            verify_kv=args.verify_kv,
-        )
+        config = options.from_args(SimConfig, args)
     except ValueError as err:
         print(f"pagedserve simulate: {err}")
         return 2

@@ -1,5 +1,5 @@
 """Server plumbing both services share: health checking and reflection (each optional at import),
-TLS credentials, the bearer-token check, message size limits, and `--config FILE`.
+TLS credentials, the bearer-token check, message size limits, and the options of a public API server.
 
 `grpcio-health-checking` and `grpcio-reflection` are dependencies of the project, but a bare
 environment (e.g. a GPU box with only grpcio and protobuf) may lack them: then the server runs
@@ -8,15 +8,16 @@ without that service and logs a warning once, rather than failing to start.
 
 from __future__ import annotations
 
-import argparse
 import hmac
-import json
 import logging
 import os
 import pathlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
+
+from scheduler_svc.wire.options import option
 
 _log = logging.getLogger(__name__)
 
@@ -190,33 +191,27 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                           response_serializer=handler.response_serializer)
 
 
-# ---- --config FILE -----------------------------------------------------------------------------
-def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parse `argv`, with `--config FILE` (JSON whose keys are the parser's long flags with
-    underscores: `max_num_seqs` for `--max-num-seqs`) supplying defaults; flags on the command line
-    override it. An unknown key is an error naming it. A list value (e.g. `executors`) becomes a
-    comma-separated string; a switch (`store_true`) takes true/false."""
-    parser.add_argument("--config", default=None, metavar="FILE", help="JSON file of flag values")
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    path = pre.parse_known_args(argv)[0].config
-    if path:
-        try:
-            values = json.loads(pathlib.Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            parser.error(f"--config {path}: {err}")
-        if not isinstance(values, dict):
-            parser.error(f"--config {path}: expected a JSON object of flag values")
-        by_key = {opt[2:].replace("-", "_"): action for action in parser._actions
-                  for opt in action.option_strings if opt.startswith("--")}
-        for key, value in values.items():
-            action = by_key.get(key)
-            if action is None or key in ("config", "help"):
-                parser.error(f"--config {path}: unknown key {key!r} (keys are the flags, e.g. max_num_seqs)")
-            if action.nargs == 0 and not isinstance(value, bool):
-                parser.error(f"--config {path}: {key} must be true or false")
-            if isinstance(value, list):
-                value = ",".join(str(v) for v in value)
-            action.required = False
-            parser.set_defaults(**{action.dest: value})
-    return parser.parse_args(argv)
+# ---- options of a server of the public API (the scheduler, the front-end) ------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApiServerOptions:
+    """What the scheduler process and the API front-end share as servers of the Generation API (each
+    config extends this one; the flags come from these fields: scheduler_svc/wire/options.py)."""
+
+    host: str = option("127.0.0.1", "where the public API (and /metrics) listens")
+    port: int = option(50051, "public API port")
+    drain_grace_period_s: float = option(30.0, "on SIGTERM, in-flight requests get this long to finish")
+    connect_timeout_s: float = option(60.0, "at start, how long to wait for the executors (the "
+                                            "scheduler, for a front-end)")
+    tls_cert_file: str | None = option(None, "serve the public API over TLS: PEM certificate chain")
+    tls_key_file: str | None = option(None, "PEM private key of --tls-cert-file")
+    auth_token_file: str | None = option(None, "require `authorization: Bearer <token>` with the token "
+                                               f"in this file (default: ${AUTH_TOKEN_ENV} if set)")
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, "largest gRPC message, both ways")
+
+    def __post_init__(self) -> None:
+        if self.drain_grace_period_s < 0 or self.connect_timeout_s < 0:
+            raise ValueError("drain_grace_period_s and connect_timeout_s must be >= 0")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+        if self.max_message_bytes < 1 << 16:
+            raise ValueError("max_message_bytes must be >= 65536")

@@ -79,7 +79,7 @@ def test_engine_config_keys_are_the_servers_flags(tmp_path):
 
     from executor_svc.server.main import add_arguments
     from scheduler_svc.server.main import parse_args as parse_scheduler_args
-    from scheduler_svc.wire.grpc_serving import parse_args_with_config
+    from scheduler_svc.wire.options import parse_args_with_config
 
     for config_file in (DEPLOY / "k8s" / "base" / "configmap.yaml",
                         DEPLOY / "k8s" / "overlays" / "example" / "engine-config.yaml"):
