@@ -1,8 +1,8 @@
 """Command-line flags generated from config dataclasses: each serving option is declared once, as a
 field of the dataclass that owns it, and becomes a flag of every process that takes that config.
 
-    max_num_seqs: int = option(256, "most sequences in one step's batch")
-        -> --max-num-seqs N   (type from the annotation, default from the field, shown by --help)
+    block_size: int = option(16, "tokens per KV cache block")
+        -> --block-size BLOCK_SIZE   (type from the annotation, default from the field, shown by --help)
 
 Field name -> `--kebab-name` (or `flag=` / `aliases=`); `bool` -> `--x / --no-x`; `X | None` takes X
 (and `none` where X is not str); `tuple[X, ...]` is comma-separated; `choices=` and `help=` come
