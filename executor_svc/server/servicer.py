@@ -7,26 +7,28 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from executor_svc.runner.errors import PlanError, StepOrderError
 from executor_svc.worker.protocol import StepWorker
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
-from scheduler_svc.wire.convert import description_to_pb, maps_errors, step_plan_from_pb, step_result_to_pb
+from scheduler_svc.wire.convert import (
+    CallerErrors,
+    description_to_pb,
+    maps_errors,
+    status_name,
+    step_plan_from_pb,
+    step_result_to_pb,
+)
 
 if TYPE_CHECKING:
     from executor_svc.server.metrics import ExecutorMetrics
 
-ERROR_CODES = {
-    StepOrderError: grpc.StatusCode.FAILED_PRECONDITION,  # a plan that skips a step: reset first
-    PlanError: grpc.StatusCode.INVALID_ARGUMENT,  # a plan naming unknown sequences or blocks
-    ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # e.g. init_cache with more blocks than fit
-}
+# Besides the API's errors (PlanError, StepOrderError: the caller's fault, each with its own code), a
+# ValueError of the worker is the call's fault too: e.g. init_cache with more blocks than fit.
+CALLER_ERRORS: CallerErrors = {ValueError: "INVALID_ARGUMENT"}
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     """One rank. Calls run in a worker thread, one at a time, so the event loop keeps answering
-    health checks while the model runs. An error that is not the plan's fault (not in ERROR_CODES:
+    health checks while the model runs. An error that is not the caller's fault (an INTERNAL status:
     e.g. a collective that failed because another rank died) is passed to `on_fatal` too."""
 
     def __init__(
@@ -54,26 +56,27 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 except asyncio.CancelledError:
                     cancelled = True
             exc = work.exception()
-            if exc is not None and self._on_fatal is not None and not isinstance(exc, tuple(ERROR_CODES)):
-                self._on_fatal(exc)
+            on_fatal = self._on_fatal
+            if exc is not None and on_fatal is not None and status_name(exc, CALLER_ERRORS) == "INTERNAL":
+                on_fatal(exc)
             if cancelled:
                 raise asyncio.CancelledError
             return work.result()
 
-    @maps_errors(ERROR_CODES)
+    @maps_errors(CALLER_ERRORS)
     async def Describe(self, request, context):
         return description_to_pb(await self._call(self._worker.describe))
 
-    @maps_errors(ERROR_CODES)
+    @maps_errors(CALLER_ERRORS)
     async def InitCache(self, request, context):
         await self._call(self._worker.init_cache, request.num_gpu_blocks, request.num_cpu_blocks)
         return executor_pb2.InitCacheResponse()
 
-    @maps_errors(ERROR_CODES)
+    @maps_errors(CALLER_ERRORS)
     async def Step(self, request, context):
         return await self._step(request)
 
-    @maps_errors(ERROR_CODES)
+    @maps_errors(CALLER_ERRORS)
     async def StepStream(self, request_iterator, context):
         """Plans in, results out, in order. When plan i+1 arrives while the GPU still runs step i
         (the scheduler plans ahead), step i+1 is launched before step i's result is collected, so
@@ -125,7 +128,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self._metrics.observe_step(time.perf_counter() - start)
         return reply
 
-    @maps_errors(ERROR_CODES)
+    @maps_errors(CALLER_ERRORS)
     async def Reset(self, request, context):
         await self._call(self._worker.reset)
         return executor_pb2.ResetResponse()

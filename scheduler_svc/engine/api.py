@@ -1,5 +1,6 @@
-"""What the engine's callers see besides the engine itself: its errors, the model limits it
-enforces, its statistics, and the protocols of its tokenizer and executors. No protobuf here."""
+"""What the engine's callers see besides the engine itself: the served model's limits, its
+statistics, and the protocols of its tokenizer and executors. No protobuf here. (Its errors are the
+API's, scheduler_svc/wire/errors.py; requests are checked by scheduler_svc/sched/validation.py.)"""
 
 from __future__ import annotations
 
@@ -8,24 +9,6 @@ from typing import Protocol
 
 from scheduler_svc.engine.detokenizer import Decoder
 from scheduler_svc.wire.step_plan import StepPlan, StepResult
-
-
-class InvalidRequestError(ValueError):
-    """Bad client input; `field` names it (the edge answers INVALID_ARGUMENT)."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-
-
-class RequestFailedError(RuntimeError):
-    """The server dropped an accepted request (e.g. it outgrew the KV cache; the edge answers ABORTED)."""
-
-
-class ServiceUnavailableError(RuntimeError):
-    """Not serving now: draining, or the executors are down (the edge answers UNAVAILABLE; a
-    client may retry later or elsewhere). Also ends accepted requests that a drain's grace period
-    or an executor recovery's timeout cut off."""
 
 
 class Tokenizer(Decoder, Protocol):
@@ -52,6 +35,8 @@ class Executors(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
+    """The served model and its KV cache, as the executors describe them once the cache is sized."""
+
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -59,8 +44,6 @@ class ModelLimits:
     num_gpu_blocks: int
     num_cpu_blocks: int
     eos_token_ids: tuple[int, ...] = ()
-    max_n: int = 16
-    max_beam_width: int = 16
     world_size: int = 1
 
 

@@ -17,30 +17,21 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from scheduler_svc.engine.api import (
-    EngineStats,
-    Executors,
-    InvalidRequestError,
-    ModelLimits,
-    RecoveryOptions,
-    RequestFailedError,
-    ServiceUnavailableError,
-    Tokenizer,
-)
+from scheduler_svc.engine.api import EngineStats, Executors, ModelLimits, RecoveryOptions, Tokenizer
 from scheduler_svc.engine.outputs import RequestDelta, RequestState, RequestStream
 from scheduler_svc.engine.stats import engine_stats, record_output, record_step
 from scheduler_svc.request.sequence import FinishReason
-from scheduler_svc.sched.config import RequestRejectedError
 from scheduler_svc.sched.interface import SchedulerInterface
 from scheduler_svc.sched.output_processor import RequestOutput
+from scheduler_svc.sched.validation import RequestValidator
+from scheduler_svc.wire.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.metrics import SchedulerMetrics
 
-__all__ = ["Engine", "EngineStats", "InvalidRequestError", "ModelLimits", "RequestFailedError",
-           "RequestStream", "ServiceUnavailableError"]
+__all__ = ["Engine", "EngineStats", "ModelLimits", "RequestStream"]
 _log = logging.getLogger(__name__)
 
 
@@ -51,6 +42,7 @@ class Engine:
         executors: Executors,
         tokenizer: Tokenizer,
         limits: ModelLimits,
+        validator: RequestValidator,
         metrics: SchedulerMetrics | None = None,
         recovery: RecoveryOptions | None = None,
         async_scheduling: bool = True,
@@ -60,6 +52,7 @@ class Engine:
         self.executors = executors
         self.tokenizer = tokenizer
         self.limits = limits
+        self.validator = validator  # every check of a new request (sched/validation.py)
         self.metrics = metrics
         self._requests: dict[str, RequestState] = {}
         self._wakeup = asyncio.Event()
@@ -77,56 +70,26 @@ class Engine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str = ""
     ) -> RequestStream:
-        """Validate and queue a request; raises InvalidRequestError (with the field) for bad input."""
+        """Validate (self.validator) and queue a request; raises InvalidRequestError naming the
+        field for bad input, ServiceUnavailableError / RequestFailedError when not serving."""
         if self._stopping:
             raise RequestFailedError("the server is stopping")
         if self.draining:
             raise ServiceUnavailableError("the server is draining (shutting down); retry elsewhere")
         if not self.healthy:
             raise ServiceUnavailableError("the executors are down; the server is recovering, retry later")
-        prompt_ids = self._prompt_ids(prompt)
-        vocab = self.limits.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
-        cache = f"the KV cache ({self.limits.num_gpu_blocks} blocks of {self.limits.block_size} tokens)"
-        if -(-len(prompt_ids) // self.limits.block_size) > self.limits.num_gpu_blocks:
-            raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens can never fit in {cache}")
-        total_blocks = -(-(len(prompt_ids) + params.max_tokens) // self.limits.block_size)
-        within_model_len = len(prompt_ids) + params.max_tokens <= self.limits.max_model_len
-        if total_blocks > self.limits.num_gpu_blocks and within_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"can never fit in {cache}",
-            )
+        self.validator.check_prompt(prompt)
+        prompt_ids = list(self.tokenizer.encode(prompt).ids) if isinstance(prompt, str) else list(prompt)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         group = self.scheduler.new_group(request_id, prompt_ids, params)
-        try:
-            self.scheduler.add_request(group)
-        except RequestRejectedError as err:
-            raise InvalidRequestError(err.field, str(err).split(": ", 1)[-1]) from None
+        self.validator.check(group)
+        self.scheduler.add_request(group)
         request = RequestState(request_id, prompt_ids, params, self.tokenizer, group)
         self._requests[request_id] = request
         self._wakeup.set()
         return RequestStream(request, self.abort)
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            return list(self.tokenizer.encode(prompt).ids)
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.limits.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                "prompt.token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
-            )
-        return ids
 
     def abort(self, request_id: str) -> bool:
         """Abort now: the blocks are freed at once, the executors drop the state with the next plan."""

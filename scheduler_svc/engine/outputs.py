@@ -8,11 +8,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler_svc.engine.api import RequestFailedError, ServiceUnavailableError
 from scheduler_svc.engine.detokenizer import Decoder, IncrementalDetokenizer, OutputText
 from scheduler_svc.request.beam import BeamHypothesis
 from scheduler_svc.request.sequence import SequenceGroup
 from scheduler_svc.sched.output_processor import SampleDelta
+from scheduler_svc.wire.errors import RequestFailedError, ServiceUnavailableError
 from scheduler_svc.wire.sampling_params import SamplingParams
 
 

@@ -32,6 +32,8 @@ from typing import Any
 import grpc
 
 from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
+from scheduler_svc.wire.convert import maps_errors
+from scheduler_svc.wire.errors import RelayedError, ServiceUnavailableError
 from scheduler_svc.wire.grpc_serving import (
     MAX_MESSAGE_BYTES,
     ApiServerOptions,
@@ -125,7 +127,7 @@ class EngineLink:
 
     def open(self, request) -> tuple[int, asyncio.Queue]:
         if not self.connected.is_set():
-            raise ConnectionError("the scheduler is not reachable")
+            raise ServiceUnavailableError("the scheduler is not reachable")
         stream_id = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[stream_id] = queue
@@ -143,21 +145,19 @@ class FrontendServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, link: EngineLink):
         self._link = link
 
+    @maps_errors()
     async def Generate(self, request, context):
-        try:
-            stream_id, queue = self._link.open(request)
-        except ConnectionError as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        stream_id, queue = self._link.open(request)
         done = False
         try:
             while True:
                 event = await queue.get()
                 if event is None:
                     done = True
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the link to the scheduler broke")
-                if event.end and event.code:
+                    raise ServiceUnavailableError("the link to the scheduler broke")
+                if event.end and event.code:  # the scheduler's status for this stream, passed on
                     done = True
-                    await context.abort(STATUS_BY_VALUE[event.code], event.message)
+                    raise RelayedError(STATUS_BY_VALUE[event.code].name, event.message)
                 yield event.response
                 if event.end:
                     done = True
@@ -165,20 +165,23 @@ class FrontendServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             self._link.close(stream_id, cancel=not done)
 
+    @maps_errors()
     async def GetModelInfo(self, request, context):
-        return await self._unary(self._link.generation.GetModelInfo, request, context)
+        return await self._unary(self._link.generation.GetModelInfo, request)
 
+    @maps_errors()
     async def Abort(self, request, context):
-        return await self._unary(self._link.generation.Abort, request, context)
+        return await self._unary(self._link.generation.Abort, request)
 
+    @maps_errors()
     async def GetServerStats(self, request, context):
-        return await self._unary(self._link.generation.GetServerStats, request, context)
+        return await self._unary(self._link.generation.GetServerStats, request)
 
-    async def _unary(self, method, request, context):
+    async def _unary(self, method, request):
         try:
             return await method(request, metadata=self._link.metadata, timeout=30.0)
-        except grpc.aio.AioRpcError as err:
-            await context.abort(err.code(), err.details() or "")
+        except grpc.aio.AioRpcError as err:  # the scheduler's status, passed on
+            raise RelayedError(err.code().name, err.details() or "") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

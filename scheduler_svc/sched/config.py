@@ -1,4 +1,4 @@
-"""Scheduler configuration and the error raised for a request that can never be served."""
+"""Scheduler configuration."""
 
 from __future__ import annotations
 
@@ -7,14 +7,6 @@ from dataclasses import dataclass
 from scheduler_svc.wire.options import option
 
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-class RequestRejectedError(ValueError):
-    """A request the scheduler can never serve; `field` names the offending input."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 @dataclass(frozen=True, slots=True)

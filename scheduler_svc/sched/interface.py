@@ -58,7 +58,7 @@ class SchedulerInterface(Protocol):
         ...
 
     def add_request(self, group: SequenceGroup) -> None:
-        """Queue a request; raises RequestRejectedError when it can never be served."""
+        """Queue a request that passed RequestValidator.check_schedulable (sched/validation.py)."""
         ...
 
     def abort(self, request_id: str) -> bool:

@@ -36,10 +36,10 @@ from collections import deque
 from collections.abc import Callable
 
 from scheduler_svc.kv.block_manager import BlockManager
-from scheduler_svc.kv.kv_manager import AllocStatus, KVCacheManager
+from scheduler_svc.kv.kv_manager import KVCacheManager
 from scheduler_svc.request.beam import BeamState
 from scheduler_svc.request.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
-from scheduler_svc.sched.config import RequestRejectedError, SchedulerConfig
+from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.interface import SchedulerStats
 from scheduler_svc.sched.output_processor import (
     RequestOutput,
@@ -53,7 +53,7 @@ from scheduler_svc.sched.scheduling_pass import SchedulingPass
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import PENDING_TOKEN, StepPlan, StepResult
 
-__all__ = ["RequestRejectedError", "Scheduler", "SchedulerConfig"]
+__all__ = ["Scheduler", "SchedulerConfig"]
 
 
 class Scheduler:
@@ -111,31 +111,16 @@ class Scheduler:
         return SequenceGroup(request_id, [seq], sampling_params, arrival, expected_output_len)
 
     def add_request(self, group: SequenceGroup) -> None:
-        """Queue a one-sequence group (its seq id is assigned here). Raises RequestRejectedError
-        when the request can never be served; nothing else is changed then."""
+        """Queue a one-sequence group (its seq id is assigned here). The group must have passed
+        `RequestValidator.check_schedulable` (sched/validation.py: the engine checks every request
+        there first); only the invariants that keep the scheduler sound are asserted here."""
         params, seq = group.sampling_params, group.seqs[0]
-        if group.request_id in self._groups:
-            raise RequestRejectedError("request_id", f"{group.request_id!r} is already in flight")
-        if len(group.seqs) != 1 or seq.num_tokens == 0:
-            raise RequestRejectedError("prompt", "must be one non-empty token sequence")
-        if seq.prompt_len + params.max_tokens > self.config.max_model_len:
-            raise RequestRejectedError(
-                "max_tokens",
-                f"prompt ({seq.prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {self.config.max_model_len}",
-            )
-        width = max(params.n, params.beam_width)
-        if width > self.config.max_num_seqs:
-            name = "n" if params.n > 1 else "beam_width"
-            raise RequestRejectedError(name, f"{width} exceeds max_num_seqs {self.config.max_num_seqs}")
+        assert group.request_id not in self._groups, f"request {group.request_id!r} is already in flight"
+        assert len(group.seqs) == 1 and seq.num_tokens > 0, "one non-empty token sequence"
+        assert seq.prompt_len + params.max_tokens <= self.config.max_model_len, "longer than max_model_len"
+        assert max(params.n, params.beam_width) <= self.config.max_num_seqs, "wider than max_num_seqs"
         seq.seq_id = self._new_seq_id()
         seq.status = SequenceStatus.WAITING
-        if self.kv.can_allocate(group) is AllocStatus.NEVER:
-            raise RequestRejectedError(
-                "prompt",
-                f"{seq.num_tokens} tokens can never fit in the KV cache "
-                f"({self.kv.num_total_blocks} blocks of {self.kv.block_size} tokens)",
-            )
         group.arrival_index = self._next_arrival_index
         self._next_arrival_index += 1
         group.stop_token_ids = stop_token_ids_of(group, self.config.eos_token_ids)

@@ -18,14 +18,16 @@ import grpc
 from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc
 from scheduler_svc.engine.engine import Engine, RequestStream
 from scheduler_svc.engine.outputs import RequestDelta
-from scheduler_svc.server.servicer import ERROR_CODES, add_request_from_pb, request_delta_to_pb
-from scheduler_svc.wire.convert import error_status
+from scheduler_svc.server.servicer import add_request_from_pb, request_delta_to_pb
+from scheduler_svc.wire.convert import error_status, maps_errors
+from scheduler_svc.wire.errors import RequestFailedError, ServiceUnavailableError
 
 
 class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
     def __init__(self, engine: Engine):
         self._engine = engine
 
+    @maps_errors()
     async def Streams(self, request_iterator, context):
         link = _Link(self._engine)
         reader = asyncio.ensure_future(link.read(request_iterator))
@@ -79,7 +81,7 @@ class _Link:
         try:
             stream = add_request_from_pb(self._engine, request)
         except Exception as exc:  # noqa: BLE001 - sent to the front-end as the stream's status
-            self._end(stream_id, *error_status(ERROR_CODES, exc))
+            self._end(stream_id, *error_status(exc))
             return
         self._streams[stream_id] = stream
         stream.set_sink(lambda delta: self._on_delta(stream_id, delta))
@@ -87,8 +89,8 @@ class _Link:
     def _on_delta(self, stream_id: int, delta: RequestDelta) -> None:
         if delta.error is not None:
             self._streams.pop(stream_id, None)
-            code = grpc.StatusCode.UNAVAILABLE if delta.unavailable else grpc.StatusCode.ABORTED
-            self._end(stream_id, code, delta.error)
+            error = (ServiceUnavailableError if delta.unavailable else RequestFailedError)(delta.error)
+            self._end(stream_id, *error_status(error))
             return
         event = self._batch.events.add(stream_id=stream_id, end=delta.finished)
         request_delta_to_pb(delta, event.response)

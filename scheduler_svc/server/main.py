@@ -21,12 +21,14 @@ from tokenizers import Tokenizer
 from protos.pagedserve.v1 import frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine.api import RecoveryOptions
 from scheduler_svc.engine.api import Tokenizer as EngineTokenizer
-from scheduler_svc.engine.engine import Engine, InvalidRequestError, ModelLimits
+from scheduler_svc.engine.engine import Engine, ModelLimits
 from scheduler_svc.engine.executor_client import ExecutorPool
 from scheduler_svc.sched.kv_policies import PAGED, POLICIES, check_policy_options, make_kv_manager
 from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.sched.validation import MAX_BEAM_WIDTH, MAX_N, RequestLimits, RequestValidator
 from scheduler_svc.server.frontend_link import FrontendLinkServicer
 from scheduler_svc.server.servicer import GenerationServicer
+from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.grpc_serving import (
     MAX_MESSAGE_BYTES,
     ApiServerOptions,
@@ -36,7 +38,6 @@ from scheduler_svc.wire.grpc_serving import (
     start_grpc_server,
 )
 from scheduler_svc.wire.options import add_arguments, borrow, from_args, option, parse_args_with_config
-from scheduler_svc.wire.sampling_params import MAX_BEAM_WIDTH, MAX_N
 
 GC_GEN0_THRESHOLD = 20_000
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -115,8 +116,6 @@ async def build_engine(opts: ServeOptions) -> Engine:
         num_gpu_blocks=num_gpu_blocks,
         num_cpu_blocks=num_cpu_blocks,
         eos_token_ids=tuple(eos),
-        max_n=opts.max_n,
-        max_beam_width=opts.max_beam_width,
         world_size=len(ranks),
     )
     tokenizer_file = pathlib.Path(opts.model) / "tokenizer.json"
@@ -133,7 +132,9 @@ async def build_engine(opts: ServeOptions) -> Engine:
         metrics.serve(opts.metrics_port, addr=opts.host)
     recovery = RecoveryOptions(recovery_timeout_s=opts.recovery_timeout_s)
     scheduler = Scheduler(config, make_kv_manager(config, opts.kv_policy))
-    return Engine(scheduler, pool, tokenizer, limits, metrics, recovery, opts.async_scheduling)
+    request_limits = RequestLimits(max_n=opts.max_n, max_beam_width=opts.max_beam_width)
+    validator = RequestValidator(request_limits, limits.vocab_size, config, scheduler.kv)
+    return Engine(scheduler, pool, tokenizer, limits, validator, metrics, recovery, opts.async_scheduling)
 
 
 def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
@@ -146,8 +147,8 @@ def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
         num_cpu_blocks=limits.num_cpu_blocks,
         vocab_size=limits.vocab_size,
         eos_token_ids=limits.eos_token_ids,
-        max_n=limits.max_n,
-        max_beam_width=limits.max_beam_width,
+        max_n=engine.validator.limits.max_n,
+        max_beam_width=engine.validator.limits.max_beam_width,
         world_size=limits.world_size,
         preemption_mode=config.preemption_mode,
         enable_prefix_caching=config.enable_prefix_caching,

@@ -7,26 +7,12 @@ step plan.
 
 from __future__ import annotations
 
-import grpc
-
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from scheduler_svc.engine.engine import (
-    Engine,
-    InvalidRequestError,
-    RequestFailedError,
-    RequestStream,
-    ServiceUnavailableError,
-)
+from scheduler_svc.engine.engine import Engine, RequestStream
 from scheduler_svc.engine.outputs import OutputDelta, RequestDelta
 from scheduler_svc.wire.convert import maps_errors, sampling_params_from_pb
-from scheduler_svc.wire.sampling_params import SamplingParamsError
+from scheduler_svc.wire.errors import InvalidRequestError
 
-ERROR_CODES = {
-    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
-    SamplingParamsError: grpc.StatusCode.INVALID_ARGUMENT,
-    RequestFailedError: grpc.StatusCode.ABORTED,
-    ServiceUnavailableError: grpc.StatusCode.UNAVAILABLE,  # draining, or the executors are down
-}
 FINISH_REASONS = {
     None: generation_pb2.FINISH_REASON_UNSPECIFIED,
     "length": generation_pb2.FINISH_REASON_LENGTH,
@@ -76,11 +62,8 @@ def prompt_from_pb(request: generation_pb2.GenerateRequest) -> str | list[int]:
 
 
 def add_request_from_pb(engine: Engine, request: generation_pb2.GenerateRequest) -> RequestStream:
-    """Validates a GenerateRequest and queues it (raises the errors of ERROR_CODES)."""
-    limits = engine.limits
-    params = sampling_params_from_pb(
-        request.sampling, max_n=limits.max_n, max_beam_width=limits.max_beam_width
-    )
+    """Queues a GenerateRequest (the engine validates it); raises the API's errors (wire/errors.py)."""
+    params = sampling_params_from_pb(request.sampling)
     return engine.add_request(prompt_from_pb(request), params, request.request_id)
 
 
@@ -89,7 +72,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._engine = engine
         self._model_info = model_info
 
-    @maps_errors(ERROR_CODES)
+    @maps_errors()
     async def Generate(self, request, context):
         stream = add_request_from_pb(self._engine, request)
         finished = False
@@ -102,15 +85,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if not finished:  # cancelled by the client, or the stream broke: free the request
                 stream.abort()
 
-    @maps_errors(ERROR_CODES)
+    @maps_errors()
     async def GetModelInfo(self, request, context):
         return self._model_info
 
-    @maps_errors(ERROR_CODES)
+    @maps_errors()
     async def Abort(self, request, context):
         return generation_pb2.AbortResponse(found=self._engine.abort(request.request_id))
 
-    @maps_errors(ERROR_CODES)
+    @maps_errors()
     async def GetServerStats(self, request, context):
         stats = self._engine.stats()
         return generation_pb2.GetServerStatsResponse(

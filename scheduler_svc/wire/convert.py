@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from itertools import chain, islice
 from operator import attrgetter
 
 import grpc
 
 from protos.pagedserve.v1 import executor_pb2, generation_pb2
+from scheduler_svc.wire.errors import ApiError
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, SampledToken, StepPlan, StepResult
 from scheduler_svc.wire.worker_description import WorkerDescription
@@ -46,11 +47,9 @@ def sampling_params_to_pb(params: SamplingParams) -> generation_pb2.SamplingPara
     return msg
 
 
-def sampling_params_from_pb(msg: generation_pb2.SamplingParameters, **limits: int) -> SamplingParams:
-    """Unset optional fields keep SamplingParams' defaults; raises SamplingParamsError when out of range.
-
-    `limits` are the server's (max_n, max_beam_width).
-    """
+def sampling_params_from_pb(msg: generation_pb2.SamplingParameters) -> SamplingParams:
+    """Unset optional fields keep SamplingParams' defaults; raises InvalidRequestError when a value is
+    out of range (the server's own limits on n and beam width are the request validator's)."""
     kwargs: dict = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
     kwargs.update(
         top_k=msg.top_k,
@@ -60,7 +59,7 @@ def sampling_params_from_pb(msg: generation_pb2.SamplingParameters, **limits: in
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
-    return SamplingParams(**kwargs, **limits)
+    return SamplingParams(**kwargs)
 
 
 def description_to_pb(info: WorkerDescription) -> executor_pb2.DescribeResponse:
@@ -196,7 +195,7 @@ def step_plan_from_pb(msg: executor_pb2.StepPlan) -> StepPlan:
         key = seq.sampling.SerializeToString(deterministic=True)
         if key not in sampling_cache:
             # Limits were checked at the edge; do not re-apply the default ones here.
-            sampling_cache[key] = sampling_params_from_pb(seq.sampling, max_n=2**31, max_beam_width=2**31)
+            sampling_cache[key] = sampling_params_from_pb(seq.sampling)
         new_seqs.append(
             NewSequence(
                 seq_id=seq.seq_id,
@@ -279,26 +278,34 @@ def _pairs_per_sample(counts, token_ids, logprobs, num_samples: int) -> list[lis
     return _split(list(zip(token_ids, logprobs, strict=True)), counts)
 
 
-ErrorCodes = dict[type[BaseException], grpc.StatusCode]
+CallerErrors = Mapping[type[BaseException], str]  # exception types that are not ApiErrors -> status name
 _log = logging.getLogger(__name__)
 
 
-def error_status(codes: ErrorCodes, exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code of an exception type in `codes` (INTERNAL, logged, for any other) and the
-    message the caller gets."""
-    code = next((code for cls, code in codes.items() if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
+def status_name(exc: BaseException, also: CallerErrors | None = None) -> str:
+    """The name of the gRPC status code for `exc`: an ApiError's own `code`; for another exception
+    the code of the first type in `also` it is an instance of, else INTERNAL (a server fault)."""
+    if isinstance(exc, ApiError):
+        return exc.code
+    return next((code for cls, code in (also or {}).items() if isinstance(exc, cls)), "INTERNAL")
+
+
+def error_status(exc: BaseException, also: CallerErrors | None = None) -> tuple[grpc.StatusCode, str]:
+    """The one mapping from an error to what the caller gets: (status code, message). The message
+    is the error's own (an ApiError names its field); INTERNAL errors are logged."""
+    code = grpc.StatusCode[status_name(exc, also)]
     if code is grpc.StatusCode.INTERNAL:
         _log.error("internal error in a gRPC handler", exc_info=exc)
-    return code, str(exc) or type(exc).__name__
+    return code, str(exc) if isinstance(exc, ApiError) else str(exc) or type(exc).__name__
 
 
-def maps_errors(codes: ErrorCodes) -> Callable:
-    """Decorates an async servicer method (unary or server-streaming): an exception of a type in
-    `codes` aborts the call with that status code and the exception's message; any other exception
-    gives INTERNAL (and is logged). The server keeps serving either way."""
+def maps_errors(also: CallerErrors | None = None) -> Callable:
+    """Decorates an async servicer method (unary or server-streaming): an exception aborts the call
+    with the status of `error_status` (ApiErrors their own code, types in `also` theirs, anything
+    else INTERNAL, logged). The server keeps serving either way."""
 
     async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-        await context.abort(*error_status(codes, exc))
+        await context.abort(*error_status(exc, also))
 
     def decorate(method: Callable) -> Callable:
         if inspect.isasyncgenfunction(method):

@@ -1,23 +1,17 @@
-"""Sampling parameters of one request: plain data, validated on construction.
+"""Sampling parameters of one request: plain data, each value checked on construction.
 
-The gRPC edge turns a `SamplingParamsError` into `INVALID_ARGUMENT`; its message names the field.
+An out-of-range value raises `InvalidRequestError` naming the field (INVALID_ARGUMENT at the edge).
+The server's own limits on a request (n, beam width, lengths) are checked by the request validator
+(scheduler_svc/engine/validation.py), not here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-MAX_N = 16
-MAX_BEAM_WIDTH = 16
-MAX_LOGPROBS = 20
+from scheduler_svc.wire.errors import InvalidRequestError
 
-
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; `field` names it."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+MAX_LOGPROBS = 20  # alternatives per step the executor's sampler returns at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,37 +39,32 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     length_penalty: float = 1.0
-    # Limits set by the server configuration (not by the client).
-    max_n: int = field(default=MAX_N, repr=False, compare=False)
-    max_beam_width: int = field(default=MAX_BEAM_WIDTH, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.n <= self.max_n:
-            raise SamplingParamsError("n", f"must be in [1, {self.max_n}], got {self.n}")
-        if not 1 <= self.beam_width <= self.max_beam_width:
-            raise SamplingParamsError(
-                "beam_width", f"must be in [1, {self.max_beam_width}], got {self.beam_width}"
-            )
+        if self.n < 1:
+            raise InvalidRequestError("n", f"must be >= 1, got {self.n}")
+        if self.beam_width < 1:
+            raise InvalidRequestError("beam_width", f"must be >= 1, got {self.beam_width}")
         if self.beam_width > 1 and self.n > 1:
-            raise SamplingParamsError("n", "parallel sampling (n > 1) cannot be combined with beam search")
+            raise InvalidRequestError("n", "parallel sampling (n > 1) cannot be combined with beam search")
         if not (self.temperature >= 0.0 and self.temperature <= 100.0):
-            raise SamplingParamsError("temperature", f"must be in [0, 100], got {self.temperature}")
+            raise InvalidRequestError("temperature", f"must be in [0, 100], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
-            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise SamplingParamsError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+            raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
-            raise SamplingParamsError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise SamplingParamsError("stop", "stop strings must be non-empty strings")
+            raise InvalidRequestError("stop", "stop strings must be non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
-            raise SamplingParamsError("stop_token_ids", "token ids must be >= 0")
+            raise InvalidRequestError("stop_token_ids", "token ids must be >= 0")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise SamplingParamsError("seed", f"must be in [0, 2**63), got {self.seed}")
+            raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise SamplingParamsError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not (self.length_penalty == self.length_penalty):
-            raise SamplingParamsError("length_penalty", "must be a number")
+            raise InvalidRequestError("length_penalty", "must be a number")
 
     @property
     def is_greedy(self) -> bool:

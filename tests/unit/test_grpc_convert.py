@@ -11,7 +11,8 @@ from scheduler_svc.wire.convert import (
     step_result_from_pb,
     step_result_to_pb,
 )
-from scheduler_svc.wire.sampling_params import SamplingParams, SamplingParamsError
+from scheduler_svc.wire.errors import InvalidRequestError
+from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, SampledToken, StepPlan, StepResult
 
 
@@ -89,8 +90,8 @@ def test_unset_sampling_fields_take_the_defaults():
     ("fields", "name"),
     [
         ({"n": 0}, "n"),
-        ({"n": 5}, "n"),
-        ({"beam_width": 9}, "beam_width"),
+        ({"beam_width": 0}, "beam_width"),
+        ({"n": 2, "beam_width": 2}, "n"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -1}, "top_k"),
@@ -100,6 +101,6 @@ def test_unset_sampling_fields_take_the_defaults():
     ],
 )
 def test_out_of_range_sampling_fields_name_the_field(fields, name):
-    with pytest.raises(SamplingParamsError) as info:
-        sampling_params_from_pb(generation_pb2.SamplingParameters(**fields), max_n=4, max_beam_width=8)
+    with pytest.raises(InvalidRequestError) as info:
+        sampling_params_from_pb(generation_pb2.SamplingParameters(**fields))
     assert info.value.field == name

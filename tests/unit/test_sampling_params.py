@@ -1,13 +1,13 @@
 import pytest
 
-from scheduler_svc.wire.sampling_params import SamplingParams, SamplingParamsError
+from scheduler_svc.wire.errors import InvalidRequestError
+from scheduler_svc.wire.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
         ({"n": 0}, "n"),
-        ({"n": 17}, "n"),
         ({"beam_width": 0}, "beam_width"),
         ({"beam_width": 2, "n": 2}, "n"),
         ({"temperature": -0.1}, "temperature"),
@@ -23,16 +23,16 @@ from scheduler_svc.wire.sampling_params import SamplingParams, SamplingParamsErr
     ],
 )
 def test_out_of_range_values_name_their_field(kwargs, field):
-    with pytest.raises(SamplingParamsError) as err:
+    with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**kwargs)
-    assert err.value.field == field
+    assert err.value.field == field and err.value.code == "INVALID_ARGUMENT"
     assert str(err.value).startswith(field + ":")
 
 
-def test_server_limits_apply():
-    with pytest.raises(SamplingParamsError):
-        SamplingParams(n=5, max_n=4)
-    assert SamplingParams(n=4, max_n=4).n == 4
+def test_server_limits_are_not_sampling_values():
+    """n and beam width over the server's limits are the request validator's to refuse
+    (tests/unit/test_request_validation.py): the parameters themselves carry no limit."""
+    assert SamplingParams(n=17).n == 17 and SamplingParams(beam_width=17).beam_width == 17
 
 
 def test_derived_properties():

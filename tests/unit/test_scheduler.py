@@ -3,7 +3,9 @@
 import pytest
 
 from scheduler_svc.request.sequence import FinishReason, SequenceStatus
-from scheduler_svc.sched.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.sched.validation import RequestLimits, RequestValidator
+from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import SampledToken, StepResult
 from tests.unit.test_scheduler_fake_executor import FakeExecutor
@@ -84,16 +86,24 @@ def test_eos_and_stop_token_ids(ignore_eos):
 
 
 def test_request_that_can_never_fit_is_refused_with_a_named_field():
+    """What the scheduler needs of a request is checked before it gets it (check_schedulable)."""
     sched = make(block_size=4, num_gpu_blocks=4, max_model_len=100)
-    with pytest.raises(RequestRejectedError) as err:
-        add(sched, "big", range(17), 0.0, max_tokens=1)
+    validator = RequestValidator(RequestLimits(), 1000, sched.config, sched.kv)
+
+    def add_checked(rid, prompt, **params):
+        group = sched.new_group(rid, list(prompt), SamplingParams(**params), 0.0)
+        validator.check_schedulable(group)
+        sched.add_request(group)
+
+    with pytest.raises(InvalidRequestError) as err:
+        add_checked("big", range(17), max_tokens=1)
     assert err.value.field == "prompt" and isinstance(err.value, ValueError)
-    with pytest.raises(RequestRejectedError) as err:
-        add(sched, "long", range(10), 0.0, max_tokens=91)
+    with pytest.raises(InvalidRequestError) as err:
+        add_checked("long", range(10), max_tokens=91)
     assert err.value.field == "max_tokens"
     assert not sched.has_unfinished() and not sched.waiting
-    add(sched, "ok", range(16), 0.0, max_tokens=1)  # exactly the cache
-    with pytest.raises(RequestRejectedError, match="request_id"):
+    add_checked("ok", range(16), max_tokens=1)  # exactly the cache
+    with pytest.raises(AssertionError, match="already in flight"):  # the engine refuses it first
         add(sched, "ok", range(3), 0.0)
 
 

@@ -3,7 +3,9 @@
 import pytest
 
 from scheduler_svc.request.sequence import FinishReason, SequenceStatus
-from scheduler_svc.sched.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.sched.validation import RequestLimits, RequestValidator
+from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.sampling_params import SamplingParams
 from tests.unit.test_scheduler_fake_executor import FakeExecutor
 
@@ -31,8 +33,9 @@ def _sched(**cfg):
 
 def test_n_over_max_num_seqs_is_refused():
     sched = _sched(max_num_seqs=2)
-    with pytest.raises(RequestRejectedError) as err:
-        sched.add_request(sched.new_group("a", [1, 2], SamplingParams(n=3), 0.0))
+    validator = RequestValidator(RequestLimits(), 100, sched.config, sched.kv)
+    with pytest.raises(InvalidRequestError) as err:
+        validator.check_schedulable(sched.new_group("a", [1, 2], SamplingParams(n=3), 0.0))
     assert err.value.field == "n"
 
 

@@ -10,7 +10,9 @@ from collections import deque
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.sched.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.sched.validation import RequestLimits, RequestValidator
+from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.sampling_params import SamplingParams
 from tests.unit.test_scheduler_fake_executor import FakeExecutor
 
@@ -57,6 +59,7 @@ request = st.tuples(
 )
 def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed, ahead):
     sched = Scheduler(cfg, clock=lambda: 0.0)
+    validator = RequestValidator(RequestLimits(), 40, cfg, sched.kv)
     ex = FakeExecutor(sched, seed=seed, eos_prob=0.03)
     pending = sorted(enumerate(requests), key=lambda r: r[1][4])
     aborts: dict[int, list[str]] = {}
@@ -68,10 +71,12 @@ def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed, 
         while pending and pending[0][1][4] <= step:
             i, (prefix, suffix, max_tokens, (n, beam), _, abort_after) = pending.pop(0)
             params = SamplingParams(n=n, beam_width=beam, max_tokens=max_tokens)
+            group = sched.new_group(f"r{i}", prefix + suffix, params, float(step))
             try:
-                sched.add_request(sched.new_group(f"r{i}", prefix + suffix, params, float(step)))
-            except RequestRejectedError:
+                validator.check_schedulable(group)  # what the engine's validator refuses up front
+            except InvalidRequestError:
                 continue
+            sched.add_request(group)
             accepted.add(f"r{i}")
             if abort_after < 40:
                 aborts.setdefault(step + abort_after, []).append(f"r{i}")

@@ -1,0 +1,111 @@
+"""Every check of one request against this server's limits, in one place.
+
+The engine calls the `RequestValidator` once per request, before the scheduler sees it; a failed
+check raises `InvalidRequestError` naming the field (INVALID_ARGUMENT at the gRPC edge) and nothing
+else changes. Two phases, because a text prompt is tokenized in between:
+
+    check_prompt(prompt)  the prompt is not empty; its token ids lie in the vocabulary
+    check(group)          the server's limits on n and beam width; stop token ids in the vocabulary;
+                          prompt and prompt + max_tokens against the KV cache's size; then
+    check_schedulable     what the scheduler relies on: prompt + max_tokens within max_model_len,
+                          n / beam width within max_num_seqs, room under the KV policy
+
+The values a `SamplingParams` can judge alone (temperature range, ...) it checks on construction.
+The scheduler trusts what passed here (it only asserts its invariants).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.kv.kv_manager import AllocStatus, KVCacheManager
+from scheduler_svc.request.sequence import SequenceGroup
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.wire.errors import InvalidRequestError
+
+MAX_N = 16
+MAX_BEAM_WIDTH = 16
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may ask of this server: set by its configuration (ServeOptions), not by
+    the client; clients read them from GetModelInfo."""
+
+    max_n: int = MAX_N  # parallel samples per request
+    max_beam_width: int = MAX_BEAM_WIDTH
+
+    def __post_init__(self) -> None:
+        if self.max_n < 1 or self.max_beam_width < 1:
+            raise ValueError(f"max_n and max_beam_width must be >= 1: {self.max_n}, {self.max_beam_width}")
+
+
+class RequestValidator:
+    """Checks requests against the server's limits (`limits`), the model's vocabulary, and the
+    scheduler's configuration and KV manager (max model length, max_num_seqs, cache capacity)."""
+
+    def __init__(self, limits: RequestLimits, vocab_size: int, config: SchedulerConfig, kv: KVCacheManager):
+        self.limits = limits
+        self.vocab_size = vocab_size
+        self.config = config
+        self.kv = kv
+        self._cache = f"the KV cache ({config.num_gpu_blocks} blocks of {config.block_size} tokens)"
+
+    def check_prompt(self, prompt: str | list[int]) -> None:
+        """The prompt as the client sent it: text, or token ids."""
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if isinstance(prompt, str):
+            return
+        vocab = self.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "prompt.token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+
+    def check(self, group: SequenceGroup) -> None:
+        """A new one-sequence group (scheduler.new_group) with its tokenized prompt."""
+        params, limits, config = group.sampling_params, self.limits, self.config
+        if params.n > limits.max_n:
+            raise InvalidRequestError("n", f"must be in [1, {limits.max_n}], got {params.n}")
+        if params.beam_width > limits.max_beam_width:
+            raise InvalidRequestError(
+                "beam_width", f"must be in [1, {limits.max_beam_width}], got {params.beam_width}"
+            )
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
+        prompt_len = group.prompt_len
+        if self._num_blocks(prompt_len) > config.num_gpu_blocks:
+            raise InvalidRequestError("prompt", f"{prompt_len} tokens can never fit in {self._cache}")
+        total_len = prompt_len + params.max_tokens
+        if total_len <= config.max_model_len and self._num_blocks(total_len) > config.num_gpu_blocks:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
+                f"can never fit in {self._cache}",
+            )
+        self.check_schedulable(group)
+
+    def check_schedulable(self, group: SequenceGroup) -> None:
+        """What the scheduler needs of every group it is given (`check` includes it): the model's
+        length, max_num_seqs, and room in an empty cache under the KV policy. Tests and simulations
+        that drive a Scheduler without the engine call this alone (their requests may outgrow the
+        cache on purpose)."""
+        params, config = group.sampling_params, self.config
+        prompt_len = group.prompt_len
+        if prompt_len + params.max_tokens > config.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {config.max_model_len}",
+            )
+        width = max(params.n, params.beam_width)
+        if width > config.max_num_seqs:
+            name = "n" if params.n > 1 else "beam_width"
+            raise InvalidRequestError(name, f"{width} exceeds max_num_seqs {config.max_num_seqs}")
+        if self.kv.can_allocate(group) is AllocStatus.NEVER:  # the policy's own reservation
+            raise InvalidRequestError("prompt", f"{prompt_len} tokens can never fit in {self._cache}")
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
