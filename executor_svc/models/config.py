@@ -22,6 +22,7 @@ ARCHITECTURE_FAMILIES = {
 }
 MODEL_TYPE_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "opt": "opt"}
 
+# the names of runner/cache_config.DTYPE_NAMES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from executor_svc.models.config import DTYPES
-from executor_svc.runner.kv_cache import CacheConfig
+from executor_svc.runner.cache_config import DTYPE_NAMES, CacheConfig
 from scheduler_svc.wire.options import option
 
 _CACHE_DEFAULTS = CacheConfig()
@@ -37,8 +36,8 @@ class WorkerConfig:
     step_trace_path: str | None = option(None, "rank 0 appends one line per step here (worker/step_trace.py)")
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         self.cache_config  # noqa: B018 - validates the cache fields now, not at first use

@@ -18,8 +18,10 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 RANK_FROM_POD_NAME = "PAGEDSERVE_RANK_FROM_POD_NAME"
 _ORDINAL = re.compile(r"-(\d+)$")
@@ -74,6 +76,8 @@ def resolve_distributed(
 
 def rank_device(device: str | None, rank: int, environ: Mapping[str, str] = os.environ) -> str:
     """The device string this rank runs on ("cpu", "cuda:N"); selects the GPU as current device."""
+    import torch  # here, not at import: the launcher reads this module's config without torch
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda:"):  # named explicitly
         torch.cuda.set_device(torch.device(device))
@@ -89,6 +93,8 @@ def init_process_group(config: DistributedConfig, device: str) -> None:
     """Joins the executor set's process group (blocks until every rank has joined)."""
     if config.world_size == 1:
         return
+    import torch
+
     kwargs: dict[str, torch.device] = {}
     if device.startswith("cuda"):
         kwargs["device_id"] = torch.device(device)

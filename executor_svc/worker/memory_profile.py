@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.runner.kv_cache import GIB, CacheConfig, KVCache, blocks_from_profile
+from executor_svc.runner.cache_config import CacheConfig
+from executor_svc.runner.kv_cache import GIB, KVCache, blocks_from_profile
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.worker.protocol import MemoryUsage
 

@@ -230,6 +230,19 @@ def test_importing_every_scheduler_module_loads_no_torch(graph):
     assert out.stdout.strip() == "0"
 
 
+def test_the_launcher_and_the_client_library_load_no_torch():
+    """`pagedserve serve` builds the executors' flags from their configs without importing torch
+    (a second of start-up), and the client library never needs it."""
+    code = (
+        "import sys\n"
+        "import clients, clients.cli.serve, clients.cli.generate\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_domain_code_never_imports_generated_protobuf(graph):
     offenders = sorted(
         module
