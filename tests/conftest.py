@@ -1,4 +1,7 @@
-"""Shared fixtures. Add yours below; keep models tiny (the CPU suite runs on two busy cores)."""
+"""Shared fixtures, and a marker per folder: tests/unit `unit` (fast, in-process), tests/service
+`service` (real gRPC servers and processes), tests/gpu `gpu` (skipped without CUDA); `pytest -m unit`
+runs the fast suite. Helpers the tests share live in tests/helpers. Keep models tiny (the CPU suite
+runs on two busy cores)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,26 @@ if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
+
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+FOLDER_MARKERS = ("unit", "service", "gpu")  # the folder under tests/ names the marker
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda_available = None
+    for item in items:
+        path = pathlib.Path(item.path).resolve()
+        folder = path.relative_to(TESTS_DIR).parts[0] if path.is_relative_to(TESTS_DIR) else None
+        if folder not in FOLDER_MARKERS:
+            continue
+        item.add_marker(getattr(pytest.mark, folder))
+        if folder == "gpu":
+            if cuda_available is None:
+                import torch
+
+                cuda_available = torch.cuda.is_available()
+            if not cuda_available:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
 @pytest.fixture(scope="session")

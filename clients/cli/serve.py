@@ -16,10 +16,13 @@ import argparse
 import json
 import os
 import pathlib
+import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -156,21 +159,54 @@ def frontend_command(args: argparse.Namespace, engine_target: str) -> list[str]:
     return [sys.executable, "-m", "scheduler_svc.frontend.main", *options.to_argv(frontend)]
 
 
+LISTENING = re.compile(r" listening on \S+:(\d+)")  # the line a server prints once it serves
+
+
+def start_listening(cmd: list[str], timeout_s: float) -> tuple[subprocess.Popen, int]:
+    """Starts a server process (its stdout passed through to this process's file descriptor 1, as if
+    inherited) and returns it with the port it prints it listens on: the one it picked when asked
+    for port 0."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    ports: queue.Queue[int] = queue.Queue()
+
+    def pass_through() -> None:
+        assert proc.stdout is not None and sys.__stdout__ is not None
+        for line in proc.stdout:
+            sys.__stdout__.write(line)
+            sys.__stdout__.flush()
+            if match := LISTENING.search(line):
+                ports.put(int(match[1]))
+
+    threading.Thread(target=pass_through, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return proc, ports.get(timeout=0.2)
+        except queue.Empty:
+            if proc.poll() is not None:
+                raise RuntimeError("a pagedserve process exited during startup (see its log above)") from None
+    stop_all([proc], grace_s=5.0)
+    raise TimeoutError(f"{cmd[2]} did not report listening within {timeout_s:.0f} s")
+
+
 def start_public(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[subprocess.Popen]:
-    """The process(es) clients talk to, on args.host:args.port: the scheduler, or with
-    --api-frontend the scheduler on a loopback port behind an API front-end process (the front-end
-    last: it is the one to drain first)."""
+    """The process(es) clients talk to, on args.host:args.port (args.port 0 becomes the port picked):
+    the scheduler, or with --api-frontend the scheduler on a loopback port behind an API front-end
+    process (the front-end last: it is the one to drain first)."""
+    timeout_s = args.startup_timeout
     if not args.api_frontend:
-        return [subprocess.Popen(scheduler_command(args, model, executor_targets))]
+        scheduler, args.port = start_listening(scheduler_command(args, model, executor_targets), timeout_s)
+        return [scheduler]
     inner = argparse.Namespace(**vars(args))
-    inner.host, inner.port, inner.tls_cert_file, inner.tls_key_file = "127.0.0.1", free_port(), None, None
-    scheduler = subprocess.Popen(scheduler_command(inner, model, executor_targets))
+    inner.host, inner.port, inner.tls_cert_file, inner.tls_key_file = "127.0.0.1", 0, None, None
+    scheduler, inner_port = start_listening(scheduler_command(inner, model, executor_targets), timeout_s)
     try:
-        wait_serving(f"127.0.0.1:{inner.port}", [scheduler], args.startup_timeout)
+        wait_serving(f"127.0.0.1:{inner_port}", [scheduler], timeout_s)
+        frontend, args.port = start_listening(frontend_command(args, f"127.0.0.1:{inner_port}"), timeout_s)
     except BaseException:
         stop_all([scheduler], grace_s=5.0)
         raise
-    return [scheduler, subprocess.Popen(frontend_command(args, f"127.0.0.1:{inner.port}"))]
+    return [scheduler, frontend]
 
 
 def check_options(args: argparse.Namespace) -> str | None:

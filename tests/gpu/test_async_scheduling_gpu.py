@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from scheduler_svc.wire.sampling_params import SamplingParams
-from tests.unit.test_worker_with_scheduler import hf_greedy_tokens, prompts, run
+from tests.helpers.worker import hf_greedy_tokens, prompts, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -4,21 +4,15 @@ separate processes, stopped by SIGTERM)."""
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
-from clients.cli.serve import free_port
 from clients.client import Client
-from tests.service.test_grpc_stack import Stack
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.helpers.processes import EXECUTORS, ROOT, free_port, serve
+from tests.helpers.stack import Stack
 
 
 def _cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
@@ -28,18 +22,6 @@ def _cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=timeout_s,
-    )
-
-
-def _serve(*args: str, env: dict | None = None) -> subprocess.Popen:
-    """`pagedserve serve ARGS` in the background, stdout and stderr merged into proc.stdout."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "clients.cli", "serve", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
 
 
@@ -98,28 +80,16 @@ def test_generate_streams_text_and_reports_errors(stack):
     assert _cli("generate", "--prompt-ids", "1,x").returncode == 2
 
 
-def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> list[str]:
-    lines, deadline = [], time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        if marker in line:
-            return lines
-    raise AssertionError(f"no {marker!r} in launcher output: {''.join(lines)}")
-
-
 def test_serve_starts_both_processes_with_the_default_model_and_stops_on_sigterm(tmp_path):
-    port, metrics_port = free_port(), free_port()
-    env = dict(os.environ, PAGEDSERVE_CACHE=str(tmp_path / "cache"))
-    proc = _serve(
-        "--port", str(port), "--device", "cpu", "--num-gpu-blocks", "64", "--num-cpu-blocks", "16",
-        "--metrics-port", str(metrics_port), "--preemption", "swap", env=env,
+    metrics_port = free_port()  # printed by the launcher before the scheduler binds it
+    env = {"PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    proc, public = serve(
+        ["--device", "cpu", "--num-gpu-blocks", "64", "--num-cpu-blocks", "16",
+         "--metrics-port", str(metrics_port), "--preemption", "swap"], tmp_path / "serve.log", env,
     )
+    port = public.rsplit(":", 1)[1]
     try:
-        lines = _read_until(proc, "executors (pagedserve.v1.Executor):", timeout_s=150)
-        executor_target = lines[-1].split(": ", 1)[1].strip()
+        executor_target = proc.wait_for(EXECUTORS, timeout_s=150)[1].strip()
         assert (tmp_path / "cache" / "tiny-llama" / "tokenizer.json").exists()
         out = _cli(
             "generate",
@@ -137,14 +107,13 @@ def test_serve_starts_both_processes_with_the_default_model_and_stops_on_sigterm
         with Client(f"localhost:{port}") as client:
             info = client.model_info()
         assert (info.num_gpu_blocks, info.num_cpu_blocks, info.preemption_mode) == (64, 16, "swap")
-        assert f"metrics: http://localhost:{metrics_port}/metrics" in "".join(lines)
+        assert f"metrics: http://localhost:{metrics_port}/metrics" in proc.output()
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
             scraped = reply.read().decode()
         assert "pagedserve:gpu_blocks_total 64.0" in scraped
         assert 'pagedserve:requests_finished_total{reason="length"} 1.0' in scraped
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=30)
+        rc = proc.stop(timeout_s=30)
     assert rc == 0
     from scheduler_svc.wire.grpc_serving import health_status
 
@@ -152,25 +121,23 @@ def test_serve_starts_both_processes_with_the_default_model_and_stops_on_sigterm
     assert health_status(executor_target) == "UNAVAILABLE"
 
 
-def test_serve_with_two_tensor_parallel_ranks_gives_the_same_tokens(tiny_llama_dir, stack):
-    port = free_port()
-    proc = _serve(
-        "--model", str(tiny_llama_dir), "--port", str(port), "--device", "cpu",
-        "--tensor-parallel-size", "2", "--num-gpu-blocks", "64",
+def test_serve_with_two_tensor_parallel_ranks_gives_the_same_tokens(tiny_llama_dir, stack, tmp_path):
+    proc, public = serve(
+        ["--model", str(tiny_llama_dir), "--device", "cpu", "--tensor-parallel-size", "2",
+         "--num-gpu-blocks", "64"], tmp_path / "serve.log",
     )
     try:
-        lines = _read_until(proc, "executors (pagedserve.v1.Executor):", timeout_s=150)
-        assert len(lines[-1].split(": ", 1)[1].split(", ")) == 2
+        executors = proc.wait_for(EXECUTORS, timeout_s=150)[1]
+        assert len(executors.split(", ")) == 2
         prompts = [[5, 6, 7, 8], list(range(20, 61))]
-        with Client(f"localhost:{port}") as client:
+        with Client(public) as client:
             assert client.model_info().world_size == 2
             two_ranks = [
                 client.generate(p, max_tokens=12, temperature=0.0).outputs[0].token_ids for p in prompts
             ]
             seeded = client.generate(prompts[1], max_tokens=8, n=2, seed=4).outputs
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=30)
+        rc = proc.stop(timeout_s=30)
     assert rc == 0
     with Client(stack.target) as client:
         one_rank = [client.generate(p, max_tokens=12, temperature=0.0).outputs[0].token_ids for p in prompts]
@@ -179,24 +146,24 @@ def test_serve_with_two_tensor_parallel_ranks_gives_the_same_tokens(tiny_llama_d
     assert [o.token_ids for o in seeded] == [o.token_ids for o in seeded_one]
 
 
-def test_serve_with_an_api_frontend_gives_the_same_tokens_and_stops_on_sigterm(tiny_llama_dir, stack):
-    port = free_port()
-    proc = _serve(
-        "--model", str(tiny_llama_dir), "--port", str(port), "--device", "cpu", "--num-gpu-blocks", "64",
-        "--api-frontend",
+def test_serve_with_an_api_frontend_gives_the_same_tokens_and_stops_on_sigterm(
+    tiny_llama_dir, stack, tmp_path
+):
+    proc, public = serve(
+        ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-gpu-blocks", "64", "--api-frontend"],
+        tmp_path / "serve.log",
     )
     prompts = [[5, 6, 7, 8], list(range(20, 61))]
     try:
-        lines = _read_until(proc, "executors (pagedserve.v1.Executor):", timeout_s=150)
-        assert any("api front-end listening on" in line for line in lines)
-        with Client(f"localhost:{port}") as client:
+        proc.wait_for(EXECUTORS, timeout_s=150)
+        assert "api front-end listening on" in proc.output()
+        with Client(public) as client:
             via_frontend = [
                 client.generate(p, max_tokens=12, temperature=0.0).outputs[0].token_ids for p in prompts
             ]
             assert client.stats().num_free_gpu_blocks == 64
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=60)
+        rc = proc.stop(timeout_s=60)
     assert rc == 0
     with Client(stack.target) as client:
         direct = [client.generate(p, max_tokens=12, temperature=0.0).outputs[0].token_ids for p in prompts]

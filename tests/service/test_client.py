@@ -12,7 +12,7 @@ import pytest
 from clients.client import AsyncClient, Client, _delta_from_pb, build_request
 from clients.results import GenerationResult
 from protos.pagedserve.v1 import generation_pb2
-from tests.service.test_grpc_stack import Stack
+from tests.helpers.stack import Stack
 
 
 def test_build_request_sets_only_what_is_given():

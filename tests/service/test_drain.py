@@ -5,14 +5,15 @@ end with UNAVAILABLE (never hang) and the process exits."""
 from __future__ import annotations
 
 import signal
-import time
 
 import grpc
 import pytest
 
 from clients.client import Client
-from tests.service.test_grpc_stack import Stack
-from tests.service.test_recovery import ServerProcesses, _generate_all, wait_health
+from tests.helpers.generation import generate_all
+from tests.helpers.processes import ServerProcesses
+from tests.helpers.stack import Stack
+from tests.helpers.wait import wait_health, wait_until
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(tiny_llama_dir, tmp_path):
@@ -20,10 +21,8 @@ def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(tiny_llama_
     params = dict(max_tokens=100, temperature=0.0, ignore_eos=True)
     with ServerProcesses(tiny_llama_dir, tmp_path, ["--drain-grace-period-s", "60"]) as procs:
         progress = [0] * len(prompts)
-        threads, results = _generate_all(procs.target, prompts, params, progress)
-        deadline = time.monotonic() + 60
-        while min(progress) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        threads, results = generate_all(procs.target, prompts, params, progress)
+        wait_until(lambda: min(progress) >= 3, 60, 0.01, "3 tokens on every stream")
         assert min(progress) >= 3 and max(progress) < params["max_tokens"], progress
         procs.scheduler.send_signal(signal.SIGTERM)
         assert wait_health(procs.target, "NOT_SERVING", 10) == "NOT_SERVING"

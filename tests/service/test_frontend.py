@@ -7,14 +7,14 @@ for many streams."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
 
 from clients.client import AsyncClient, Client
-from tests.service.test_grpc_generation import MAX_TOKENS, PROMPTS, _run_batch
-from tests.service.test_grpc_stack import Stack, _health
+from tests.helpers.generation import MAX_TOKENS, PROMPTS, run_batch
+from tests.helpers.stack import Stack, health
+from tests.helpers.wait import wait_until
 
 
 class FrontendStack(Stack):
@@ -30,7 +30,7 @@ class FrontendStack(Stack):
         self.target = f"127.0.0.1:{port}"
 
     def frontend_link_up(self) -> bool:
-        return _health(self.target, "") == "SERVING"
+        return health(self.target, "") == "SERVING"
 
     async def _stop(self) -> None:
         await self.frontend.stop(0.5)
@@ -46,8 +46,8 @@ def frontend_stack(tiny_llama_dir):
 
 def test_front_end_streams_the_tokens_of_a_direct_connection(tiny_llama_dir, frontend_stack):
     with Stack(tiny_llama_dir, num_gpu_blocks=14, num_cpu_blocks=14) as direct:
-        expected = asyncio.run(_run_batch(direct.target))
-    got = asyncio.run(_run_batch(frontend_stack.target))
+        expected = asyncio.run(run_batch(direct.target))
+    got = asyncio.run(run_batch(frontend_stack.target))
     assert got == expected
     assert frontend_stack.engine.stats().num_preemptions > 0  # a tiny cache: preemption happened
     with Client(frontend_stack.target) as client:
@@ -147,10 +147,7 @@ def test_a_broken_link_ends_streams_unavailable_and_reconnects_to_a_restarted_sc
 
         assert not stack.frontend_link_up()  # NOT_SERVING while the scheduler is gone
         stack.run(restart_scheduler())
-        deadline = time.monotonic() + 10
-        while not stack.frontend_link_up():  # the front-end reconnects on its own
-            assert time.monotonic() < deadline, "the front-end did not reconnect"
-            time.sleep(0.05)
+        wait_until(stack.frontend_link_up, 10, 0.05, "the front-end to reconnect")  # on its own
         with Client(stack.target) as client:
             assert len(client.generate(PROMPTS[0], max_tokens=5, temperature=0.0).outputs[0].token_ids) == 5
 
@@ -159,10 +156,8 @@ def test_front_end_health_follows_the_schedulers(frontend_stack):
     """The scheduler NOT_SERVING (draining, recovering) makes the front-end NOT_SERVING too."""
 
     def wait_for(status: str) -> None:
-        deadline = time.monotonic() + 10
-        while _health(frontend_stack.target, "") != status:
-            assert time.monotonic() < deadline, f"the front-end never reported {status}"
-            time.sleep(0.1)
+        reported = lambda: health(frontend_stack.target, "") == status
+        wait_until(reported, 10, 0.1, f"the front-end to report {status}")
 
     frontend_stack.run(frontend_stack.scheduler.health.set_serving(False))
     wait_for("NOT_SERVING")

@@ -5,31 +5,13 @@ prefix caching), seeded sampling across all of those, n=4 block sharing, and bea
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 import torch
 
 from clients.client import AsyncClient
-from tests.service.test_grpc_stack import Stack
-
-MAX_TOKENS = 24
-SHARED_PREFIX = [random.Random(7).randrange(3, 512) for _ in range(40)]
-
-
-def _prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 9, 17, 31, 48, 70)]
-    prompts += [SHARED_PREFIX + [5, 6, 7], SHARED_PREFIX + [9, 10]]  # a common prefix of 2.5 blocks
-    return prompts
-
-
-PROMPTS = _prompts()
-SEEDED = [  # (prompt index, sampling parameters)
-    (1, dict(temperature=0.8, seed=11)),
-    (4, dict(temperature=1.0, top_k=20, seed=12)),
-    (6, dict(temperature=0.7, top_p=0.9, seed=13, n=3)),
-]
+from tests.helpers.generation import MAX_TOKENS, PROMPTS, run_batch
+from tests.helpers.stack import Stack
 
 
 @pytest.fixture(scope="module")
@@ -52,18 +34,6 @@ def hf_greedy(hf_model) -> list[list[int]]:
     return outputs
 
 
-async def _run_batch(target: str) -> tuple[list[list[int]], list[list[list[int]]], list[str]]:
-    """Every prompt greedily and the seeded requests, all sent at once."""
-    async with AsyncClient(target) as client:
-        greedy = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0.0) for p in PROMPTS]
-        seeded = [client.generate(PROMPTS[i], max_tokens=MAX_TOKENS, **params) for i, params in SEEDED]
-        results = await asyncio.gather(*greedy, *seeded)
-    greedy_ids = [r.outputs[0].token_ids for r in results[: len(PROMPTS)]]
-    seeded_ids = [[o.token_ids for o in r.outputs] for r in results[len(PROMPTS) :]]
-    reasons = [o.finish_reason for r in results for o in r.outputs]
-    return greedy_ids, seeded_ids, reasons
-
-
 def _assert_all_blocks_free(stack: Stack) -> None:
     from clients.client import Client
 
@@ -79,7 +49,7 @@ def _assert_all_blocks_free(stack: Stack) -> None:
 def reference(tiny_llama_dir):
     """Outputs with a KV cache big enough that nothing is preempted."""
     with Stack(tiny_llama_dir, num_gpu_blocks=256) as stack:
-        greedy, seeded, reasons = asyncio.run(_run_batch(stack.target))
+        greedy, seeded, reasons = asyncio.run(run_batch(stack.target))
         preemptions = stack.engine.stats().num_preemptions
         _assert_all_blocks_free(stack)
     return greedy, seeded, reasons, preemptions
@@ -106,7 +76,7 @@ def test_same_outputs_when_a_tiny_cache_forces_preemption(
         preemption=preemption,
         enable_prefix_caching=prefix_caching,
     ) as stack:
-        greedy, seeded, _ = asyncio.run(_run_batch(stack.target))
+        greedy, seeded, _ = asyncio.run(run_batch(stack.target))
         stats = stack.engine.stats()
         _assert_all_blocks_free(stack)
     assert stats.num_preemptions > 0

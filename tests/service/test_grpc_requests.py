@@ -5,6 +5,7 @@ strings, logprobs and streaming behave as documented."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 
@@ -12,7 +13,8 @@ import grpc
 import pytest
 
 from clients.client import AsyncClient, Client
-from tests.service.test_grpc_stack import Stack
+from tests.helpers.stack import Stack
+from tests.helpers.wait import WaitTimeout, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +24,20 @@ def stack(tiny_llama_dir):
 
 
 def _wait_idle(client: Client, timeout_s: float = 10.0):
+    """(model info, stats) once the server is idle with every block free, or with the last stats
+    after `timeout_s` (the callers assert on them)."""
     info = client.model_info()
-    deadline = time.monotonic() + timeout_s
-    while True:
+    last: list = []
+
+    def idle() -> bool:
         stats = client.stats()
-        idle = (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
-        if idle and stats.num_free_gpu_blocks == info.num_gpu_blocks or time.monotonic() > deadline:
-            return info, stats
-        time.sleep(0.02)
+        last[:] = [stats]
+        busy = (stats.num_running, stats.num_waiting, stats.num_swapped) != (0, 0, 0)
+        return not busy and stats.num_free_gpu_blocks == info.num_gpu_blocks
+
+    with contextlib.suppress(WaitTimeout):
+        wait_until(idle, timeout_s, 0.02, "an idle server")
+    return info, last[0]
 
 
 INVALID = [

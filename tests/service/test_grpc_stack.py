@@ -1,78 +1,15 @@
-"""A real pagedserve stack on localhost for the gRPC tests (executor server + scheduler server, each a
-grpc.aio server, in one background event loop), and the tests of the service plumbing itself:
-health, reflection, the Executor API's step ordering."""
+"""The service plumbing of an in-process stack (tests.helpers.stack): health, reflection, the
+Executor API's step ordering, a dead engine loop."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from dataclasses import replace
 
 import grpc
 import pytest
 
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
-
-
-class Stack:
-    """`with Stack(model_dir, num_gpu_blocks=...) as stack:` serves on `stack.target`."""
-
-    def __init__(self, model_dir, num_gpu_blocks: int = 256, num_cpu_blocks: int = 256, **options):
-        self.model_dir = str(model_dir)
-        self.num_gpu_blocks = num_gpu_blocks
-        self.num_cpu_blocks = num_cpu_blocks
-        self.serve_kwargs = options.pop("serve_kwargs", {})  # start_scheduler_server's (TLS, auth)
-        self.options = options
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    def run(self, coro, timeout_s: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    async def _start(self) -> None:
-        from executor_svc.server.main import start_executor_server
-        from executor_svc.worker.worker import Worker, WorkerConfig
-        from scheduler_svc.server.main import ServeOptions, build_engine, start_scheduler_server
-
-        worker = Worker(
-            WorkerConfig(
-                model_dir=self.model_dir,
-                device="cpu",
-                num_gpu_blocks=self.num_gpu_blocks,
-                num_cpu_blocks=self.num_cpu_blocks,
-            )
-        )
-        self.executor_server, port = await start_executor_server(worker)
-        self.executor_target = f"127.0.0.1:{port}"
-        opts = ServeOptions(model=self.model_dir, executors=(self.executor_target,), port=0)
-        self.engine = await build_engine(replace(opts, **self.options))
-        self.scheduler = await start_scheduler_server(self.engine, "127.0.0.1", 0, **self.serve_kwargs)
-        self.target = f"127.0.0.1:{self.scheduler.port}"
-
-    async def _stop(self) -> None:
-        await self.scheduler.stop(0.5)
-        await self.executor_server.stop(0.5)
-
-    def __enter__(self) -> Stack:
-        self._thread.start()
-        self.run(self._start())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            self.run(self._stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-            self.loop.close()
-
-    def check_integrity(self) -> None:
-        """The scheduler's block manager invariants (run on the engine's loop, between steps)."""
-
-        async def check() -> None:
-            self.engine.scheduler.kv.check_integrity()
-
-        self.run(check())
+from tests.helpers.stack import Stack, health
 
 
 @pytest.fixture(scope="module")
@@ -81,23 +18,13 @@ def stack(tiny_llama_dir):
         yield running
 
 
-def _health(target: str, service: str) -> str:
-    health_pb2 = pytest.importorskip("grpc_health.v1.health_pb2")
-    health_pb2_grpc = pytest.importorskip("grpc_health.v1.health_pb2_grpc")
-    with grpc.insecure_channel(target) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5
-        )
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-
 def test_health_is_serving_on_both_services(stack):
-    assert _health(stack.target, "") == "SERVING"
-    assert _health(stack.target, "pagedserve.v1.Generation") == "SERVING"
-    assert _health(stack.executor_target, "") == "SERVING"
-    assert _health(stack.executor_target, "pagedserve.v1.Executor") == "SERVING"
+    assert health(stack.target, "") == "SERVING"
+    assert health(stack.target, "pagedserve.v1.Generation") == "SERVING"
+    assert health(stack.executor_target, "") == "SERVING"
+    assert health(stack.executor_target, "pagedserve.v1.Executor") == "SERVING"
     with pytest.raises(grpc.RpcError) as info:
-        _health(stack.target, "no.such.Service")
+        health(stack.target, "no.such.Service")
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 

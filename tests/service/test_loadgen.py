@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from tests.service.test_grpc_stack import Stack
+from tests.helpers.stack import Stack
 
 DURATION_S = float(os.environ.get("PAGEDSERVE_LOADGEN_DURATION_S", "8"))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -15,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from clients.client import Client
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from scheduler_svc.engine.metrics import PREFIX, exported_metric_names
-from tests.service.test_grpc_stack import Stack
+from tests.helpers.stack import Stack
+from tests.helpers.wait import wait_until
 
 
 def scrape(port: int, prefix: str = PREFIX) -> dict[tuple[str, tuple], float]:
@@ -109,10 +109,12 @@ def test_metrics_agree_with_the_requests_served(tiny_llama_dir):
         stream = client.stream([5, 6, 7], max_tokens=150, ignore_eos=True)
         next(stream)
         stream.close()
-        deadline = time.monotonic() + 10
-        while diff(cancelled := scrape(port), shared, "requests_finished_total", reason="abort") < 1:
-            assert time.monotonic() < deadline, "the abort was not counted"
-            time.sleep(0.05)
+
+        def counted() -> dict | None:  # the scrape once the abort is in it
+            scraped = scrape(port)
+            return scraped if diff(scraped, shared, "requests_finished_total", reason="abort") >= 1 else None
+
+        cancelled = wait_until(counted, 10, 0.05, "the abort to be counted")
         assert diff(cancelled, shared, "requests_finished_total", reason="abort") == 1
 
 

@@ -1,100 +1,25 @@
 """Executor failure: the scheduler keeps accepted requests (NOT_SERVING, new ones UNAVAILABLE),
 resets the executor once it is back and recomputes every request, so streams continue with no
-token lost or repeated; past --recovery-timeout-s requests end with UNAVAILABLE.
-
-`ServerProcesses` (an executor and a scheduler as real processes on loopback) is shared by the
-drain and load-generator tests."""
+token lost or repeated; past --recovery-timeout-s requests end with UNAVAILABLE."""
 
 from __future__ import annotations
 
 import os
 import pathlib
 import signal
-import subprocess
-import sys
-import threading
-import time
 import urllib.request
 
 import grpc
 import pytest
 
-from clients.cli.serve import free_port
 from clients.client import Client
 from scheduler_svc.request.sequence import SequenceStatus
 from scheduler_svc.wire.grpc_serving import health_status
-from tests.service.test_grpc_stack import Stack
-from tests.unit.test_scheduler import add, answer, make
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def wait_health(target: str, wanted: str, timeout_s: float = 60.0, procs=()) -> str:
-    deadline = time.monotonic() + timeout_s
-    while (status := health_status(target, timeout_s=1.0)) != wanted and time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a process exited while waiting for {target} to be {wanted}")
-        time.sleep(0.1)
-    return status
-
-
-class ServerProcesses:
-    """`python -m executor_svc.server.main` (CPU) and `python -m scheduler_svc.server.main` on loopback."""
-
-    def __init__(self, model_dir, log_dir: pathlib.Path, scheduler_args=(), num_gpu_blocks: int = 128):
-        self.model_dir = str(model_dir)
-        self.log_dir = log_dir
-        self.scheduler_args = [*scheduler_args, "--num-gpu-blocks", str(num_gpu_blocks)]
-        self.executor_port, self.port = free_port(), free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        self.executor_target = f"127.0.0.1:{self.executor_port}"
-        self.executor: subprocess.Popen | None = None
-        self.scheduler: subprocess.Popen | None = None
-        self._num_executor_starts = 0
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=log, env=env)
-
-    def start_executor(self) -> None:
-        self._num_executor_starts += 1
-        self.executor = self._spawn(
-            f"executor{self._num_executor_starts}",
-            ["executor_svc.server.main", "--model", self.model_dir, "--device", "cpu", "--port",
-             str(self.executor_port), "--cpu-kv-gib", "0.02", "--swap-space-gib", "0.01"],
-        )
-        assert wait_health(self.executor_target, "SERVING", 120, [self.executor]) == "SERVING", self.logs()
-
-    def start_scheduler(self) -> None:
-        self.scheduler = self._spawn(
-            "scheduler",
-            ["scheduler_svc.server.main", "--model", self.model_dir, "--executors", self.executor_target,
-             "--port", str(self.port), *self.scheduler_args],
-        )
-        assert wait_health(self.target, "SERVING", 60, [self.scheduler]) == "SERVING", self.logs()
-
-    def kill_executor(self) -> None:
-        self.executor.send_signal(signal.SIGKILL)
-        self.executor.wait(10)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.log_dir.glob("*.log")))
-
-    def __enter__(self) -> ServerProcesses:
-        try:
-            self.start_executor()
-            self.start_scheduler()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for proc in (self.scheduler, self.executor):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+from tests.helpers.generation import generate_all
+from tests.helpers.processes import EXECUTORS, ServerProcesses, free_port, serve
+from tests.helpers.scheduler import add, answer, make
+from tests.helpers.stack import Stack
+from tests.helpers.wait import wait_health, wait_until
 
 
 # ---- the scheduler's part -------------------------------------------------------------------
@@ -177,46 +102,19 @@ def test_requests_end_unavailable_when_the_executor_stays_down(tiny_llama_dir):
 
 
 # ---- a real executor process killed with SIGKILL mid-generation -----------------------------------
-def _generate_all(target: str, prompts, params, progress: list[int] | None = None):
-    """Streams every prompt concurrently (`params`: one dict for all, or one per prompt); per prompt,
-    the token ids of each delta of output 0 and its completion_tokens counter (or the gRPC error)."""
-    params_of = params if isinstance(params, list) else [params] * len(prompts)
-    results: list = [None] * len(prompts)
-
-    def one(i: int) -> None:
-        deltas = []
-        try:
-            with Client(target) as client:
-                for delta in client.stream(prompts[i], **params_of[i]):
-                    out = delta.outputs[0]
-                    deltas.append((out.token_ids, out.completion_tokens, out.finish_reason))
-                    if progress is not None:
-                        progress[i] = out.completion_tokens
-            results[i] = deltas
-        except grpc.RpcError as err:
-            results[i] = err
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    return threads, results
-
-
 def test_sigkill_of_the_executor_mid_generation_loses_and_repeats_no_token(tiny_llama_dir, tmp_path):
     prompts = [[5 + i, 40 + 3 * i, 7, 200 + i, 11] for i in range(16)]
     params = dict(max_tokens=120, temperature=0.0, ignore_eos=True)
     seeded = dict(params, temperature=0.9, top_p=0.9)  # seeded sampling must continue identically too
     params_of = [params if i % 4 else dict(seeded, seed=100 + i) for i in range(16)]
     with ServerProcesses(tiny_llama_dir, tmp_path, num_gpu_blocks=192) as procs:
-        threads, reference = _generate_all(procs.target, prompts, params_of)
+        threads, reference = generate_all(procs.target, prompts, params_of)
         for t in threads:
             t.join(120)
         assert all(isinstance(r, list) for r in reference), reference
         progress = [0] * len(prompts)
-        threads, results = _generate_all(procs.target, prompts, params_of, progress)
-        deadline = time.monotonic() + 60
-        while min(progress) < 8 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        threads, results = generate_all(procs.target, prompts, params_of, progress)
+        wait_until(lambda: min(progress) >= 8, 60, 0.01, "8 tokens on every stream")
         assert min(progress) >= 8 and max(progress) < params["max_tokens"], progress
         procs.kill_executor()
         assert wait_health(procs.target, "NOT_SERVING", 20) == "NOT_SERVING"
@@ -251,14 +149,12 @@ def test_an_executor_that_stops_answering_misses_the_step_deadline_and_recovers(
     prompts = [[9 + i, 70, 71 + i] for i in range(4)]
     params = dict(max_tokens=80, temperature=0.0, ignore_eos=True)
     with ServerProcesses(tiny_llama_dir, tmp_path, ["--step-timeout-s", "1"]) as procs:
-        threads, reference = _generate_all(procs.target, prompts, params)
+        threads, reference = generate_all(procs.target, prompts, params)
         for t in threads:
             t.join(120)
         progress = [0] * len(prompts)
-        threads, results = _generate_all(procs.target, prompts, params, progress)
-        deadline = time.monotonic() + 60
-        while min(progress) < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        threads, results = generate_all(procs.target, prompts, params, progress)
+        wait_until(lambda: min(progress) >= 5, 60, 0.01, "5 tokens on every stream")
         procs.executor.send_signal(signal.SIGSTOP)  # alive, connected, silent
         try:
             assert wait_health(procs.target, "NOT_SERVING", 20) == "NOT_SERVING"
@@ -285,20 +181,16 @@ def _pids_of(*needles: str) -> list[int]:
     return pids
 
 
-def test_serve_restarts_a_killed_executor_and_the_stream_continues(tiny_llama_dir):
-    port, metrics_port = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clients.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port),
-         "--device", "cpu", "--num-gpu-blocks", "64", "--executor-metrics-port", str(metrics_port)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def test_serve_restarts_a_killed_executor_and_the_stream_continues(tiny_llama_dir, tmp_path):
+    metrics_port = free_port()  # the executor's: scraped after its restart, on the same port
+    proc, public = serve(
+        ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-gpu-blocks", "64",
+         "--executor-metrics-port", str(metrics_port)], tmp_path / "serve.log",
     )
     try:
-        for line in proc.stdout:
-            if line.startswith("executors (pagedserve.v1.Executor):") or proc.poll() is not None:
-                break
-        executor_port = line.rsplit(":", 1)[1].strip()
+        executor_port = proc.wait_for(EXECUTORS, timeout_s=150)[1].rsplit(":", 1)[1].strip()
         params = dict(max_tokens=150, temperature=0.0, ignore_eos=True)
-        with Client(f"127.0.0.1:{port}") as client:
+        with Client(public) as client:
             reference = client.generate([4, 5, 6], **params).outputs[0].token_ids
             stream = client.stream([4, 5, 6], **params)
             streamed = list(next(stream).outputs[0].token_ids)
@@ -314,8 +206,8 @@ def test_serve_restarts_a_killed_executor_and_the_stream_continues(tiny_llama_di
         steps = [line for line in scraped.splitlines() if line.startswith("pagedserve:executor_steps_total ")]
         assert steps and float(steps[0].split()[1]) > 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        output = proc.communicate(timeout=60)[0]
+        proc.stop(timeout_s=60)
+        output = proc.output()
     assert proc.returncode == 0, output
     assert "an executor exited; restarting the executors" in output
 
@@ -332,9 +224,8 @@ def test_liveness_fails_only_when_the_engine_loop_died(tiny_llama_dir):
         with pytest.raises(grpc.RpcError):
             client.generate([5, 6, 7], max_tokens=2)
         assert wait_health(stack.target, "NOT_SERVING", 10) == "NOT_SERVING"
-        deadline = time.monotonic() + 10
-        while health_status(stack.target, "liveness") != "NOT_SERVING" and time.monotonic() < deadline:
-            time.sleep(0.05)
+        liveness_failed = lambda: health_status(stack.target, "liveness") == "NOT_SERVING"
+        wait_until(liveness_failed, 10, 0.05, "the liveness check to fail")
         assert health_status(stack.target, "liveness") == "NOT_SERVING"
 
 

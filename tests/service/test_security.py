@@ -14,7 +14,7 @@ import pytest
 
 from clients.client import Client
 from scheduler_svc.wire.grpc_serving import health_status, server_credentials
-from tests.service.test_grpc_stack import Stack
+from tests.helpers.stack import Stack
 
 
 @pytest.fixture(scope="module")
@@ -127,31 +127,23 @@ def test_scheduler_config_file_errors_name_the_key(tmp_path, capsys, content, me
 
 def test_serve_with_tls_and_a_token_file(tiny_llama_dir, certificate, tmp_path):
     """`pagedserve serve` passes TLS and the token to the scheduler and waits for it over TLS."""
-    import signal
-
-    from clients.cli.serve import free_port
+    from tests.helpers.processes import serve
 
     cert, key = certificate
     token_file = tmp_path / "token"
     token_file.write_text("t0ken\n")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clients.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port),
-         "--device", "cpu", "--num-gpu-blocks", "32", "--tls-cert-file", str(cert), "--tls-key-file",
-         str(key), "--auth-token-file", str(token_file), "--drain-grace-period-s", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc, public = serve(
+        ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-gpu-blocks", "32", "--tls-cert-file",
+         str(cert), "--tls-key-file", str(key), "--auth-token-file", str(token_file),
+         "--drain-grace-period-s", "5"], tmp_path / "serve.log",
     )
     try:
-        for line in proc.stdout:
-            if "pagedserve is serving" in line or proc.poll() is not None:
-                break
-        with Client(f"localhost:{port}", tls_ca_file=str(cert), auth_token="t0ken") as client:
+        with Client(public, tls_ca_file=str(cert), auth_token="t0ken") as client:
             assert len(client.generate([5, 6, 7], max_tokens=3).outputs[0].token_ids) == 3
-        no_token = Client(f"localhost:{port}", tls_ca_file=str(cert), auth_token="")
+        no_token = Client(public, tls_ca_file=str(cert), auth_token="")
         with no_token, pytest.raises(grpc.RpcError) as info:
             no_token.model_info()
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=60)
+        rc = proc.stop(timeout_s=60)
     assert rc == 0

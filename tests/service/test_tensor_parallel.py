@@ -8,21 +8,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import pathlib
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import replace
 
 import pytest
 
-from clients.cli.serve import free_port
 from clients.client import Client
 from executor_svc.models.tiny import FAMILIES
 from executor_svc.worker.distributed import DistributedConfig, rank_from_pod_name, resolve_distributed
-from tests.service.test_grpc_stack import Stack
+from tests.helpers.processes import ROOT, ServerProcess, free_port
+from tests.helpers.stack import Stack
+from tests.helpers.wait import wait_health
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 NUM_GPU_BLOCKS = 64
 GREEDY_PROMPTS = [[5, 6, 7, 8], list(range(20, 61)), [300, 17, 17, 42, 9, 250, 101]]
 
@@ -31,25 +29,21 @@ class TensorParallelStack(Stack):
     """`world_size` executor processes (`python -m executor_svc.server.main`, gloo) and an in-process
     scheduler in front of them."""
 
-    def __init__(self, model_dir, world_size: int = 2, **options):
+    def __init__(self, model_dir, log_dir: pathlib.Path, world_size: int = 2, **options):
         super().__init__(model_dir, num_gpu_blocks=NUM_GPU_BLOCKS, **options)
+        self.log_dir = log_dir
         self.world_size = world_size
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[ServerProcess] = []
 
     def start_executors(self) -> list[str]:
-        dist_addr = f"127.0.0.1:{free_port()}"
+        dist_addr = f"127.0.0.1:{free_port()}"  # the rendezvous: known to every rank before it starts
         for rank in range(self.world_size):
-            cmd = [sys.executable, "-m", "executor_svc.server.main", "--model", self.model_dir,
-                   "--device", "cpu",
-                   "--rank", str(rank), "--world-size", str(self.world_size), "--dist-init-addr", dist_addr,
-                   "--cpu-kv-gib", "0.01", "--swap-space-gib", "0.01", "--dist-timeout-s", "60"]
-            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True))
-        targets = []
-        for proc in self.procs:
-            line = proc.stdout.readline()  # blocks until the rank has joined the group and serves
-            assert "listening on" in line, f"executor exited with {proc.poll()}: {line!r}"
-            targets.append(line.rsplit(" ", 1)[1].strip())
-        return targets
+            args = ["executor_svc.server.main", "--model", self.model_dir, "--device", "cpu", "--port", "0",
+                    "--rank", str(rank), "--world-size", str(self.world_size), "--dist-init-addr", dist_addr,
+                    "--cpu-kv-gib", "0.01", "--swap-space-gib", "0.01", "--dist-timeout-s", "60"]
+            self.procs.append(ServerProcess(args, self.log_dir / f"rank{rank}.log"))
+        # each rank prints its line once it has joined the group and serves
+        return [proc.listening_target(120) for proc in self.procs]
 
     async def _start(self) -> None:
         from scheduler_svc.server.main import ServeOptions, build_engine, start_scheduler_server
@@ -137,12 +131,12 @@ def _step_every_rank(targets: list[str], num_steps: int = 6) -> list[list]:
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def served_family(request, tiny_model_dirs):
+def served_family(request, tiny_model_dirs, tmp_path_factory):
     """(family, outputs with one executor, outputs with two tensor-parallel executors)."""
     model_dir = tiny_model_dirs[request.param]
     with Stack(model_dir, num_gpu_blocks=NUM_GPU_BLOCKS) as one:
         expected = _generations(one.target)
-    with TensorParallelStack(model_dir) as two:
+    with TensorParallelStack(model_dir, tmp_path_factory.mktemp(f"tp-{request.param}")) as two:
         with Client(two.target) as client:
             info = client.model_info()
         got = _generations(two.target)
@@ -180,12 +174,11 @@ async def _describe(targets: list[str]) -> list[dict]:
         await pool.close()
 
 
-def test_a_dead_rank_takes_down_its_set_and_the_scheduler_reports_it(tiny_llama_dir):
+def test_a_dead_rank_takes_down_its_set_and_the_scheduler_reports_it(tiny_llama_dir, tmp_path):
     import threading
 
-    from scheduler_svc.wire.grpc_serving import health_status
 
-    with TensorParallelStack(tiny_llama_dir) as two:
+    with TensorParallelStack(tiny_llama_dir, tmp_path) as two:
         outcome: list[object] = []
 
         def long_generation() -> None:
@@ -206,10 +199,7 @@ def test_a_dead_rank_takes_down_its_set_and_the_scheduler_reports_it(tiny_llama_
         two.procs[1].kill()
         # rank 0's collective fails when its peer's connection closes: it exits with status 1
         assert two.procs[0].wait(timeout=30) == 1
-        deadline = time.monotonic() + 10
-        while health_status(two.target) != "NOT_SERVING" and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert health_status(two.target) == "NOT_SERVING"
+        assert wait_health(two.target, "NOT_SERVING", 10) == "NOT_SERVING"
         thread.join(30)
         assert len(outcome) == 1 and isinstance(outcome[0], Exception), outcome
 

@@ -20,6 +20,7 @@ from executor_svc.layers.linear import (
 )
 from executor_svc.models.config import ModelConfig, ModelConfigError
 from executor_svc.models.loader import WeightLoadError, load_model
+from tests.helpers.checkpoints import copy_with
 
 CPU = torch.device("cpu")
 
@@ -30,14 +31,6 @@ def load(model_dir, dtype=torch.float32, load_format="auto", seed=0):
 
 def state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def copy_with(tmp_path, src, weights: dict[str, torch.Tensor]):
-    dst = tmp_path / "model"
-    shutil.copytree(src, dst)
-    (dst / "model.safetensors").unlink()
-    save_file(weights, str(dst / "model.safetensors"))
-    return dst
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tiny_model_dirs, tmp_path):

@@ -3,29 +3,11 @@
 import pytest
 
 from scheduler_svc.request.sequence import FinishReason, SequenceStatus
-from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.sched.validation import RequestLimits, RequestValidator
 from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.sampling_params import SamplingParams
-from scheduler_svc.wire.step_plan import SampledToken, StepResult
-from tests.unit.test_scheduler_fake_executor import FakeExecutor
-
-
-def make(**cfg) -> Scheduler:
-    cfg.setdefault("max_model_len", 64)
-    return Scheduler(SchedulerConfig(**cfg), clock=lambda: 0.0)
-
-
-def add(sched, rid, prompt, arrival, **params):
-    group = sched.new_group(rid, list(prompt), SamplingParams(**params), arrival)
-    sched.add_request(group)
-    return group
-
-
-def answer(sched, plan, tokens):
-    """A StepResult giving tokens[seq_id] to each sequence in `tokens`."""
-    samples = [SampledToken(sid, tok, -0.5) for sid, tok in tokens.items()]
-    return sched.process_result(StepResult(plan.step_id, samples))
+from scheduler_svc.wire.step_plan import StepResult
+from tests.helpers.scheduler import FakeExecutor, add, answer, make
 
 
 def test_plan_is_full_once_then_diffs_and_finishes_on_max_tokens():

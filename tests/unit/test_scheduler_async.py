@@ -4,21 +4,8 @@ exact plans, prefix-cache hashes of the real tokens, stop tokens, beam groups, r
 import pytest
 
 from scheduler_svc.request.sequence import FinishReason
-from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import PENDING_TOKEN, SampledToken, StepResult
-from tests.unit.test_scheduler_fake_executor import FakeExecutor
-
-
-def make(**cfg) -> Scheduler:
-    cfg.setdefault("max_model_len", 64)
-    return Scheduler(SchedulerConfig(**cfg), clock=lambda: 0.0)
-
-
-def add(sched, rid, prompt, **params):
-    group = sched.new_group(rid, list(prompt), SamplingParams(**params), 0.0)
-    sched.add_request(group)
-    return group
+from tests.helpers.scheduler import FakeExecutor, add, make
 
 
 def result(plan, tokens):

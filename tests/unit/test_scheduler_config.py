@@ -7,7 +7,7 @@ from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.sched.validation import RequestLimits, RequestValidator
 from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.sampling_params import SamplingParams
-from tests.unit.test_scheduler_fake_executor import FakeExecutor
+from tests.helpers.scheduler import FakeExecutor
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import executor_svc.models.loader as loader_module
 from executor_svc.models.config import ModelConfig
 from executor_svc.models.loader import _default_dtype, load_safetensors
 from executor_svc.models.registry import model_class
-from tests.unit.test_loader import copy_with
+from tests.helpers.checkpoints import copy_with
 
 
 class _SliceSpy:
@@ -46,7 +46,7 @@ class _HandleSpy:
 
 def _load_rank(model_dir, rank: int, tp_size: int, monkeypatch) -> tuple[torch.nn.Module, int, int]:
     """(model shard, bytes read from the files as the spy saw them, bytes LoadStats counted)."""
-    real_open, log = loader_module.safe_open, []
+    real_open, log = loader_module.safe_open, list[int]()  # bytes per tensor read
 
     class SpyOpen:
         def __init__(self, *args, **kwargs):

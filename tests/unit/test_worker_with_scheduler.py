@@ -5,87 +5,13 @@ scheduling, the worker launches step i+1 (with placeholder tokens) before step i
 
 from __future__ import annotations
 
-import random
-from collections import deque
-
 import pytest
 import torch
 
 from executor_svc.worker.worker import Worker
-from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import NewSequence, StepPlan
-
-BS = 4
-EOS = 2  # the tiny llama's </s>
-
-
-def run(
-    model_dir,
-    requests,
-    num_gpu_blocks=64,
-    num_cpu_blocks=32,
-    max_tokens_per_step=16,
-    eos=None,
-    mode="recompute",
-    ahead=False,
-    device="cpu",
-):
-    """requests: {request_id: (prompt, params)} -> (tokens per request and sample index, beams, scheduler)."""
-    sched = Scheduler(
-        SchedulerConfig(
-            block_size=BS,
-            num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            max_num_batched_tokens=max_tokens_per_step,
-            max_num_seqs=16,
-            eos_token_ids=() if eos is None else (eos,),
-            preemption_mode=mode,
-            enable_prefix_caching=True,
-        ),
-        clock=lambda: 0.0,
-    )
-    worker = Worker(
-        str(model_dir),
-        device=device,
-        dtype="float32",
-        num_gpu_blocks=num_gpu_blocks,
-        num_cpu_blocks=num_cpu_blocks,
-        block_size=BS,
-    )
-    for i, (request_id, (prompt, params)) in enumerate(requests.items()):
-        sched.add_request(sched.new_group(request_id, prompt, params, arrival_time=float(i)))
-    tokens: dict[str, dict[int, list[int]]] = {r: {} for r in requests}
-    beams = {}
-    launched = deque()
-    for _ in range(500):
-        if not sched.has_unfinished() and not launched:
-            break
-        if not launched:
-            launched.append(worker.launch(sched.schedule()))
-        if ahead and sched.can_schedule_ahead():
-            launched.append(worker.launch(sched.schedule()))
-        for out in sched.process_result(worker.finish(launched.popleft())):
-            for delta in out.samples:
-                tokens[out.request_id].setdefault(delta.sample_index, []).extend(delta.token_ids)
-            if out.beams:
-                beams[out.request_id] = out.beams
-    worker.execute(sched.schedule())  # delivers the last finished ids
-    assert worker.seqs == {}
-    return tokens, beams, sched
-
-
-_HF_GREEDY: dict[tuple[int, ...], list[int]] = {}
-
-
-@torch.inference_mode()
-def hf_greedy_tokens(model, prompt, num):
-    if (key := (*prompt, -num)) in _HF_GREEDY:
-        return _HF_GREEDY[key]
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=num, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(prompt) :].tolist()
+from tests.helpers.worker import BS, EOS, hf_greedy_tokens, prompts, run
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +19,6 @@ def hf_llama(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-
-
-def prompts(seed, lengths):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
 
 
 @pytest.mark.parametrize(
