@@ -26,20 +26,12 @@ On CUDA the offline run also prints measured / ideal (clients/bench_report.ideal
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import dataclasses
-import json
 import os
-import pathlib
-import subprocess
 import sys
 import tempfile
 
-from clients.bench.load import Decoding, run_load
-from clients.bench.serving import decoding_of, report, run_ours, servers, sweep_rates, warm_up
 from clients.bench.peers import PEERS, add_ideal, peer_size, run_peers
-from clients.bench.report import gpu_idle, read_step_trace, summarize
+from clients.bench.serving import decoding_of, report, run_ours, servers, sweep_rates, warm_up
 from clients.bench.table import format_table, plot_sweep
 from clients.cli import serve as launcher
 from scheduler_svc.sim.workloads import WORKLOADS, make_workload
