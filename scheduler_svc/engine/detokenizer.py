@@ -55,9 +55,16 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._ids[self._prefix_offset :])
         if full_text.endswith(REPLACEMENT_CHAR) and not final:
             return ""
-        # A prefix ending in an incomplete character (a prompt cut mid-character) is completed by
-        # the new tokens: emit the completed character too.
-        start = len(prefix_text.rstrip(REPLACEMENT_CHAR))
+        start = len(prefix_text)
+        if prefix_text.endswith(REPLACEMENT_CHAR):
+            # A prefix ending in an incomplete character (a prompt cut mid-character) is completed by
+            # the new tokens: emit the completed character too. The U+FFFD the new tokens leave as
+            # they were is the prefix's own text (a window starting mid-character can decode to
+            # nothing else: byte fallback turns a whole invalid byte run into U+FFFD), never output.
+            start = len(prefix_text.rstrip(REPLACEMENT_CHAR))
+            end = min(len(prefix_text), len(full_text))
+            while start < end and full_text[start] == REPLACEMENT_CHAR:
+                start += 1
         if len(full_text) <= start and not final:
             return ""  # nothing visible yet (e.g. a skipped special token)
         self._prefix_offset = self._read_offset

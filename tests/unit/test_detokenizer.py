@@ -127,3 +127,16 @@ def test_stop_string_at_the_very_start_gives_empty_text():
     tok = TOKENIZERS["byte_level"]
     out, deltas, stopped = _stream(tok, "hello world", stop=(" hello",))
     assert stopped and "".join(deltas) == "" and out.text == ""
+
+
+@pytest.mark.parametrize("prompt_text", ["Great job! 🎉👍", "ok 日😀", "🚀🚀", "x 😀😀😀"])
+def test_prompt_ending_in_adjacent_byte_fallback_characters_gives_no_replacement_chars(prompt_text):
+    """The last prompt tokens are bytes of two characters, cut mid-character at the window start:
+    byte fallback decodes that whole run to U+FFFD, which is prompt text, never output."""
+    tok = TOKENIZERS["sentencepiece_like"]
+    prompt = tok.encode(prompt_text).ids
+    output = tok.encode(" the quick brown fox").ids[1:]
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.append([t]) for t in output] + [detok.flush()]
+    assert "".join(deltas) == tok.decode(prompt + output)[len(tok.decode(prompt)) :]
+    assert all("\ufffd" not in d for d in deltas)
