@@ -45,6 +45,7 @@ class ModelLimits:
     num_cpu_blocks: int
     eos_token_ids: tuple[int, ...] = ()
     world_size: int = 1
+    default_sampling: tuple[tuple[str, float], ...] = ()  # generation_config.json's, for unset fields
 
 
 @dataclass(frozen=True, slots=True)

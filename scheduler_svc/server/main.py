@@ -27,6 +27,7 @@ from scheduler_svc.sched.kv_policies import PAGED, POLICIES, check_policy_option
 from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.sched.validation import MAX_BEAM_WIDTH, MAX_N, RequestLimits, RequestValidator
 from scheduler_svc.server.frontend_link import FrontendLinkServicer
+from scheduler_svc.server.generation_config import GenerationDefaults, union_ids
 from scheduler_svc.server.servicer import GenerationServicer
 from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.grpc_serving import (
@@ -96,7 +97,8 @@ async def build_engine(opts: ServeOptions) -> Engine:
     await pool.init_cache(num_gpu_blocks, num_cpu_blocks)
     await pool.reset()
     max_model_len = min(opts.max_model_len or first.max_model_len, first.max_model_len)
-    eos = first.eos_token_ids
+    generation = GenerationDefaults.from_dir(opts.model)
+    eos = union_ids(first.eos_token_ids, generation.eos_token_ids)  # config.json's and generation_config's
     config = SchedulerConfig(
         block_size=first.block_size,
         num_gpu_blocks=num_gpu_blocks,
@@ -117,6 +119,7 @@ async def build_engine(opts: ServeOptions) -> Engine:
         num_cpu_blocks=num_cpu_blocks,
         eos_token_ids=tuple(eos),
         world_size=len(ranks),
+        default_sampling=generation.sampling,
     )
     tokenizer_file = pathlib.Path(opts.model) / "tokenizer.json"
     if tokenizer_file.exists():

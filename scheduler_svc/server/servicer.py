@@ -63,7 +63,7 @@ def prompt_from_pb(request: generation_pb2.GenerateRequest) -> str | list[int]:
 
 def add_request_from_pb(engine: Engine, request: generation_pb2.GenerateRequest) -> RequestStream:
     """Queues a GenerateRequest (the engine validates it); raises the API's errors (wire/errors.py)."""
-    params = sampling_params_from_pb(request.sampling)
+    params = sampling_params_from_pb(request.sampling, engine.limits.default_sampling)
     return engine.add_request(prompt_from_pb(request), params, request.request_id)
 
 

@@ -47,10 +47,14 @@ def sampling_params_to_pb(params: SamplingParams) -> generation_pb2.SamplingPara
     return msg
 
 
-def sampling_params_from_pb(msg: generation_pb2.SamplingParameters) -> SamplingParams:
-    """Unset optional fields keep SamplingParams' defaults; raises InvalidRequestError when a value is
-    out of range (the server's own limits on n and beam width are the request validator's)."""
-    kwargs: dict = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+def sampling_params_from_pb(
+    msg: generation_pb2.SamplingParameters, defaults: tuple[tuple[str, float], ...] = ()
+) -> SamplingParams:
+    """Unset optional fields take `defaults` (the model's generation_config), else SamplingParams'
+    defaults; raises InvalidRequestError when a value is out of range (the server's own limits on n
+    and beam width are the request validator's)."""
+    kwargs: dict = dict(defaults)
+    kwargs.update((name, getattr(msg, name)) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name))
     kwargs.update(
         top_k=msg.top_k,
         stop=tuple(msg.stop),
