@@ -106,6 +106,9 @@ class ModelInfo:
     world_size: int
     preemption_mode: str
     enable_prefix_caching: bool
+    chat_template: str = ""  # Jinja (empty: none); clients/cli/generate.py --chat renders it
+    bos_token: str = ""
+    eos_token: str = ""
 
 
 @dataclass(frozen=True, slots=True)

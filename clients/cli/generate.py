@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, e.g. 1,2,3")
+    prompt.add_argument("--chat", metavar="MESSAGE",
+                        help="a user message, sent as a prompt rendered with the model's chat template")
     parser.add_argument("--server", default="localhost:50051", help="HOST:PORT of the Generation API")
     parser.add_argument("--tls-ca-file", default=None,
                         help="connect over TLS, trusting this CA certificate (PEM; '' = system roots)")
@@ -60,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         with Client(args.server, **connection) as client:
+            if args.chat is not None:
+                prompt = _chat_prompt(client, args.chat)
             for delta in client.stream(prompt, **params):
                 result.add(delta)
                 if not args.json:
@@ -75,6 +79,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"\n[{result.outputs[0].finish_reason if result.outputs else 'empty'}]")
     return 0
+
+
+def _chat_prompt(client: Client, message: str) -> str:
+    """One user message rendered with the chat template the server reports (GetModelInfo)."""
+    from scheduler_svc.wire.chat_template import ChatTemplate
+
+    info = client.model_info()
+    template = ChatTemplate(info.chat_template, info.bos_token, info.eos_token)
+    try:
+        return template.render([{"role": "user", "content": message}], add_generation_prompt=True)
+    except ValueError as err:
+        raise SystemExit(f"pagedserve generate: --chat: {err} (use --prompt)") from None
 
 
 def _read_token(path: str | None) -> str | None:

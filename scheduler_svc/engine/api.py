@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler_svc.engine.detokenizer import Decoder
+from scheduler_svc.wire.chat_template import ChatTemplate
 from scheduler_svc.wire.step_plan import StepPlan, StepResult
 
 
@@ -46,6 +47,7 @@ class ModelLimits:
     eos_token_ids: tuple[int, ...] = ()
     world_size: int = 1
     default_sampling: tuple[tuple[str, float], ...] = ()  # generation_config.json's, for unset fields
+    chat_template: ChatTemplate = ChatTemplate()  # reported to clients (GetModelInfo), never rendered here
 
 
 @dataclass(frozen=True, slots=True)

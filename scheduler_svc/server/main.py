@@ -29,6 +29,7 @@ from scheduler_svc.sched.validation import MAX_BEAM_WIDTH, MAX_N, RequestLimits,
 from scheduler_svc.server.frontend_link import FrontendLinkServicer
 from scheduler_svc.server.generation_config import GenerationDefaults, union_ids
 from scheduler_svc.server.servicer import GenerationServicer
+from scheduler_svc.wire.chat_template import ChatTemplate
 from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.grpc_serving import (
     MAX_MESSAGE_BYTES,
@@ -120,6 +121,7 @@ async def build_engine(opts: ServeOptions) -> Engine:
         eos_token_ids=tuple(eos),
         world_size=len(ranks),
         default_sampling=generation.sampling,
+        chat_template=ChatTemplate.from_dir(opts.model),
     )
     tokenizer_file = pathlib.Path(opts.model) / "tokenizer.json"
     if tokenizer_file.exists():
@@ -155,6 +157,9 @@ def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
         world_size=limits.world_size,
         preemption_mode=config.preemption_mode,
         enable_prefix_caching=config.enable_prefix_caching,
+        chat_template=limits.chat_template.source,
+        bos_token=limits.chat_template.bos_token,
+        eos_token=limits.chat_template.eos_token,
     )
 
 

@@ -80,11 +80,11 @@ def test_generate_streams_text_and_reports_errors(stack):
     assert _cli("generate", "--prompt-ids", "1,x").returncode == 2
 
 
-def test_serve_starts_both_processes_with_the_default_model_and_stops_on_sigterm(tmp_path):
+def test_serve_starts_both_processes_with_the_tiny_random_model_and_stops_on_sigterm(tmp_path):
     metrics_port = free_port()  # printed by the launcher before the scheduler binds it
     env = {"PAGEDSERVE_CACHE": str(tmp_path / "cache")}
     proc, public = serve(
-        ["--device", "cpu", "--num-gpu-blocks", "64", "--num-cpu-blocks", "16",
+        ["--model", "tiny-random", "--device", "cpu", "--num-gpu-blocks", "64", "--num-cpu-blocks", "16",
          "--metrics-port", str(metrics_port), "--preemption", "swap"], tmp_path / "serve.log", env,
     )
     port = public.rsplit(":", 1)[1]
@@ -110,8 +110,9 @@ def test_serve_starts_both_processes_with_the_default_model_and_stops_on_sigterm
         assert f"metrics: http://localhost:{metrics_port}/metrics" in proc.output()
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
             scraped = reply.read().decode()
-        assert "pagedserve:gpu_blocks_total 64.0" in scraped
-        assert 'pagedserve:requests_finished_total{reason="length"} 1.0' in scraped
+        assert 'pagedserve_gpu_blocks_capacity{model_name="tiny-llama"} 64.0' in scraped
+        finished = 'pagedserve_requests_finished_total{api="grpc",model_name="tiny-llama",reason="length"} 1.0'
+        assert finished in scraped
     finally:
         rc = proc.stop(timeout_s=30)
     assert rc == 0
