@@ -131,3 +131,28 @@ class OutputText:
         delta = self.text[self.num_emitted_chars : end]
         self.num_emitted_chars = end
         return delta
+
+
+class StopStringMatcher:
+    """Whether a beam candidate's output text holds a stop string (beam search ends that beam there,
+    like transformers' StopStringCriteria; sched/beam_search.py calls it on the top candidates).
+
+    A live beam's text never holds one (it would have ended), so a candidate holds one exactly when
+    its last token completes it. Only the tail is decoded: the last `window` tokens, enough for the
+    longest stop string even in byte-fallback tokens; while the output is shorter than that, the
+    prompt's last tokens come first (a SentencePiece word keeps its leading space), and a match must
+    end past the prompt's text (one across the boundary counts, as in transformers)."""
+
+    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], stop: tuple[str, ...]):
+        self._tokenizer = tokenizer
+        self._stop = stop
+        self._window = 4 * max(len(s) for s in stop) + PROMPT_CONTEXT_TOKENS
+        self._context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._context_chars = len(tokenizer.decode(self._context).rstrip(REPLACEMENT_CHAR))
+
+    def __call__(self, output_token_ids: list[int]) -> bool:
+        if len(output_token_ids) >= self._window:
+            text, skip = self._tokenizer.decode(output_token_ids[-self._window :]), 0
+        else:
+            text, skip = self._tokenizer.decode(self._context + output_token_ids), self._context_chars
+        return any(text.find(s, max(0, skip - len(s) + 1)) >= 0 for s in self._stop)

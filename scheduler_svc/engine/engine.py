@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from scheduler_svc.engine.api import EngineStats, Executors, ModelLimits, RecoveryOptions, Tokenizer
+from scheduler_svc.engine.detokenizer import StopStringMatcher
 from scheduler_svc.engine.outputs import RequestDelta, RequestState, RequestStream
 from scheduler_svc.engine.stats import engine_stats, record_output, record_step
 from scheduler_svc.request.sequence import FinishReason
@@ -86,6 +87,8 @@ class Engine:
         group = self.scheduler.new_group(request_id, prompt_ids, params)
         self.validator.check(group)
         self.scheduler.add_request(group)
+        if group.beam is not None and params.stop:  # a beam ends on a stop string during the search
+            group.beam.stop_text = StopStringMatcher(self.tokenizer, prompt_ids, params.stop)
         request = RequestState(request_id, prompt_ids, params, self.tokenizer, group)
         self._requests[request_id] = request
         self._wakeup.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -22,6 +23,8 @@ class BeamState:
     done: bool = False
     # seq_id -> its 2k (token, logprob) candidates, gathered until every live beam has reported
     pending: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    # output token ids -> whether their text holds a stop string (the engine sets it: it has the tokenizer)
+    stop_text: Callable[[list[int]], bool] | None = None
 
     def score(self, cumulative_logprob: float, num_output_tokens: int) -> float:
         return cumulative_logprob / (num_output_tokens**self.length_penalty)

@@ -3,7 +3,8 @@ default `early_stopping=False`, for one request:
 
   per step, over every live beam b and each of its 2k candidates (token t, logprob l):
     candidate score = cum_logprob(b) + l; keep the top 2k candidates overall (best first);
-    a candidate that ends the beam (EOS / stop token, or the max_tokens-th output token) is
+    a candidate that ends the beam (EOS / stop token, a stop string in its text (HF's
+      StopStringCriteria: `state.stop_text`), or the max_tokens-th output token) is
       offered to the finished hypotheses only if its rank is < k, with
       score = cum_logprob / num_output_tokens ** length_penalty; the finished set keeps the best k;
     the next live beams are the best k candidates that do not end;
@@ -44,9 +45,14 @@ def select_beams(
     candidates.sort(key=lambda c: (c[0], c[1], c[2]))
     del candidates[2 * k :]
     live: list[BeamChoice] = []
+    stop_text = state.stop_text
     for rank, (neg_cum, _, _, seq, token_id, logprob) in enumerate(candidates):
         num_output_tokens = seq.num_output_tokens + 1
-        if token_id in stop_token_ids or num_output_tokens >= max_tokens:
+        if (
+            token_id in stop_token_ids
+            or num_output_tokens >= max_tokens
+            or (stop_text is not None and stop_text([*seq.output_token_ids, token_id]))
+        ):
             if rank < k:
                 score = state.score(-neg_cum, num_output_tokens)
                 state.finished.append(BeamHypothesis([*seq.output_token_ids, token_id], -neg_cum, score))
