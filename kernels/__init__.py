@@ -17,6 +17,7 @@ from kernels import reference
 
 __all__ = [
     "copy_blocks",
+    "fused_moe",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
@@ -71,3 +72,8 @@ def rotary_embedding(positions, query, key, cos_cache, sin_cache) -> tuple[torch
 
 def silu_and_mul(x) -> torch.Tensor:
     return (_cuda_module("triton_layers") if x.is_cuda else reference).silu_and_mul(x)
+
+
+def fused_moe(hidden, w13, w2, router_logits, top_k, renormalize) -> torch.Tensor:
+    impl = _cuda_module("triton_moe") if hidden.is_cuda else reference
+    return impl.fused_moe(hidden, w13, w2, router_logits, top_k, renormalize)

@@ -156,3 +156,43 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2 I] (gate | up) -> silu(gate) * up [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def moe_routing(
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts by the softmax of its router logits (float32), as Hugging Face
+    routes: the weights renormalized to sum 1 over the top k (Mixtral, Qwen `norm_topk_prob`) or not.
+    Returns (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 I, H]: each expert's gate rows, then its up rows
+    w2: torch.Tensor,  # [E, H, I]
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """Mixture-of-experts feed-forward: sum over each token's top_k experts e of
+    weight_e * w2[e] @ (silu(gate_e) * up_e), [gate_e | up_e] = w13[e] @ x. Computes in float32
+    (float64 for float64 inputs), one Python iteration per expert, never per token. -> [T, H]"""
+    weights, ids = moe_routing(router_logits, top_k, renormalize)
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    x = hidden.to(acc)
+    out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)  # [T, H]
+    for expert in range(w13.shape[0]):
+        token_index, slot = torch.where(ids == expert)  # [n], [n]
+        if token_index.numel() == 0:
+            continue
+        gate_up = x[token_index] @ w13[expert].to(acc).t()  # [n, 2 I]
+        y = silu_and_mul(gate_up) @ w2[expert].to(acc).t()  # [n, H]
+        out.index_add_(0, token_index, y * weights[token_index, slot, None].to(acc))
+    return out.to(hidden.dtype)

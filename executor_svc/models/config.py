@@ -19,8 +19,13 @@ ARCHITECTURE_FAMILIES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "OPTForCausalLM": "opt",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 MODEL_TYPE_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "opt": "opt"}
+MODEL_TYPE_FAMILIES |= {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # the names of runner/cache_config.DTYPE_NAMES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -45,6 +50,30 @@ class RopeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A mixture-of-experts feed-forward: each token takes its `top_k` experts of `num_experts` by the
+    router's softmax (renormalized over the top k or not), plus Qwen2-MoE's sigmoid-gated shared
+    expert that every token takes. Layers in `dense_layers`, or not on the `sparse_step`, are dense."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    renormalize: bool
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ModelConfigError(f"num_experts_per_tok {self.top_k} must be in 1..{self.num_experts}")
+        if min(self.intermediate_size, self.sparse_step) < 1 or self.shared_expert_intermediate_size < 0:
+            raise ModelConfigError("expert sizes and decoder_sparse_step must be positive")
+
+    def is_sparse(self, layer_index: int) -> bool:
+        return layer_index not in self.dense_layers and (layer_index + 1) % self.sparse_step == 0
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -66,13 +95,17 @@ class ModelConfig:
     do_layer_norm_before: bool = True
     word_embed_proj_dim: int = 0
     layer_norm_elementwise_affine: bool = True
+    moe: MoeConfig | None = None  # the MoE families only
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
 
     def __post_init__(self) -> None:
-        if self.family not in ("llama", "qwen2", "qwen3", "opt"):
+        if self.family not in ("llama", "qwen2", "qwen3", "opt", *MOE_FAMILIES):
             raise ModelConfigError(f"unknown model family {self.family!r}")
+        if (self.moe is None) == (self.family in MOE_FAMILIES):
+            what = "needs" if self.moe is None else "has no"
+            raise ModelConfigError(f"family {self.family!r} {what} experts")
         if self.num_heads % self.num_kv_heads != 0:
             raise ModelConfigError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
@@ -134,11 +167,36 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope=_rope(hf),
-            qkv_bias=family == "qwen2" or attention_bias,
+            qkv_bias=family == "qwen2" or attention_bias or _qwen2_moe_bias(hf, family),
             o_bias=attention_bias,
             mlp_bias=hf.get("mlp_bias", False),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            moe=_moe(hf, family),
         )
+
+
+def _qwen2_moe_bias(hf: dict, family: str) -> bool:
+    return family == "qwen2_moe" and bool(hf.get("qkv_bias", True))
+
+
+def _moe(hf: dict, family: str) -> MoeConfig | None:
+    """Mixtral routes over `num_local_experts` and always renormalizes; Qwen MoE reads
+    `norm_topk_prob` and its dense layers; Qwen2-MoE adds the shared expert."""
+    if family not in MOE_FAMILIES:
+        return None
+    if family == "mixtral":
+        if hf.get("sliding_window") is not None:
+            raise ModelConfigError("Mixtral with sliding_window is not supported")
+        return MoeConfig(hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"], True)
+    return MoeConfig(
+        num_experts=hf.get("num_experts") or hf["num_local_experts"],
+        top_k=hf["num_experts_per_tok"],
+        intermediate_size=hf["moe_intermediate_size"],
+        renormalize=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=hf["shared_expert_intermediate_size"] if family == "qwen2_moe" else 0,
+        sparse_step=hf.get("decoder_sparse_step", 1),
+        dense_layers=tuple(hf.get("mlp_only_layers") or ()),
+    )
 
 
 def _family(hf: dict) -> str:

@@ -10,9 +10,11 @@ whole sharded tensor.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import pathlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ from executor_svc.models.config import ModelConfig
 from executor_svc.models.registry import model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")  # Mixtral / Qwen MoE: one tensor per expert
 DUMMY_STD = 0.02
 
 
@@ -126,14 +129,19 @@ def load_safetensors(model: nn.Module, model_dir: str | pathlib.Path) -> LoadSta
     stats = LoadStats()
     params = dict(model.named_parameters())
     stacked = getattr(model, "STACKED_PARAMS", ())
+    renames = getattr(model, "CHECKPOINT_RENAMES", ())
+    expert_params = getattr(model, "EXPERT_PARAMS", {})
     tied = model.config.tie_word_embeddings or model.config.family == "opt"
     loaded: set[str] = set()
+    expert_shards: dict[str, set] = {}
     for hf_name, tensor in iterate_checkpoint(model_dir, stats):
         if "rotary_emb.inv_freq" in hf_name or (tied and hf_name == "lm_head.weight"):
             continue
         name = hf_name if hf_name in params or hf_name.startswith("model.") else "model." + hf_name
-        shard_id = None
-        for ours, theirs, shard in stacked:
+        for theirs, ours in renames:
+            name = name.replace(theirs, ours)
+        name, shard_id = _expert_param(name, expert_params)
+        for ours, theirs, shard in stacked if shard_id is None else ():
             if theirs in name:
                 name, shard_id = name.replace(theirs, ours), shard
                 break
@@ -145,10 +153,27 @@ def load_safetensors(model: nn.Module, model_dir: str | pathlib.Path) -> LoadSta
         except (ValueError, RuntimeError) as e:
             raise WeightLoadError(f"{hf_name}: {e}") from e
         loaded.add(name)
+        if isinstance(shard_id, tuple):
+            expert_shards.setdefault(name, set()).add(shard_id)
+    parts_per_param = collections.Counter(ours for ours, _ in expert_params.values())
+    for name, shards in expert_shards.items():
+        expected = params[name].shape[0] * parts_per_param[name.rsplit(".", 1)[1]]
+        if len(shards) != expected:
+            raise WeightLoadError(f"checkpoint holds {len(shards)} of the {expected} expert tensors: {name}")
     missing = sorted(set(params) - loaded)
     if missing:
         raise WeightLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
     return stats
+
+
+def _expert_param(name: str, expert_params: dict[str, tuple[str, str]]) -> tuple[str, object]:
+    """`...experts.N.<proj>.weight` -> (`...experts.<our stacked param>`, (N, part)); other names as
+    they are, with no shard id."""
+    match = EXPERT_NAME.search(name)
+    if match is None or match.group(2) not in expert_params:
+        return name, None
+    ours, part = expert_params[match.group(2)]
+    return f"{name[: match.start()]}.experts.{ours}", (int(match.group(1)), part)
 
 
 @torch.no_grad()

@@ -22,4 +22,16 @@ def model_class(config: ModelConfig):
         from executor_svc.models.opt import OPTForCausalLM
 
         return OPTForCausalLM
+    if config.family == "mixtral":
+        from executor_svc.models.mixtral import MixtralForCausalLM
+
+        return MixtralForCausalLM
+    if config.family == "qwen3_moe":
+        from executor_svc.models.qwen3_moe import Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM
+    if config.family == "qwen2_moe":
+        from executor_svc.models.qwen2_moe import Qwen2MoeForCausalLM
+
+        return Qwen2MoeForCausalLM
     raise ValueError(f"no model for family {config.family!r}")

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 CORPUS = pathlib.Path(__file__).parent / "assets" / "corpus.txt"
-FAMILIES = ("llama", "qwen2", "qwen3", "opt")
+FAMILIES = ("llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe")
 VOCAB_SIZE = 512
 # Special tokens take ids 0, 1, 2: (pad, bos, eos) as Llama/OPT name them; Qwen's tokenizer class
 # insists on <|endoftext|> (its pad = eos = unk), so Qwen folders use Qwen's names.
@@ -30,6 +30,12 @@ SPECIAL_TOKENS = {
     },
 }
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, MAX_POS = 64, 2, 4, 2, 128, 2048
+# A small chat template (tokenizer_config.json), so that chat requests work on the tiny model.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+EXPERTS, TOP_K, EXPERT_FFN, SHARED_FFN = 4, 2, 32, 48
 
 
 def make_tiny_model(
@@ -51,7 +57,7 @@ def make_tiny_model(
     config |= config_overrides
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tiny_weights(config, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(folder, specials, add_bos=family in ("llama", "opt"))
+    write_tokenizer(folder, specials, add_bos=family in ("llama", "opt", "mixtral"))
     return folder
 
 
@@ -102,6 +108,8 @@ def tiny_config(family: str) -> dict:
             },
         }
     rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
+    if family in ("mixtral", "qwen3_moe", "qwen2_moe"):
+        return llama_like | rope | _moe_config(family)
     if family == "qwen2":
         return (
             llama_like
@@ -125,6 +133,46 @@ def tiny_config(family: str) -> dict:
             "tie_word_embeddings": True,
         }
     )
+
+
+def _moe_config(family: str) -> dict:
+    """Mixtral: every layer sparse, renormalized top-k. Qwen3-MoE: head_dim 32, norm_topk_prob, layer 1
+    dense (mlp_only_layers). Qwen2-MoE: no renormalization, the sigmoid-gated shared expert."""
+    if family == "mixtral":
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": EXPERTS,
+            "num_experts_per_tok": TOP_K,
+            "intermediate_size": EXPERT_FFN,
+            "sliding_window": None,
+            "router_jitter_noise": 0.0,
+            "tie_word_embeddings": False,
+        }
+    qwen = {
+        "num_experts": EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "moe_intermediate_size": EXPERT_FFN,
+        "decoder_sparse_step": 1,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+    }
+    if family == "qwen3_moe":
+        return qwen | {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "head_dim": 32,
+            "attention_bias": False,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        }
+    return qwen | {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "norm_topk_prob": False,
+        "shared_expert_intermediate_size": SHARED_FFN,
+        "mlp_only_layers": [],
+    }
 
 
 def tiny_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
@@ -156,19 +204,47 @@ def _llama_shapes(c: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv * hd, d),
             p + "self_attn.v_proj.weight": (kv * hd, d),
             p + "self_attn.o_proj.weight": (d, h * hd),
-            p + "mlp.gate_proj.weight": (c["intermediate_size"], d),
-            p + "mlp.up_proj.weight": (c["intermediate_size"], d),
-            p + "mlp.down_proj.weight": (d, c["intermediate_size"]),
+            **_mlp_shapes(c, i, p),
             p + "input_layernorm.weight": (d,),
             p + "post_attention_layernorm.weight": (d,),
         }
-        if c["model_type"] == "qwen2":
+        if c["model_type"] in ("qwen2", "qwen2_moe"):
             shapes |= {p + f"self_attn.{x}_proj.bias": (n * hd,) for x, n in (("q", h), ("k", kv), ("v", kv))}
-        if c["model_type"] == "qwen3":
+        if c["model_type"] in ("qwen3", "qwen3_moe"):
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     shapes["model.norm.weight"] = (d,)
     if not c["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (c["vocab_size"], d)
+    return shapes
+
+
+def _mlp_shapes(c: dict, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The feed-forward of one layer under the HF names: dense, or the router and each expert."""
+    d, model_type = c["hidden_size"], c["model_type"]
+
+    def gated(p: str, ffn: int, names=("gate_proj", "up_proj", "down_proj")) -> dict[str, tuple[int, ...]]:
+        gate, up, down = names
+        return {f"{p}{gate}.weight": (ffn, d), f"{p}{up}.weight": (ffn, d), f"{p}{down}.weight": (d, ffn)}
+
+    sparse = model_type == "mixtral" or (
+        model_type.endswith("_moe") and layer not in c.get("mlp_only_layers", [])
+        and (layer + 1) % c.get("decoder_sparse_step", 1) == 0
+    )
+    if not sparse:
+        return gated(prefix + "mlp.", c["intermediate_size"])
+    if model_type == "mixtral":
+        p, num_experts = prefix + "block_sparse_moe.", c["num_local_experts"]
+        shapes = {p + "gate.weight": (num_experts, d)}
+        for e in range(num_experts):
+            shapes |= gated(f"{p}experts.{e}.", c["intermediate_size"], ("w1", "w3", "w2"))
+        return shapes
+    p, num_experts = prefix + "mlp.", c["num_experts"]
+    shapes = {p + "gate.weight": (num_experts, d)}
+    for e in range(num_experts):
+        shapes |= gated(f"{p}experts.{e}.", c["moe_intermediate_size"])
+    if model_type == "qwen2_moe":
+        shapes |= gated(p + "shared_expert.", c["shared_expert_intermediate_size"])
+        shapes[p + "shared_expert_gate.weight"] = (1, d)
     return shapes
 
 
@@ -242,6 +318,7 @@ def write_tokenizer(folder: pathlib.Path, specials: dict, add_bos: bool) -> None
         "add_bos_token": add_bos,
         "model_max_length": MAX_POS,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (folder / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n"

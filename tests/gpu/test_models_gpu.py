@@ -16,7 +16,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-FAMILIES = ("llama", "qwen2", "qwen3", "opt")
+FAMILIES = ("llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe")
 NUM_DECODE = 32
 BLOCK_SIZE = 16
 

@@ -18,7 +18,7 @@ from executor_svc.worker.worker import Worker
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, StepPlan
 
-FAMILIES = ("llama", "qwen2", "qwen3", "opt")
+FAMILIES = ("llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe")
 NUM_DECODE = 32
 BLOCK_SIZE = 8
 ATOL = 1e-4

@@ -41,7 +41,7 @@ def test_transformers_loads_the_folder(family, tiny_model_dirs):
         config["bos_token_id"],
         config["eos_token_id"],
     )
-    assert (ids[0] == config["bos_token_id"]) == (family in ("llama", "opt"))
+    assert (ids[0] == config["bos_token_id"]) == (family in ("llama", "opt", "mixtral"))
     model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
     assert type(model).__name__ == config["architectures"][0]
     assert not info["missing_keys"] and not info["unexpected_keys"]
