@@ -51,11 +51,13 @@ async def start_executor_server(
     from executor_svc.server.servicer import ExecutorServicer
 
     servicer = ExecutorServicer(worker, on_fatal, metrics)
-    server, bound, _ = await start_grpc_server(
+    server, bound, health = await start_grpc_server(
         SERVICE_NAME,
         lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
         host, port, max_message_bytes,
     )
+    if metrics is not None:
+        metrics.watch_health(health)  # the metrics port's /health answers from the gRPC health
     return server, bound
 
 
@@ -105,7 +107,7 @@ async def serve(args: ExecutorOptions) -> int:
     if args.metrics_port is not None:
         from executor_svc.server.metrics import ExecutorMetrics
 
-        metrics = ExecutorMetrics(worker)
+        metrics = ExecutorMetrics(worker, worker.describe().model_name)
         metrics.serve(args.metrics_port, addr=args.host)
     server, port = await start_executor_server(
         worker, args.host, args.port, on_fatal, metrics, args.max_message_bytes

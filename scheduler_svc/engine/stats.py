@@ -52,13 +52,14 @@ def record_step(
     plan_bytes: int,
 ) -> None:
     m = metrics
-    m.set("gpu_blocks_total", limits.num_gpu_blocks)
+    m.set("gpu_blocks_capacity", limits.num_gpu_blocks)
     m.set("gpu_blocks_free", stats.num_free_gpu_blocks)
     m.set("gpu_blocks_used", limits.num_gpu_blocks - stats.num_free_gpu_blocks)
     m.set("gpu_blocks_cached_free", stats.num_cached_free_blocks)
-    m.set("cpu_swap_blocks_total", limits.num_cpu_blocks)
+    m.set("cpu_swap_blocks_capacity", limits.num_cpu_blocks)
     m.set("cpu_swap_blocks_used", limits.num_cpu_blocks - stats.num_free_cpu_blocks)
-    m.set("kv_usage_ratio", 1 - stats.num_free_gpu_blocks / limits.num_gpu_blocks)
+    kv_usage = 1 - stats.num_free_gpu_blocks / limits.num_gpu_blocks
+    m.set("kv_usage_ratio", kv_usage)
     m.set("blocks_saved_by_sharing", stats.num_shared_block_refs)
     m.set("num_requests_running", stats.num_running)
     m.set("num_requests_waiting", stats.num_waiting)
@@ -73,6 +74,7 @@ def record_step(
     m.observe("step_time_seconds", step_time_s)
     m.observe("batch_size", plan.num_scheduled_seqs)
     m.observe("step_plan_bytes", plan_bytes)
+    m.observe("step_kv_usage_ratio", kv_usage)
 
 
 def record_output(

@@ -99,5 +99,7 @@ class _Link:
         self._ready.set()
 
     def _end(self, stream_id: int, code: grpc.StatusCode, message: str) -> None:
+        if self._engine.metrics is not None:  # the request's error status, as the servicer's count_error
+            self._engine.metrics.count_rejected(code.name)
         self._batch.events.add(stream_id=stream_id, end=True, code=code.value[0], message=message)
         self._ready.set()

@@ -13,6 +13,7 @@ import gc
 import logging
 import pathlib
 import signal
+import sys
 from dataclasses import dataclass
 
 import grpc
@@ -85,9 +86,27 @@ class ServeOptions(ApiServerOptions):
             raise ValueError("step_timeout_s must be > 0")
 
 
+class ExecutorsUnreachableError(RuntimeError):
+    """An executor did not accept a connection within --connect-timeout-s (a one-line message)."""
+
+
+async def wait_for_executors(pool: ExecutorPool, timeout_s: float) -> None:
+    """Logs what the scheduler waits for; an executor set still unreachable after `timeout_s` is an
+    ExecutorsUnreachableError naming its addresses."""
+    targets = ",".join(pool.targets)
+    _log.info("waiting for executor %s (up to %g s: --connect-timeout-s)", targets, timeout_s)
+    try:
+        await pool.wait_ready(timeout_s)
+    except TimeoutError:
+        raise ExecutorsUnreachableError(
+            f"executor {targets} not reachable after {timeout_s:g} s (--connect-timeout-s): is it running, "
+            "and is --executors HOST:PORT right?") from None
+    _log.info("executor %s reachable", targets)
+
+
 async def build_engine(opts: ServeOptions) -> Engine:
     pool = ExecutorPool(list(opts.executors), opts.step_timeout_s, opts.max_message_bytes)
-    await pool.wait_ready(opts.connect_timeout_s)
+    await wait_for_executors(pool, opts.connect_timeout_s)
     ranks = await pool.describe()
     first = ranks[0]
     fit_gpu = min(r.num_gpu_blocks for r in ranks)
@@ -250,6 +269,8 @@ async def start_scheduler_server(
         SERVICE_NAME, add_servicers, host, port, max_message_bytes, credentials, auth_token
     )
     running = SchedulerServer(engine, server, bound, health)
+    if engine.metrics is not None:
+        engine.metrics.watch_health(health)  # the metrics port's /health answers from the gRPC health
     engine.on_health_change = running.on_health_change
     return running
 
@@ -288,7 +309,10 @@ async def serve(opts: ServeOptions) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
-    asyncio.run(serve(parse_args(argv)))
+    try:
+        asyncio.run(serve(parse_args(argv)))
+    except ExecutorsUnreachableError as err:
+        sys.exit(f"python -m scheduler_svc.server.main: {err}")
 
 
 if __name__ == "__main__":

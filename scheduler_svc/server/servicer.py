@@ -7,6 +7,8 @@ step plan.
 
 from __future__ import annotations
 
+import grpc
+
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine.engine import Engine, RequestStream
 from scheduler_svc.engine.outputs import OutputDelta, RequestDelta
@@ -71,6 +73,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine, model_info: generation_pb2.GetModelInfoResponse):
         self._engine = engine
         self._model_info = model_info
+
+    def count_error(self, code: grpc.StatusCode) -> None:
+        """maps_errors reports each error status a call ends with (convert.CountsErrors)."""
+        if self._engine.metrics is not None:
+            self._engine.metrics.count_rejected(code.name)
 
     @maps_errors()
     async def Generate(self, request, context):

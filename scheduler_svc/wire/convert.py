@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Mapping
 from itertools import chain, islice
 from operator import attrgetter
+from typing import Protocol, runtime_checkable
 
 import grpc
 
@@ -303,13 +304,24 @@ def error_status(exc: BaseException, also: CallerErrors | None = None) -> tuple[
     return code, str(exc) if isinstance(exc, ApiError) else str(exc) or type(exc).__name__
 
 
+@runtime_checkable
+class CountsErrors(Protocol):
+    """A servicer that counts the error statuses its calls end with (maps_errors reports them)."""
+
+    def count_error(self, code: grpc.StatusCode) -> None: ...
+
+
 def maps_errors(also: CallerErrors | None = None) -> Callable:
     """Decorates an async servicer method (unary or server-streaming): an exception aborts the call
     with the status of `error_status` (ApiErrors their own code, types in `also` theirs, anything
-    else INTERNAL, logged). The server keeps serving either way."""
+    else INTERNAL, logged). The server keeps serving either way. A servicer that `CountsErrors` is
+    told each status it answers with (the scheduler's requests_rejected metric)."""
 
-    async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-        await context.abort(*error_status(exc, also))
+    async def abort(servicer: object, context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        code, message = error_status(exc, also)
+        if isinstance(servicer, CountsErrors):
+            servicer.count_error(code)
+        await context.abort(code, message)
 
     def decorate(method: Callable) -> Callable:
         if inspect.isasyncgenfunction(method):
@@ -323,7 +335,7 @@ def maps_errors(also: CallerErrors | None = None) -> Callable:
                 except Exception as exc:  # noqa: BLE001 - mapped to a status code
                     if isinstance(exc, grpc.aio.AbortError):
                         raise
-                    await abort(context, exc)
+                    await abort(self, context, exc)
                 finally:
                     await inner.aclose()  # runs the handler's cleanup even when cancelled mid-yield
 
@@ -336,7 +348,7 @@ def maps_errors(also: CallerErrors | None = None) -> Callable:
             except Exception as exc:  # noqa: BLE001 - mapped to a status code
                 if isinstance(exc, grpc.aio.AbortError):
                     raise
-                await abort(context, exc)
+                await abort(self, context, exc)
 
         return unary
 

@@ -29,6 +29,8 @@ class Health:
 
     def __init__(self, server: grpc.aio.Server, service_names: list[str]):
         self._service_names = ["", *service_names]  # "" is the whole server
+        self.serving = False  # the status last set (read by the metrics port's /health)
+        self.alive = False
         try:
             from grpc_health.v1 import health, health_pb2, health_pb2_grpc
         except ImportError:
@@ -48,6 +50,7 @@ class Health:
         return ["grpc.health.v1.Health"] if self._servicer is not None else []
 
     async def set_serving(self, serving: bool) -> None:
+        self.serving = serving
         if self._servicer is None:
             return
         response = self._pb2.HealthCheckResponse
@@ -56,6 +59,7 @@ class Health:
             await self._servicer.set(name, status)
 
     async def set_alive(self, alive: bool) -> None:
+        self.alive = alive
         if self._servicer is not None:
             response = self._pb2.HealthCheckResponse
             await self._servicer.set(self.LIVENESS, response.SERVING if alive else response.NOT_SERVING)

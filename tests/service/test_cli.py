@@ -111,7 +111,7 @@ def test_serve_starts_both_processes_with_the_tiny_random_model_and_stops_on_sig
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
             scraped = reply.read().decode()
         assert 'pagedserve_gpu_blocks_capacity{model_name="tiny-llama"} 64.0' in scraped
-        finished = 'pagedserve_requests_finished_total{api="grpc",model_name="tiny-llama",reason="length"} 1.0'
+        finished = 'pagedserve_requests_finished_total{api="grpc",model_name="tiny-llama",reason="length"} 1'
         assert finished in scraped
     finally:
         rc = proc.stop(timeout_s=30)

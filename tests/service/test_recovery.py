@@ -203,7 +203,7 @@ def test_serve_restarts_a_killed_executor_and_the_stream_continues(tiny_llama_di
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as reply:  # the restarted executor's own counters
             scraped = reply.read().decode()
-        steps = [line for line in scraped.splitlines() if line.startswith("pagedserve:executor_steps_total ")]
+        steps = [line for line in scraped.splitlines() if line.startswith("pagedserve_executor_steps_total{")]
         assert steps and float(steps[0].split()[1]) > 0
     finally:
         proc.stop(timeout_s=60)

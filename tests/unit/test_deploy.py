@@ -121,13 +121,17 @@ def test_dashboard_queries_only_metrics_the_scheduler_and_executors_export():
     for panel in panels:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
-            names = set(re.findall(re.escape(PREFIX) + r"[a-zA-Z0-9_:]+", target["expr"]))
+            name_pattern = r"\b(?:" + re.escape(PREFIX) + r"|process_)[a-zA-Z0-9_:]+"
+            names = set(re.findall(name_pattern, target["expr"]))
             assert names, (panel["title"], target["expr"])
             assert names <= exported, (panel["title"], names - exported)
             queried |= names
     for must in ("gpu_blocks_used", "gpu_blocks_cached_free", "cpu_swap_blocks_used", "kv_usage_ratio",
                  "blocks_saved_by_sharing", "prefix_cache_hits_tokens_total", "preemptions_total",
-                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket"):
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "cow_copies_total", "swapped_in_blocks_total", "swapped_out_blocks_total",
+                 "step_kv_usage_ratio_bucket", "request_queue_time_seconds_bucket",
+                 "requests_rejected_total"):
         assert PREFIX + must in queried
     for must in ("step_time_seconds_bucket", "gpu_memory_allocated_bytes", "gpu_memory_reserved_bytes",
                  "kv_cache_bytes"):
