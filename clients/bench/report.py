@@ -205,9 +205,11 @@ def ideal_time(spec: ModelSpec, prompt_lens: list[int], output_lens: list[int], 
     first token; decode step k (k = 1 .. max output - 1) runs the requests with more than k output
     tokens and takes max(bytes / copy rate, FLOPs / matmul rate), bytes = the weights once + the K/V
     of every active context, FLOPs = 2 x matmul params per token + attention (4 x hidden x layers
-    per context position)."""
-    matmul_params = spec.num_params - spec.vocab_size * spec.hidden_size  # the embedding is a lookup
-    weight_bytes = matmul_params * BYTES_PER_PARAM
+    per context position). For a mixture of experts, the weights a decode step reads are the dense
+    ones and the experts its tokens touch (`ModelSpec.params_read`: E (1 - (1 - k/E)^tokens) per
+    layer), and a token's FLOPs count its k experts only (`num_active_params`)."""
+    embedding = spec.vocab_size * spec.hidden_size  # a lookup, no matmul
+    matmul_params = spec.num_active_params - embedding
     attn_flops_per_pos = 4 * spec.hidden_size * spec.num_layers  # QK^T and PV, 2 FLOPs per MAC
     prefill_flops = sum(2 * matmul_params * p + attn_flops_per_pos * p * (p + 1) / 2 for p in prompt_lens)
     prefill_s = prefill_flops / rates.matmul_flops_per_s
@@ -218,6 +220,7 @@ def ideal_time(spec: ModelSpec, prompt_lens: list[int], output_lens: list[int], 
         if not active:
             break
         context = sum(active) + k * len(active)
+        weight_bytes = (spec.params_read(len(active)) - embedding) * BYTES_PER_PARAM
         bytes_moved = weight_bytes + context * spec.kv_bytes_per_token
         flops = 2 * matmul_params * len(active) + attn_flops_per_pos * context
         decode_s += max(bytes_moved / rates.copy_bytes_per_s, flops / rates.matmul_flops_per_s)
