@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from executor_svc.models.families import UnsupportedArchitectureError, family_of
 from executor_svc.server.main import ExecutorOptions
 from executor_svc.worker.config import WorkerConfig
 from scheduler_svc.frontend.main import FrontendOptions
@@ -169,6 +170,10 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, ModelSpec]:
 
 
 def spec_from_hf_config(hf: dict) -> ModelSpec:
+    try:
+        family_of(hf)  # before reading any field: a GPT-2 config has no num_attention_heads
+    except UnsupportedArchitectureError as err:
+        raise SystemExit(f"pagedserve: {err}") from None
     heads = hf["num_attention_heads"]
     return ModelSpec(
         num_layers=hf["num_hidden_layers"],
@@ -392,4 +397,3 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         stop_all(executors + public_procs, drain_s=args.drain_grace_period_s)
-

@@ -12,19 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-# HF `architectures[0]` -> our family name (one model file per family).
-ARCHITECTURE_FAMILIES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "OPTForCausalLM": "opt",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
-MODEL_TYPE_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "opt": "opt"}
-MODEL_TYPE_FAMILIES |= {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+from executor_svc.models.families import UnsupportedArchitectureError, family_of
+
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # the names of runner/cache_config.DTYPE_NAMES
@@ -157,6 +146,12 @@ class ModelConfig:
             )
         if hf.get("use_sliding_window", False):
             raise ModelConfigError("sliding-window attention is not supported")
+        window = hf.get("sliding_window")
+        if family == "llama" and window is not None and window < common["max_model_len"]:  # Mistral's
+            raise ModelConfigError(
+                f"sliding_window {window} (below max_position_embeddings {common['max_model_len']}) "
+                "is not supported: attention over the whole context would not be this model's"
+            )
         if hf.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"hidden_act {hf.get('hidden_act')!r} is not supported")
         attention_bias = hf.get("attention_bias", False)
@@ -200,13 +195,10 @@ def _moe(hf: dict, family: str) -> MoeConfig | None:
 
 
 def _family(hf: dict) -> str:
-    for arch in hf.get("architectures") or ():
-        if arch in ARCHITECTURE_FAMILIES:
-            return ARCHITECTURE_FAMILIES[arch]
-    model_type = hf.get("model_type", "")
-    if model_type in MODEL_TYPE_FAMILIES:
-        return MODEL_TYPE_FAMILIES[model_type]
-    raise ModelConfigError(f"unsupported architecture {hf.get('architectures')} / model_type {model_type!r}")
+    try:
+        return family_of(hf)
+    except UnsupportedArchitectureError as err:
+        raise ModelConfigError(str(err)) from None
 
 
 def _rope(hf: dict) -> RopeConfig:

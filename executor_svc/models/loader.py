@@ -131,7 +131,7 @@ def load_safetensors(model: nn.Module, model_dir: str | pathlib.Path) -> LoadSta
     stacked = getattr(model, "STACKED_PARAMS", ())
     renames = getattr(model, "CHECKPOINT_RENAMES", ())
     expert_params = getattr(model, "EXPERT_PARAMS", {})
-    tied = model.config.tie_word_embeddings or model.config.family == "opt"
+    tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     expert_shards: dict[str, set] = {}
     for hf_name, tensor in iterate_checkpoint(model_dir, stats):

@@ -115,7 +115,8 @@ class OPTForCausalLM(nn.Module):
         self.model = OPTModel(config, tp_rank, tp_size)
         embed_dim = config.word_embed_proj_dim or config.hidden_size
         self.lm_head = ParallelLMHead(config.vocab_size, embed_dim, tp_rank, tp_size)
-        self.lm_head.weight = self.model.decoder.embed_tokens.weight  # OPT always ties
+        if config.tie_word_embeddings:  # OPT's default; an untied checkpoint holds lm_head.weight
+            self.lm_head.weight = self.model.decoder.embed_tokens.weight
 
     def forward(
         self,

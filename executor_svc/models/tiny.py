@@ -270,6 +270,8 @@ def _opt_shapes(c: dict) -> dict[str, tuple[int, ...]]:
             shapes |= {p + f"{norm}.weight": (d,), p + f"{norm}.bias": (d,)}
     if c["do_layer_norm_before"]:  # OPT-350m (post-LN) has no final norm
         shapes |= {"model.decoder.final_layer_norm.weight": (d,), "model.decoder.final_layer_norm.bias": (d,)}
+    if not c.get("tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (c["vocab_size"], e)
     return shapes
 
 

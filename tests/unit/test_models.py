@@ -195,6 +195,8 @@ def test_prompt_served_partly_from_cached_blocks_matches_hf(family, tiny_model_d
 VARIANTS = {
     # OPT-350m's shape: norms after the residual adds, no final norm, embeddings projected 32 <-> 64.
     "opt-350m-like": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32)),
+    # An OPT checkpoint with its own lm_head (tie_word_embeddings false).
+    "opt-untied": ("opt", dict(tie_word_embeddings=False)),
     # Llama-2-like: MHA, plain rope; tied embeddings as in Llama 3.2 1B.
     "llama-mha-tied": (
         "llama",

@@ -1,0 +1,61 @@
+"""config.json that the executor cannot honour is refused with a clear error (never approximated):
+unsupported architectures name what is supported, in the executor and in the launcher (before it
+reads any field), and Mistral's sliding window is refused while the attention path ignores it."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor_svc.models.config import ModelConfig, ModelConfigError
+from executor_svc.models.families import ARCHITECTURE_FAMILIES
+
+
+def _hf_dict(config_class_name: str, **kwargs) -> dict:
+    import transformers
+
+    config = getattr(transformers, config_class_name)(**kwargs)
+    hf = config.to_dict()
+    hf["architectures"] = [config_class_name.replace("Config", "ForCausalLM")]
+    return hf
+
+
+def _tiny_mistral(**kwargs) -> dict:
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    return _hf_dict("MistralConfig", vocab_size=512, num_key_value_heads=2, **sizes, **kwargs)
+
+
+@pytest.mark.parametrize("config_class_name", ["GPT2Config", "FalconConfig", "GPTNeoXConfig", "BloomConfig"])
+def test_unsupported_architecture_names_what_is_supported(config_class_name):
+    from clients.cli.serve import spec_from_hf_config
+
+    hf = _hf_dict(config_class_name)
+    with pytest.raises(ModelConfigError, match="unsupported architecture") as err:
+        ModelConfig.from_hf_dict(hf)
+    assert all(arch in str(err.value) for arch in ARCHITECTURE_FAMILIES)
+    with pytest.raises(SystemExit, match="unsupported architecture.*supported: LlamaForCausalLM"):
+        spec_from_hf_config(hf)  # the launcher, before it reads num_attention_heads / ffn_dim
+
+
+@pytest.mark.parametrize(
+    "hf",
+    [
+        {},
+        {"architectures": "LlamaForCausalLM"},  # a string, not a list: still no KeyError / TypeError
+        {"architectures": [None, 3], "model_type": 7},
+        {"architectures": [], "model_type": ["llama"]},
+    ],
+)
+def test_malformed_architecture_fields_are_a_clear_error(hf):
+    with pytest.raises(ModelConfigError, match="unsupported architecture"):
+        ModelConfig.from_hf_dict(hf)
+
+
+def test_mistral_sliding_window_is_refused():
+    with pytest.raises(ModelConfigError, match="sliding_window 32"):
+        ModelConfig.from_hf_dict(_tiny_mistral(sliding_window=32, max_position_embeddings=2048))
+
+
+@pytest.mark.parametrize("window", [None, 2048, 4096])
+def test_mistral_without_an_effective_window_is_served(window):
+    config = ModelConfig.from_hf_dict(_tiny_mistral(sliding_window=window, max_position_embeddings=2048))
+    assert config.family == "llama"
