@@ -73,7 +73,7 @@ class LauncherOptions:
 # an executor's seed stays its default (`bench --seed` seeds the workload).
 LAUNCHER_SETS = {
     "scheduler": ("model", "executors"),
-    "frontend": ("engine",),
+    "frontend": ("engine", "model_dir"),
     "executor": ("model_dir", "device", "seed", "host", "port", "metrics_port", "rank", "world_size",
                  "dist_init_addr", "dist_timeout_s"),
 }
@@ -219,9 +219,10 @@ def scheduler_command(args: argparse.Namespace, model: str, executor_targets: li
     return [sys.executable, "-m", "scheduler_svc.server.main", *options.to_argv(scheduler)]
 
 
-def frontend_command(args: argparse.Namespace, engine_target: str) -> list[str]:
+def frontend_command(args: argparse.Namespace, engine_target: str, model_dir: str | None = None) -> list[str]:
     frontend = options.from_args(
-        FrontendOptions, args, engine=engine_target,
+        FrontendOptions, args, engine=engine_target, model_dir=model_dir,
+        chat_template=_absolute(args.chat_template),
         tls_cert_file=_absolute(args.tls_cert_file), tls_key_file=_absolute(args.tls_key_file),
         auth_token_file=_absolute(args.auth_token_file),
     )
@@ -261,9 +262,10 @@ def start_listening(cmd: list[str], timeout_s: float) -> tuple[subprocess.Popen,
 def start_public(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[subprocess.Popen]:
     """The process(es) clients talk to, on args.host:args.port (args.port 0 becomes the port picked):
     the scheduler, or with --api-frontend the scheduler on a loopback port behind an API front-end
-    process (the front-end last: it is the one to drain first)."""
+    process (the front-end last: it is the one to drain first). --http-port implies the front-end: it
+    serves the HTTP API."""
     timeout_s = args.startup_timeout
-    if not args.api_frontend:
+    if not args.api_frontend and args.http_port is None:
         scheduler, args.port = start_listening(scheduler_command(args, model, executor_targets), timeout_s)
         return [scheduler]
     inner = argparse.Namespace(**vars(args))
@@ -271,7 +273,8 @@ def start_public(args: argparse.Namespace, model: str, executor_targets: list[st
     scheduler, inner_port = start_listening(scheduler_command(inner, model, executor_targets), timeout_s)
     try:
         wait_serving(f"127.0.0.1:{inner_port}", [scheduler], timeout_s)
-        frontend, args.port = start_listening(frontend_command(args, f"127.0.0.1:{inner_port}"), timeout_s)
+        frontend_cmd = frontend_command(args, f"127.0.0.1:{inner_port}", model)
+        frontend, args.port = start_listening(frontend_cmd, timeout_s)
     except BaseException:
         stop_all([scheduler], grace_s=5.0)
         raise

@@ -190,6 +190,12 @@ class FrontendOptions(ApiServerOptions):
     token apply to clients; the same token is presented to the scheduler."""
 
     engine: str = option(help="HOST:PORT of the scheduler process")
+    http_port: int | None = option(None, "also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health) on this port (0: any)")
+    model_dir: str | None = option(None, "the served model's folder: the HTTP API's tokenizer and chat "
+                                   "template")
+    chat_template: str | None = option(None, "a Jinja chat template file for /v1/chat/completions, "
+                                       "instead of the model folder's")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,9 +218,13 @@ async def start_frontend(
     auth_token: str | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     connect_timeout_s: float = 60.0,
+    on_link: Callable[[EngineLink], object] | None = None,
 ) -> tuple[grpc.aio.Server, int, Health, asyncio.Future]:
-    """Serves the front-end once the link is up; returns (server, port, health, link task)."""
+    """Serves the front-end once the link is up; returns (server, port, health, link task).
+    `on_link` is given the link (the HTTP API serves through it too)."""
     link = EngineLink(engine_target, max_message_bytes, auth_token)
+    if on_link is not None:
+        on_link(link)
     link_task = asyncio.ensure_future(link.run(connect_timeout_s))
     connected = asyncio.ensure_future(link.connected.wait())
     await asyncio.wait({connected, link_task}, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -236,10 +246,19 @@ async def start_frontend(
 
 
 async def serve(a: FrontendOptions) -> None:
+    links: list[EngineLink] = []
     server, port, health, link_task = await start_frontend(
         a.engine, a.host, a.port, server_credentials(a.tls_cert_file, a.tls_key_file),
-        read_auth_token(a.auth_token_file), a.max_message_bytes, a.connect_timeout_s,
+        read_auth_token(a.auth_token_file), a.max_message_bytes, a.connect_timeout_s, on_link=links.append,
     )
+    http = None
+    if a.http_port is not None:
+        from scheduler_svc.frontend.http_app import start_http_api
+
+        http = await start_http_api(
+            links[0], a.host, a.http_port, a.model_dir, a.chat_template, a.tls_cert_file, a.tls_key_file,
+            read_auth_token(a.auth_token_file),
+        )
     print(f"pagedserve api front-end listening on {a.host}:{port} (scheduler {a.engine})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -248,7 +267,10 @@ async def serve(a: FrontendOptions) -> None:
     await stop.wait()
     _log.info("stopping: draining for up to %g s", a.drain_grace_period_s)
     await health.set_serving(False)
-    await server.stop(a.drain_grace_period_s)
+    if http is None:
+        await server.stop(a.drain_grace_period_s)
+    else:
+        await asyncio.gather(server.stop(a.drain_grace_period_s), http.stop(a.drain_grace_period_s))
     link_task.cancel()
 
 

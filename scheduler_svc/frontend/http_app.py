@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP API of the API front-end process (Starlette on uvicorn, bodies checked by
+the pydantic models of openai_schema.py):
+
+    POST /v1/completions        prompt: text, texts, token ids or lists of them; streamed or not
+    POST /v1/chat/completions   messages rendered by the model's chat template (chat.py)
+    GET  /v1/models             the served model
+    GET  /health                200 while serving, 503 while the scheduler is unreachable,
+                                recovering or draining (no token needed)
+    GET  /metrics               pagedserve_http_requests_total{api="openai",endpoint,status}
+
+Each request becomes the GenerateRequest(s) the gRPC API sends, over the same link to the scheduler,
+which validates it as it validates every request. Errors are OpenAI's JSON error shape with its
+status: 400 naming the field, 401 for a missing or wrong bearer token (with --auth-token-file), 404 for
+another model, 503 while draining or recovering. A client that goes away aborts its requests (their
+KV blocks are freed at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import pydantic
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from protos.pagedserve.v1 import generation_pb2
+from scheduler_svc.frontend.chat import ModelText
+from scheduler_svc.frontend.http_errors import HttpError, error_response, http_error
+from scheduler_svc.frontend.http_stream import Exchange, SSEResponse, collect, sse_events
+from scheduler_svc.frontend.link_call import LinkCall, StreamLink
+from scheduler_svc.frontend.openai_convert import chat_request, completion_requests
+from scheduler_svc.frontend.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from scheduler_svc.wire.chat_template import ChatTemplate
+from scheduler_svc.wire.errors import ApiError
+
+MAX_BODY_BYTES = 16 << 20
+_log = logging.getLogger(__name__)
+REQUESTS = Counter("pagedserve_http_requests", "HTTP API requests answered, by endpoint and status",
+                   ["api", "endpoint", "status"])
+
+
+class HttpApi:
+    """The app and what it serves: the link, the model's name and limits, its text (chat.py), the
+    token; `draining` (set on SIGTERM) makes every API call a 503."""
+
+    def __init__(self, link: StreamLink, model_name: str, max_context_tokens: int, text: ModelText,
+                 auth_token: str | None = None, is_serving: Callable[[], bool] = lambda: True):
+        self.link, self.model_name, self.text = link, model_name, text
+        self.max_context_tokens = max_context_tokens
+        self.model_names = {model_name, model_name.rstrip("/").rsplit("/", 1)[-1]}
+        self._auth = f"Bearer {auth_token}".encode() if auth_token else None
+        self.is_serving = is_serving
+        self.draining = False
+        self.num_in_flight = 0
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self._endpoint("completions", self._completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._endpoint("chat", self._chat), methods=["POST"]),
+            Route("/v1/models", self._endpoint("models", self._models), methods=["GET"]),
+            Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+        ])
+
+    def _endpoint(self, name: str, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def endpoint(request: Request) -> Response:
+            self.num_in_flight += 1
+            try:
+                self._check_auth(request)
+                if self.draining:
+                    raise HttpError(503, "the server is draining (shutting down); retry elsewhere")
+                response = await handler(request)
+            except HttpError as err:
+                response = error_response(err)
+            except (ApiError, pydantic.ValidationError) as exc:
+                response = error_response(http_error(exc))
+            except Exception as exc:  # noqa: BLE001 - one request's failure stops nothing else
+                _log.exception("%s failed", name)
+                response = error_response(http_error(exc))
+            finally:
+                self.num_in_flight -= 1
+            REQUESTS.labels("openai", name, str(response.status_code)).inc()
+            return response
+
+        return endpoint
+
+    def _check_auth(self, request: Request) -> None:
+        if self._auth is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, self._auth):
+            raise HttpError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                            code="invalid_api_key")
+
+    async def _body(self, request: Request, schema: type[pydantic.BaseModel]) -> Any:
+        declared = request.headers.get("content-length", "0")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise HttpError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise HttpError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        body = schema.model_validate_json(raw)
+        model = getattr(body, "model", None)
+        if model not in self.model_names:
+            raise HttpError(404, f"the model {model!r} does not exist (this server serves "
+                                 f"{self.model_name!r})", "model", "model_not_found")
+        return body
+
+    async def _completions(self, request: Request) -> Response:
+        body: CompletionRequest = await self._body(request, CompletionRequest)
+        exchange = Exchange("cmpl", "text_completion", self.model_name, body, self.text, chat=False)
+        return await self._answer(request, exchange, completion_requests(body))
+
+    async def _chat(self, request: Request) -> Response:
+        body: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
+        exchange = Exchange("chatcmpl", "chat.completion", self.model_name, body, self.text, chat=True)
+        return await self._answer(request, exchange, [chat_request(body, self.text, self.max_context_tokens)])
+
+    async def _answer(self, request: Request, exchange: Exchange, generate_requests: list) -> Response:
+        calls: list[LinkCall] = []
+        try:
+            for generate_request in generate_requests:
+                calls.append(LinkCall(self.link, generate_request))
+            if exchange.body.stream:
+                # the first response of each call before the headers: a refused request is a 400, not a stream
+                firsts = await _first_responses(calls)
+                return SSEResponse(sse_events(exchange, calls, firsts), on_close=lambda: _close(calls))
+            return JSONResponse(await _unless_disconnected(request, collect(exchange, calls)))
+        except BaseException:
+            _close(calls)
+            raise
+        finally:
+            if not exchange.body.stream:
+                _close(calls)
+
+    async def _models(self, request: Request) -> Response:
+        card = ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_context_tokens)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    async def _health(self, request: Request) -> Response:
+        if self.draining or not self.is_serving():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _first_responses(calls: list[LinkCall]) -> list:
+    return list(await asyncio.gather(*(call.next() for call in calls)))
+
+
+def _close(calls: list[LinkCall]) -> None:
+    for call in calls:
+        call.close()
+
+
+async def _unless_disconnected(request: Request, work) -> Any:
+    """Awaits `work`; cancels it when the client goes away first (its requests are then aborted)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise HttpError(499, "the client closed the connection")
+    return task.result()
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the front-end handles SIGTERM / SIGINT itself (drain)
+        yield
+
+
+async def start_http_server(
+    api: HttpApi, host: str, port: int, tls_cert_file: str | None = None, tls_key_file: str | None = None
+) -> tuple[uvicorn.Server, int, asyncio.Future]:
+    """Serves `api` until the returned server's `should_exit` is set; returns it, its port (the one
+    picked for port 0) and the task that serves."""
+    config = uvicorn.Config(api.app, host=host, port=port, lifespan="off", log_level="warning",
+                            access_log=False, ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file,
+                            backlog=4096, timeout_keep_alive=60)
+    server = _Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError(f"the HTTP API could not listen on {host}:{port}")
+        await asyncio.sleep(0.01)
+    return server, server.servers[0].sockets[0].getsockname()[1], task
+
+
+class HttpService:
+    """The running HTTP API: `stop` drains it (503 for new calls, calls in flight get `grace_s`)."""
+
+    def __init__(self, api: HttpApi, server: uvicorn.Server, port: int, task: asyncio.Future):
+        self.api, self.server, self.port, self.task = api, server, port, task
+
+    async def stop(self, grace_s: float) -> None:
+        self.api.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.api.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.server.should_exit = True
+        self.server.force_exit = True  # what is left past the grace period is cut off
+        await self.task
+
+
+class _Link(StreamLink, Protocol):
+    generation: Any  # the scheduler's Generation stub
+    metadata: tuple
+    connected: asyncio.Event
+    scheduler_serving: bool
+
+
+async def start_http_api(
+    link: _Link, host: str, port: int, model_dir: str | None, chat_template_file: str | None,
+    tls_cert_file: str | None, tls_key_file: str | None, auth_token: str | None,
+) -> HttpService:
+    """Serves the HTTP API through `link` (the front-end's link to the scheduler, connected); prints
+    where. The model's name and limits come from the scheduler; its text from `model_dir`."""
+    info = await link.generation.GetModelInfo(
+        generation_pb2.GetModelInfoRequest(), metadata=link.metadata, timeout=30.0
+    )
+    max_context_tokens = min(info.max_model_len, info.num_gpu_blocks * info.block_size or info.max_model_len)
+    reported = ChatTemplate(info.chat_template, info.bos_token, info.eos_token)
+    text = ModelText.with_override(reported, model_dir, chat_template_file)
+    api = HttpApi(link, info.model_name, max_context_tokens, text, auth_token,
+                  lambda: link.connected.is_set() and link.scheduler_serving)
+    server, bound, task = await start_http_server(api, host, port, tls_cert_file, tls_key_file)
+    scheme = "https" if tls_cert_file else "http"
+    print(f"pagedserve OpenAI-compatible HTTP API: {scheme}://{host}:{bound}/v1", flush=True)
+    return HttpService(api, server, bound, task)
+

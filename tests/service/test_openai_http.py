@@ -1,0 +1,182 @@
+"""The OpenAI-compatible HTTP API (`pagedserve serve --http-port`) through the official `openai` SDK,
+against a real server on the tiny model with a bearer token: completions and chat, streamed and not,
+n = 2, stop, seed, logprobs, usage; greedy text and token ids identical to the gRPC API's; every bad
+field a 400 naming it while the server keeps serving; 401 / 404; a client that goes away mid-stream
+frees every block."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import subprocess
+
+import httpx
+import pytest
+
+from clients.client import Client
+from tests.helpers.processes import serve
+from tests.helpers.wait import wait_until
+
+openai = pytest.importorskip("openai")
+
+TOKEN = "s3cret-token"
+HTTP_LINE = r"OpenAI-compatible HTTP API: (http://\S+)/v1"
+NUM_GPU_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("openai_http")
+    (log_dir / "token").write_text(TOKEN + "\n")
+    proc, public = serve(
+        ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-gpu-blocks", str(NUM_GPU_BLOCKS),
+         "--http-port", "0", "--auth-token-file", str(log_dir / "token")], log_dir / "serve.log",
+    )
+    base_url = proc.wait_for(HTTP_LINE, 30)[1]
+    try:
+        yield base_url, public
+    finally:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.stop(timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    with openai.OpenAI(base_url=f"{server[0]}/v1", api_key=TOKEN, max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(sdk):
+    return sdk.models.list().data[0].id
+
+
+def grpc_greedy(public: str, prompt, max_tokens: int):
+    with Client(public, auth_token=TOKEN) as client:
+        out = client.generate(prompt, max_tokens=max_tokens, temperature=0.0).outputs[0]
+    return out.text, list(out.token_ids)
+
+
+def test_completions_greedy_matches_the_grpc_api_streamed_or_not(sdk, model, server):
+    text, ids = grpc_greedy(server[1], "Hello there", 12)
+    whole = sdk.completions.create(model=model, prompt="Hello there", max_tokens=12, temperature=0,
+                                   extra_body={"return_token_ids": True})
+    assert whole.choices[0].text == text and whole.choices[0].token_ids == ids
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+    chunks = list(sdk.completions.create(model=model, prompt="Hello there", max_tokens=12, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    # token ids as the prompt give the same answer
+    by_ids = sdk.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == grpc_greedy(server[1], [5, 6, 7, 8], 6)[0]
+
+
+def test_chat_streamed_and_not_agree_and_usage_counts(sdk, model):
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    whole = sdk.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(sdk.chat.completions.create(model=model, messages=messages, max_completion_tokens=8,
+                                              temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+
+
+def test_n_seed_stop_and_logprobs(sdk, model):
+    def sample():
+        return sdk.completions.create(model=model, prompt="Once upon", max_tokens=8, n=2, seed=7,
+                                      temperature=1.0)
+
+    first, again = sample(), sample()
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.usage.completion_tokens == 16
+    greedy = sdk.completions.create(model=model, prompt="Once upon", max_tokens=8, temperature=0).choices[0]
+    stop = greedy.text[3:5]
+    cut = sdk.completions.create(model=model, prompt="Once upon", max_tokens=8, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    lp = sdk.completions.create(model=model, prompt="Once upon", max_tokens=4, temperature=0,
+                                logprobs=2).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(len(t) >= 1 for t in lp.top_logprobs)
+    assert all(math.isfinite(x) and x <= 0 for x in lp.token_logprobs)
+    chat = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == 3 and all(len(e.top_logprobs) == 2 for e in entries)
+
+
+BAD_FIELDS = [  # (endpoint, extra fields, the field the 400 names)
+    ("completions", {"temperature": -1}, "temperature"),
+    ("completions", {"top_p": 2}, "top_p"),
+    ("completions", {"n": 0}, "n"),
+    ("completions", {"n": 10**6}, "n"),
+    ("completions", {"max_tokens": -1}, "max_tokens"),
+    ("completions", {"max_tokens": 10**9}, "max_tokens"),
+    ("completions", {"max_tokens": 10**30}, "max_tokens"),
+    ("completions", {"logprobs": 50}, "logprobs"),
+    ("completions", {"seed": 2**70}, "seed"),
+    ("completions", {"top_k": -3}, "top_k"),
+    ("completions", {"stop": ["x"] * 500}, "stop"),
+    ("completions", {"prompt": [10**6]}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": {"a": 1}}, "prompt"),
+    ("completions", {"presence_penalty": 1.0}, "presence_penalty"),
+    ("completions", {"echo": True}, "echo"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ("chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("chat/completions", {"temperature": "hot"}, "temperature"),
+]
+
+
+def test_every_bad_field_is_a_400_naming_it_and_the_server_keeps_serving(server, model, sdk):
+    base = {"completions": {"model": model, "prompt": "Hi", "max_tokens": 2},
+            "chat/completions": {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                                 "max_tokens": 2}}
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=f"{server[0]}/v1", headers=headers, timeout=30) as http:
+        for endpoint, fields, param in BAD_FIELDS:
+            reply = http.post(f"/{endpoint}", json={**base[endpoint], **fields})
+            assert reply.status_code == 400, (fields, reply.text)
+            error = reply.json()["error"]
+            assert error["param"] == param and param in error["message"], (fields, error)
+            assert error["type"] == "invalid_request_error"
+        nan = http.post("/completions", content=b'{"model": "%s", "prompt": "Hi", "temperature": NaN}'
+                        % model.encode(), headers={"content-type": "application/json"})
+        assert nan.status_code == 400 and nan.json()["error"]["param"] == "temperature"
+        assert http.post("/completions", content=b"{not json").status_code == 400
+        assert http.post("/completions", content=b"x" * (17 << 20)).status_code == 413
+    assert sdk.completions.create(model=model, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_missing_or_wrong_token_is_a_401_and_another_model_a_404(server, model):
+    with openai.OpenAI(base_url=f"{server[0]}/v1", api_key="wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    missing = httpx.post(f"{server[0]}/v1/completions", json={"model": model, "prompt": "Hi"})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server[0]}/health").status_code == 200  # no token needed
+    with openai.OpenAI(base_url=f"{server[0]}/v1", api_key=TOKEN, max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError) as info:
+            client.completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
+    assert info.value.body["param"] == "model"
+
+
+def test_a_client_that_goes_away_mid_stream_frees_every_block(server, model):
+    body = {"model": model, "prompt": "Hello", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=f"{server[0]}/v1", headers=headers, timeout=30) as http:
+        with http.stream("POST", "/completions", json=body) as reply:
+            assert reply.status_code == 200
+            lines = reply.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+        # the connection is closed here, mid-stream
+    with Client(server[1], auth_token=TOKEN) as client:
+        def all_free():
+            stats = client.stats()
+            return stats.num_running == stats.num_waiting == 0 and stats.num_free_gpu_blocks == NUM_GPU_BLOCKS
+
+        wait_until(all_free, 30, 0.1, "every block free after the client went away")

@@ -1,0 +1,139 @@
+"""The HTTP API's app (scheduler_svc/frontend/http_app.py) in process, over a scripted link: 503 while
+draining, while the link is down and when the scheduler answers UNAVAILABLE; a 400 for a chat on a
+model with no template; a link that breaks mid-stream ends the stream with an error event and
+[DONE]; several prompts stream as one, each choice under its own index; every stream is closed
+(cancelled in the scheduler) when the exchange ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from protos.pagedserve.v1 import frontend_pb2, generation_pb2
+from scheduler_svc.frontend.chat import ModelText
+from scheduler_svc.frontend.http_app import HttpApi
+from scheduler_svc.wire.chat_template import ChatTemplate
+from scheduler_svc.wire.errors import ServiceUnavailableError
+
+pytest.importorskip("starlette")
+
+
+def _response(text: str, finished: bool, index: int = 0) -> generation_pb2.GenerateResponse:
+    reason = generation_pb2.FINISH_REASON_LENGTH if finished else generation_pb2.FINISH_REASON_UNSPECIFIED
+    out = generation_pb2.OutputDelta(index=index, text=text, token_ids=[7], finish_reason=reason,
+                                     completion_tokens=1)
+    return generation_pb2.GenerateResponse(outputs=[out], prompt_tokens=3, finished=finished)
+
+
+class ScriptedLink:
+    """Answers every stream with `script(request)`'s events (None: the link broke)."""
+
+    def __init__(self, script):
+        self.script, self.up = script, True
+        self.requests: list = []
+        self.open_streams: set[int] = set()
+        self.cancelled: list[int] = []
+
+    def open(self, request):
+        if not self.up:
+            raise ServiceUnavailableError("the scheduler is not reachable")
+        stream_id = len(self.requests)
+        self.requests.append(request)
+        queue: asyncio.Queue = asyncio.Queue()
+        for event in self.script(request):
+            queue.put_nowait(event)
+        self.open_streams.add(stream_id)
+        return stream_id, queue
+
+    def close(self, stream_id, cancel):
+        self.open_streams.discard(stream_id)
+        if cancel:
+            self.cancelled.append(stream_id)
+
+
+def two_tokens(request):
+    word = request.text or "ids"
+    return [frontend_pb2.StreamEvent(response=_response(word + "-a", False)),
+            frontend_pb2.StreamEvent(response=_response("-b", True), end=True)]
+
+
+def call(api: HttpApi, method: str, path: str, body=None):
+    async def go():
+        transport = httpx.ASGITransport(app=api.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.request(method, path, json=body)
+
+    return asyncio.run(go())
+
+
+def events(reply: httpx.Response) -> list:
+    lines = [line.removeprefix("data: ") for line in reply.text.split("\n\n") if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def make_api(script=two_tokens, template: str = "") -> tuple[HttpApi, ScriptedLink]:
+    link = ScriptedLink(script)
+    return HttpApi(link, "m", 1024, ModelText(ChatTemplate(template))), link
+
+
+COMPLETION = {"model": "m", "prompt": "x", "max_tokens": 2}
+
+
+def test_503_while_draining_while_the_link_is_down_and_when_the_scheduler_says_unavailable():
+    api, link = make_api()
+    assert call(api, "POST", "/v1/completions", COMPLETION).status_code == 200
+    api.draining = True
+    reply = call(api, "POST", "/v1/completions", COMPLETION)
+    assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable"
+    assert call(api, "GET", "/health").status_code == 503
+    api.draining, link.up = False, False
+    assert call(api, "POST", "/v1/completions", COMPLETION).status_code == 503
+    unavailable = [frontend_pb2.StreamEvent(end=True, code=14, message="the server is draining")]
+    api, _ = make_api(lambda request: unavailable)
+    reply = call(api, "POST", "/v1/completions", {**COMPLETION, "stream": True})
+    assert reply.status_code == 503 and "draining" in reply.json()["error"]["message"]
+
+
+def test_a_chat_without_a_template_is_a_400_naming_messages():
+    api, link = make_api()
+    reply = call(api, "POST", "/v1/chat/completions",
+                 {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
+    assert "chat template" in reply.json()["error"]["message"] and not link.requests
+
+
+def test_a_link_that_breaks_mid_stream_ends_it_with_an_error_event():
+    api, link = make_api(lambda request: [frontend_pb2.StreamEvent(response=_response("a", False)), None])
+    reply = call(api, "POST", "/v1/completions", {**COMPLETION, "stream": True})
+    chunks = events(reply)
+    assert chunks[0]["choices"][0]["text"] == "a"
+    assert chunks[-1]["error"]["type"] == "service_unavailable"
+    assert not link.open_streams
+
+
+def test_several_prompts_stream_as_one_with_their_own_indices_and_usage():
+    api, link = make_api()
+    body = {**COMPLETION, "prompt": ["p", "q"], "n": 1, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = events(call(api, "POST", "/v1/completions", body))
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "p-a-b", 1: "q-a-b"}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}
+    assert not link.open_streams and not link.cancelled  # finished streams are not cancelled
+    whole = call(api, "POST", "/v1/completions", {**COMPLETION, "prompt": [[1, 2], [3]]}).json()
+    assert [c["text"] for c in whole["choices"]] == ["ids-a-b", "ids-a-b"]
+    assert list(link.requests[-1].token_ids.ids) == [3]
+
+
+def test_unknown_fields_are_ignored_and_unsupported_ones_refused():
+    api, _ = make_api()
+    assert call(api, "POST", "/v1/completions", {**COMPLETION, "user": "u", "whatever": 1}).status_code == 200
+    reply = call(api, "POST", "/v1/completions", {**COMPLETION, "logit_bias": {"5": 1.0}})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logit_bias"
+    assert call(api, "GET", "/v1/completions").status_code == 405
