@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+# executor_svc.models.tiny.FAMILIES without importing torch (tests/unit/test_tiny_model.py checks)
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="folder to write (config.json, model.safetensors, tokenizer.json)")
-    parser.add_argument("--family", choices=("llama", "qwen2", "qwen3", "opt"), default="llama")
+    parser.add_argument("--family", choices=TINY_FAMILIES, default="llama")
     parser.add_argument("--seed", type=int, default=0)
 
 

@@ -180,8 +180,9 @@ def _moe(hf: dict, family: str) -> MoeConfig | None:
     if family not in MOE_FAMILIES:
         return None
     if family == "mixtral":
-        if hf.get("sliding_window") is not None:
-            raise ModelConfigError("Mixtral with sliding_window is not supported")
+        window = hf.get("sliding_window")
+        if window is not None and window < hf.get("max_position_embeddings", 2048):  # as Mistral's
+            raise ModelConfigError(f"Mixtral with sliding_window {window} is not supported")
         return MoeConfig(hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"], True)
     return MoeConfig(
         num_experts=hf.get("num_experts") or hf["num_local_experts"],

@@ -84,6 +84,7 @@ def test_moe_configs_are_checked():
     ):
         with pytest.raises(ModelConfigError, match=message):
             ModelConfig.from_hf_dict(base | change)
+    assert ModelConfig.from_hf_dict(base | {"sliding_window": 8192}).moe is not None  # the whole context
     qwen = MODELS["qwen3-30b-a3b"].hf_config()
     with pytest.raises(ModelConfigError, match="decoder_sparse_step"):
         ModelConfig.from_hf_dict(qwen | {"decoder_sparse_step": 0})
@@ -125,3 +126,15 @@ def test_expert_tensors_load_per_rank_and_missing_or_extra_experts_fail(tiny_mod
         load_safetensors(full, copy_with(tmp_path / "extra", folder, extra))
     config_json = json.loads((folder / "config.json").read_text())
     assert config_json["num_local_experts"] == 4
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_the_shape_counts_the_parameters_of_the_model_we_build(name):
+    from executor_svc.models.registry import model_class
+
+    spec = MODELS[name]
+    config = ModelConfig.from_hf_dict(spec.hf_config())
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    norms = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 1)
+    assert sum(p.numel() for p in model.parameters()) - norms == spec.num_params

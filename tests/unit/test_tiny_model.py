@@ -47,3 +47,9 @@ def test_transformers_loads_the_folder(family, tiny_model_dirs):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     logits = model(torch.tensor([ids])).logits[0, -1]
     assert 2.0 < logits.std().item() < 8.0  # spread enough that greedy ties are improbable
+
+
+def test_the_cli_offers_every_tiny_family():
+    from clients.cli.make_tiny_model import TINY_FAMILIES
+
+    assert TINY_FAMILIES == FAMILIES
