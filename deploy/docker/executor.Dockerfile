@@ -13,7 +13,12 @@ COPY executor_svc ./executor_svc
 COPY kernels ./kernels
 COPY clients ./clients
 RUN pip install --index-url https://download.pytorch.org/whl/cu128 torch \
-    && pip install '.[executor]' && useradd --uid 10001 --create-home pagedserve
-USER 10001
+    && pip install '.[executor]' && groupadd --gid 10001 pagedserve \
+    && useradd --uid 10001 --gid 10001 --no-create-home pagedserve
+# Numeric user and group (Kubernetes' runAsNonRoot checks them). The root filesystem may be read-only:
+# point HOME, TRITON_CACHE_DIR and HF_HOME at a writable volume (deploy/k8s does).
+USER 10001:10001
 EXPOSE 50061 9401
+# One rank; a pod with N GPUs runs `python -m executor_svc.server.group --tensor-parallel-size N`
+# (one rank per GPU; deploy/k8s sets that command).
 ENTRYPOINT ["python", "-m", "executor_svc.server.main"]

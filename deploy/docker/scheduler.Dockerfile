@@ -9,7 +9,8 @@ COPY scheduler_svc ./scheduler_svc
 COPY clients ./clients
 COPY kernels/__init__.py ./kernels/__init__.py
 COPY executor_svc/__init__.py ./executor_svc/__init__.py
-RUN pip install . && useradd --uid 10001 --no-create-home pagedserve
-USER 10001
+RUN pip install . && groupadd --gid 10001 pagedserve \
+    && useradd --uid 10001 --gid 10001 --no-create-home pagedserve
+USER 10001:10001
 EXPOSE 50051 9400
 ENTRYPOINT ["python", "-m", "scheduler_svc.server.main"]

@@ -2,13 +2,20 @@
 
 Where a rank learns its place, first match wins:
 
-    rank        --rank | POD_NAME's ordinal when PAGEDSERVE_RANK_FROM_POD_NAME=1 | RANK | 0
-    world size  --world-size (alias --tensor-parallel-size) | WORLD_SIZE | 1
-    rendezvous  --dist-init-addr HOST:PORT | MASTER_ADDR:MASTER_PORT   (rank 0 listens there)
+    rank        --rank | POD_NAME's ordinal when PAGEDSERVE_RANK_FROM_POD_NAME=1 | RANK
+                | LWS_WORKER_INDEX x LOCAL_WORLD_SIZE + LOCAL_RANK   (each absent: 0, 1, 0)
+    world size  --world-size (alias --tensor-parallel-size) | WORLD_SIZE
+                | LWS_GROUP_SIZE x LOCAL_WORLD_SIZE                   (each absent: 1)
+    rendezvous  --dist-init-addr HOST:PORT | MASTER_ADDR:MASTER_PORT
+                | LWS_LEADER_ADDRESS:MASTER_PORT (29500 when absent)  (rank 0 listens there)
 
-A StatefulSet pod `pagedserve-executor-3` is rank 3. The backend is NCCL on GPU, gloo on CPU. On
-GPU a rank uses device LOCAL_RANK (when set) or rank % visible GPUs, so ranks on one machine take
-one GPU each and a pod that sees one GPU uses it.
+A StatefulSet pod `pagedserve-executor-3` is rank 3. A LeaderWorkerSet (LWS, the Kubernetes API for
+multi-host groups) gives each pod of a group LWS_WORKER_INDEX (the leader is 0), LWS_GROUP_SIZE (pods)
+and LWS_LEADER_ADDRESS; a pod that runs LOCAL_WORLD_SIZE ranks (executor_svc/server/group.py, one per
+GPU) numbers them LOCAL_RANK 0.. , so pod p's ranks are p x LOCAL_WORLD_SIZE + 0.. and the leader's
+rank 0 holds the rendezvous. The backend is NCCL on GPU, gloo on CPU. On GPU a rank uses device
+LOCAL_RANK (when set) or rank % visible GPUs, so ranks on one machine take one GPU each and a pod
+that sees one GPU uses it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 RANK_FROM_POD_NAME = "PAGEDSERVE_RANK_FROM_POD_NAME"
+DEFAULT_RENDEZVOUS_PORT = 29500  # with LWS_LEADER_ADDRESS and no MASTER_PORT
 _ORDINAL = re.compile(r"-(\d+)$")
 
 
@@ -62,16 +70,57 @@ def resolve_distributed(
     environ: Mapping[str, str] = os.environ,
 ) -> DistributedConfig:
     """Flags (None: not given) completed from the environment, in the order of the module docstring."""
+    local_world_size = _env_int(environ, "LOCAL_WORLD_SIZE", 1)
     if rank is None:
         if environ.get(RANK_FROM_POD_NAME) == "1":
             rank = rank_from_pod_name(environ.get("POD_NAME", ""))
+        elif "RANK" in environ:
+            rank = _env_int(environ, "RANK", 0)
         else:
-            rank = int(environ.get("RANK", 0))
+            pod_index = _env_int(environ, "LWS_WORKER_INDEX", 0)
+            rank = pod_index * local_world_size + _env_int(environ, "LOCAL_RANK", 0)
     if world_size is None:
-        world_size = int(environ.get("WORLD_SIZE", 1))
-    if init_addr is None and world_size > 1 and environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):
-        init_addr = f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+        if "WORLD_SIZE" in environ:
+            world_size = _env_int(environ, "WORLD_SIZE", 1)
+        else:
+            world_size = _env_int(environ, "LWS_GROUP_SIZE", 1) * local_world_size
+    if init_addr is None and world_size > 1:
+        init_addr = rendezvous_from_env(environ)
     return DistributedConfig(rank, world_size, init_addr if world_size > 1 else None, timeout_s)
+
+
+def pod_ranks(world_size: int, environ: Mapping[str, str] = os.environ) -> range:
+    """The ranks of a set of `world_size` that one pod runs (executor_svc/server/group.py): all of
+    them, or under a LeaderWorkerSet an equal share per pod (LWS_GROUP_SIZE pods, this one
+    LWS_WORKER_INDEX, the leader 0)."""
+    num_pods = _env_int(environ, "LWS_GROUP_SIZE", 1)
+    pod_index = _env_int(environ, "LWS_WORKER_INDEX", 0)
+    if num_pods < 1 or world_size % num_pods:
+        raise ValueError(f"world size {world_size} does not split evenly over LWS_GROUP_SIZE={num_pods} pods")
+    if not 0 <= pod_index < num_pods:
+        raise ValueError(f"LWS_WORKER_INDEX={pod_index} outside LWS_GROUP_SIZE={num_pods}")
+    per_pod = world_size // num_pods
+    return range(pod_index * per_pod, (pod_index + 1) * per_pod)
+
+
+def rendezvous_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
+    """HOST:PORT of rank 0's rendezvous from MASTER_ADDR / MASTER_PORT, or LWS_LEADER_ADDRESS (None:
+    neither is set)."""
+    host = environ.get("MASTER_ADDR") or environ.get("LWS_LEADER_ADDRESS")
+    if not host:
+        return None
+    port = environ.get("MASTER_PORT") or ("" if environ.get("MASTER_ADDR") else str(DEFAULT_RENDEZVOUS_PORT))
+    return f"{host}:{port}" if port else None
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    text = environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} is not an integer") from None
 
 
 def rank_device(device: str | None, rank: int, environ: Mapping[str, str] = os.environ) -> str:
