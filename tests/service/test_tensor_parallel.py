@@ -17,7 +17,7 @@ import pytest
 from clients.client import Client
 from executor_svc.models.tiny import FAMILIES
 from executor_svc.worker.distributed import DistributedConfig, rank_from_pod_name, resolve_distributed
-from tests.helpers.processes import ROOT, ServerProcess, free_port
+from tests.helpers.processes import ServerProcess, free_port
 from tests.helpers.stack import Stack
 from tests.helpers.wait import wait_health
 
@@ -259,32 +259,3 @@ def test_rank_and_rendezvous_from_flags_environment_and_pod_name():
         resolve_distributed(None, 2, None, environ=env)  # pod 3 of a set of 2
     with pytest.raises(ValueError, match="rendezvous"):
         resolve_distributed(1, 2, None, environ={})
-
-
-def test_kubernetes_manifests_agree_on_the_tensor_parallel_size():
-    """For the base and the example overlay: StatefulSet replicas (the overlay's `replicas` entry
-    overrides the base) == executor.json's tensor_parallel_size == the scheduler's executors, which
-    name the StatefulSet's pods in rank (ordinal) order; the pods get their rank from the pod name
-    and the rendezvous at pod 0."""
-    import json
-
-    yaml = pytest.importorskip("yaml")
-    k8s = ROOT / "deploy" / "k8s"
-    statefulset = yaml.safe_load((k8s / "base" / "executor-statefulset.yaml").read_text())
-    overlay = yaml.safe_load((k8s / "overlays" / "example" / "kustomization.yaml").read_text())
-    name = statefulset["metadata"]["name"]
-    base_replicas = statefulset["spec"]["replicas"]
-    overlay_replicas = next(r["count"] for r in overlay["replicas"] if r["name"] == name)
-    env = {e["name"]: e for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["PAGEDSERVE_RANK_FROM_POD_NAME"]["value"] == "1"
-    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-    service = statefulset["spec"]["serviceName"]
-    assert env["MASTER_ADDR"]["value"] == f"{name}-0.{service}"
-    for config_file, replicas in ((k8s / "base" / "configmap.yaml", base_replicas),
-                                  (k8s / "overlays" / "example" / "engine-config.yaml", overlay_replicas)):
-        data = yaml.safe_load(config_file.read_text())["data"]
-        executor, scheduler = json.loads(data["executor.json"]), json.loads(data["scheduler.json"])
-        assert executor["tensor_parallel_size"] == replicas, config_file
-        assert [t.split(".")[0] for t in scheduler["executors"]] == [f"{name}-{r}" for r in range(replicas)]
-        assert all(t.endswith(f".{service}:{executor['port']}") for t in scheduler["executors"])
-    assert overlay_replicas == 2
