@@ -49,7 +49,7 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(shape13), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(shape2), requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
-            param.weight_loader = self.weight_loader
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, full, shard_id: tuple[int, str] | None = None) -> None:
         if shard_id is None or shard_id[1] not in EXPERT_PARTS:

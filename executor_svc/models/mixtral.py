@@ -28,9 +28,8 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)
         assert config.moe is not None
         self.self_attn = attention_cls(config, tp_rank, tp_size)
-        self.mlp: nn.Module
         if config.moe.is_sparse(layer_index):
-            self.mlp = SparseMoeBlock(config.hidden_size, config.moe, tp_rank, tp_size)
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe, tp_rank, tp_size)  # type: ignore[assignment]
         else:
             dense = config.hidden_size, config.intermediate_size, config.mlp_bias
             self.mlp = GatedMLP(*dense, tp_rank, tp_size)
