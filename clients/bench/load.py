@@ -1,6 +1,11 @@
 """The load generator of `pagedserve bench`: sends a workload's requests at their arrival times over
 one asyncio channel, records when each token arrives, and samples the server's stats meanwhile.
 
+`endpoint` picks the API: "grpc" (the client library) or "openai" (the OpenAI-compatible HTTP API of
+`serve --http-port`: streamed /v1/completions with the prompt's token ids, each chunk's tokens counted
+from its `token_ids`), so the same figures can be taken through either; the server's stats are
+sampled over gRPC either way.
+
 Every request ignores EOS and asks for exactly its `max_tokens`, so the number of output tokens is
 fixed by the workload. A run's `Decoding` applies to every request: greedy (the default); `n` > 1
 parallel samples, randomly sampled at temperature 1 with a per-request seed (the request's index in
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +47,12 @@ class Decoding:
     def num_counted_outputs(self) -> int:
         """Outputs of a request whose tokens count: every sample, or the best beam."""
         return self.n
+
+    def openai_fields(self, index: int) -> dict:
+        """The same decoding as OpenAI request fields (no beam search there)."""
+        if self.beam_width > 1:
+            raise ValueError("--endpoint openai: the OpenAI API has no beam search (--beam-width)")
+        return {"temperature": 0.0} if self.n == 1 else {"n": self.n, "temperature": 1.0, "seed": index}
 
     def sampling(self, index: int) -> dict:
         if self.beam_width > 1:
@@ -150,6 +162,45 @@ async def _one_request(
     progress.update(done=1)
 
 
+async def _one_http_request(
+    http, model: str, spec: RequestSpec, record: RequestRecord, progress: Progress, fields: dict
+):
+    """One request through the OpenAI HTTP API (`http`: an httpx.AsyncClient on its /v1)."""
+    await asyncio.sleep(max(0.0, record.arrival_s - time.perf_counter()))
+    record.sent_s = time.perf_counter()
+    body = {"model": model, "prompt": list(spec.prompt_token_ids), "max_tokens": spec.max_tokens,
+            "ignore_eos": True, "stream": True, "return_token_ids": True, **fields}
+    try:
+        async with http.stream("POST", "/completions", json=body) as reply:
+            if reply.status_code != 200:
+                raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread()).decode()[:200]}")
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"].get("message", "error event"))
+                now = time.perf_counter()
+                count = sum(len(c.get("token_ids") or ()) for c in chunk["choices"]
+                            if c["index"] < record.num_outputs)
+                record.token_times_s.extend([now] * count)
+                progress.update(tokens=count)
+    except Exception as err:  # noqa: BLE001 - reported per request, the run goes on
+        record.error = f"{type(err).__name__}: {err}"
+    progress.update(done=1)
+
+
+@contextlib.asynccontextmanager
+async def _http_client(base_url: str):
+    import httpx  # the `http` extra: only --endpoint openai needs it
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=f"{base_url}/v1", limits=limits, timeout=None) as http:
+        reply = await http.get("/models")
+        reply.raise_for_status()
+        yield http, reply.json()["data"][0]["id"]
+
+
 def _sample(s: ServerStats) -> StatsSample:
     return StatsSample(
         time.perf_counter(),
@@ -174,8 +225,13 @@ async def run_load(
     label: str,
     show_progress: bool = True,
     decoding: Decoding = Decoding(),
+    http_url: str | None = None,
 ) -> LoadRun:
-    async with AsyncClient(target) as client:
+    """Runs `requests` against the gRPC API at `target`, or with `http_url` (http://HOST:PORT) through
+    the OpenAI HTTP API there (stats still from `target`)."""
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(AsyncClient(target))
+        http = await stack.enter_async_context(_http_client(http_url)) if http_url else None
         info = await client.model_info()
         stats = [_sample(await client.stats())]  # counters before the run (steps, preemptions)
         stop = asyncio.Event()
@@ -188,12 +244,13 @@ async def run_load(
         ]
         total = sum(rec.expected_output_tokens for rec in records)
         progress = Progress(label, len(requests), total, show_progress)
-        await asyncio.gather(
-            *(
-                _one_request(client, r, rec, progress, decoding.sampling(i))
-                for i, (r, rec) in enumerate(zip(requests, records, strict=True))
-            )
-        )
+        pairs = enumerate(zip(requests, records, strict=True))
+        if http is None:
+            sends = [_one_request(client, r, rec, progress, decoding.sampling(i)) for i, (r, rec) in pairs]
+        else:
+            sends = [_one_http_request(*http, r, rec, progress, decoding.openai_fields(i))
+                     for i, (r, rec) in pairs]
+        await asyncio.gather(*sends)
         end = max((rec.end_s for rec in records), default=start)
         progress.close()
         stop.set()

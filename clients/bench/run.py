@@ -36,6 +36,8 @@ from clients.bench.table import format_table, plot_sweep
 from clients.cli import serve as launcher
 from scheduler_svc.sim.workloads import WORKLOADS, make_workload
 
+ENDPOINTS = ("grpc", "openai", "grpc,openai")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
@@ -60,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
         sub.add_argument("--n", type=int, default=1, help="parallel samples of every request")
         sub.add_argument("--beam-width", type=int, default=1, help="beam search width of every request")
+        sub.add_argument("--endpoint", choices=ENDPOINTS, default="grpc",
+                         help="the API the requests go through: grpc, openai (the HTTP API: the launched "
+                              "server gets --http-port), or both in turn on one server (default: grpc)")
+        sub.add_argument("--http-url", default=None,
+                         help="with --server and --endpoint openai: the server's HTTP API, http://HOST:PORT")
         if mode == "throughput":
             sub.add_argument("--prefixes", default="", help="also run the first K requests, e.g. 32,100")
             sub.add_argument("--compare", default="", help=f"peers to run after ours: {','.join(PEERS)}")
@@ -92,6 +99,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         [float(r) for r in getattr(args, "rates", "").split(",") if r]
     except ValueError as err:
         return str(err)
+    if "openai" in args.endpoint and args.beam_width > 1:
+        return "--endpoint openai: the OpenAI API has no beam search (--beam-width)"
+    if "openai" in args.endpoint and args.server and not args.http_url:
+        return "--endpoint openai with --server needs --http-url http://HOST:PORT"
     if (args.n > 1 or args.beam_width > 1) and getattr(args, "compare", ""):
         return "--compare runs greedy peers: it cannot be combined with --n or --beam-width"
     return launcher.check_options(args)
@@ -112,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         "kv_policy": args.kv_policy,
         "n": args.n,
         "beam_width": args.beam_width,
+        "endpoint": args.endpoint,
     }
     if args.mode == "paper":
         from clients.bench.paper import run_paper
@@ -125,10 +137,14 @@ def run(args: argparse.Namespace) -> int:
             sizes |= {peer_size(args, p, args.requests) for p in args.compare.split(",") if p}
             with servers(args, model, trace_path) as target:
                 warm_up(args, target, spec.vocab_size)
+                first, *others = args.endpoint.split(",")
                 runs = {
-                    k: run_ours(args, target, requests[:k], f"ours[{k}]", trace_path) for k in sorted(sizes)
+                    k: run_ours(args, target, requests[:k], f"ours[{k}]", trace_path, first)
+                    for k in sorted(sizes)
                 }
-            result["runs"] = list(runs.values())
+                also = [run_ours(args, target, requests[:k], f"ours[{k}] {endpoint}", trace_path, endpoint)
+                        for endpoint in others for k in sorted(sizes)]
+            result["runs"] = list(runs.values()) + also
             greedy = args.n == 1 and args.beam_width == 1  # the ideal time models one sequence per request
             gpu = greedy and _cuda_available() and not args.no_ideal and args.device != "cpu"
             if gpu:
@@ -139,7 +155,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             with servers(args, model, trace_path) as target:
                 warm_up(args, target, spec.vocab_size)
-                result["runs"] = sweep_rates(args, target, spec.vocab_size, trace_path)
+                result["runs"] = [
+                    run for endpoint in args.endpoint.split(",")
+                    for run in sweep_rates(args, target, spec.vocab_size, trace_path, endpoint=endpoint)
+                ]
             if args.plot:
                 plot_sweep(result["runs"], args.plot)
     return report(args, result, format_table(result))

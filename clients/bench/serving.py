@@ -27,6 +27,9 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
         return
     serve_args = argparse.Namespace(**vars(args))
     serve_args.port = args.port or launcher.free_port()
+    if "openai" in args.endpoint:  # the HTTP API: a front-end with --http-port
+        serve_args.http_port = args.http_port or launcher.free_port()
+        args.http_url = f"http://127.0.0.1:{serve_args.http_port}"
     procs: list[subprocess.Popen] = []
     try:
         targets = []
@@ -47,12 +50,19 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
 
 
 def warm_up(args, target: str, vocab_size: int) -> None:
-    """A few short requests of the workload (another seed) before measuring: the first steps of a
-    fresh server compile Triton kernels for new shapes (seconds each on the H100 host)."""
+    """A few short requests of the workload (another seed) before measuring, through every endpoint
+    measured: the first steps of a fresh server compile Triton kernels for new shapes (seconds each
+    on the H100 host)."""
     if args.warmup > 0:
         warm = make_workload(args.workload, args.warmup, vocab_size=vocab_size, seed=args.seed + 1)
         warm = [dataclasses.replace(r, max_tokens=min(r.max_tokens, 8)) for r in warm]
-        asyncio.run(run_load(target, warm, "warm-up", show_progress=False))
+        for endpoint in args.endpoint.split(","):
+            http_url = _http_url(args, endpoint)
+            asyncio.run(run_load(target, warm, "warm-up", show_progress=False, http_url=http_url))
+
+
+def _http_url(args, endpoint: str) -> str | None:
+    return args.http_url if endpoint == "openai" else None
 
 
 # The idle time is also given over the decode steps of at least this many sequences (issue 6's
@@ -64,10 +74,11 @@ def decoding_of(args) -> Decoding:
     return Decoding(args.n, args.beam_width)
 
 
-def run_ours(args, target: str, requests, label: str, trace_path: str) -> dict:
+def run_ours(args, target: str, requests, label: str, trace_path: str, endpoint: str = "grpc") -> dict:
     show = not args.no_progress
-    run = asyncio.run(run_load(target, requests, label, show_progress=show, decoding=decoding_of(args)))
-    summary = {"label": label, **summarize(run)}
+    run = asyncio.run(run_load(target, requests, label, show_progress=show, decoding=decoding_of(args),
+                               http_url=_http_url(args, endpoint)))
+    summary = {"label": label, "endpoint": endpoint, **summarize(run)}
     if os.path.exists(trace_path) and not args.server:
         steps = read_step_trace(trace_path, run.start_s, run.end_s)
         summary["gpu_idle"] = gpu_idle(steps, min(args.max_num_seqs, IDLE_DECODE_BATCH))
@@ -78,7 +89,10 @@ def run_ours(args, target: str, requests, label: str, trace_path: str) -> dict:
     return summary
 
 
-def sweep_rates(args, target: str, vocab_size: int, trace_path: str, stop_factor: float | None = None):
+def sweep_rates(
+    args, target: str, vocab_size: int, trace_path: str, stop_factor: float | None = None,
+    endpoint: str = "grpc",
+):
     """One `run_ours` per rate of --rates (Poisson arrivals), at most --max-duration-s of arrivals
     each; with `stop_factor`, the rates after one whose normalized latency exceeds stop_factor x the
     first rate's are skipped (past the knee: they would only take long)."""
@@ -88,7 +102,8 @@ def sweep_rates(args, target: str, vocab_size: int, trace_path: str, stop_factor
         if args.max_duration_s is not None:
             num = max(1, min(num, round(rate * args.max_duration_s)))
         reqs = make_workload(args.workload, num, vocab_size=vocab_size, seed=args.seed, rate_per_s=rate)
-        runs.append({"rate_per_s": rate, **run_ours(args, target, reqs, f"rate {rate}", trace_path)})
+        label = f"rate {rate}" + ("" if endpoint == "grpc" else f" {endpoint}")
+        runs.append({"rate_per_s": rate, **run_ours(args, target, reqs, label, trace_path, endpoint)})
         latency = [r["normalized_latency_s_per_token"] for r in runs]
         if stop_factor is not None and latency[-1] > stop_factor * latency[0]:
             break

@@ -68,9 +68,10 @@ class Exchange:
         """The streamed chunk of one response (None when it holds nothing to show)."""
         self._prompt_tokens[prompt_index] = response.prompt_tokens
         choices = []
+        with_ids = self.body.return_token_ids
         for out in response.outputs:
             choice, first, logprobs = self._update(prompt_index, out)
-            if not (out.text or out.finish_reason or first or logprobs):
+            if not (out.text or out.finish_reason or first or logprobs or (with_ids and out.token_ids)):
                 continue
             if self.chat:
                 delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
@@ -80,7 +81,7 @@ class Exchange:
             else:
                 entry = {"index": choice.index, "text": out.text, "logprobs": logprobs,
                          "finish_reason": choice.finish_reason}
-            if self.body.return_token_ids:
+            if with_ids:
                 entry["token_ids"] = list(out.token_ids)
             choices.append(entry)
         if not choices:

@@ -65,8 +65,10 @@ def test_completions_greedy_matches_the_grpc_api_streamed_or_not(sdk, model, ser
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
     chunks = list(sdk.completions.create(model=model, prompt="Hello there", max_tokens=12, temperature=0,
-                                         stream=True, stream_options={"include_usage": True}))
+                                         stream=True, stream_options={"include_usage": True},
+                                         extra_body={"return_token_ids": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == ids
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
     # token ids as the prompt give the same answer
     by_ids = sdk.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0)
