@@ -15,6 +15,7 @@ import torch
 from executor_svc.models.families import UnsupportedArchitectureError, family_of
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
 
 # the names of runner/cache_config.DTYPE_NAMES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -26,16 +27,33 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
+    """Rotary embedding and its context-extension scaling, as HF's `rope_parameters` name them.
+    `dynamic` (NTK) scales only past max_position_embeddings, which is also our max_model_len, so it
+    is plain rope wherever we serve; `yarn` blends interpolated and original frequencies between the
+    beta_fast / beta_slow rotation counts and scales cos / sin by `attention_factor` (None: HF's
+    default from `factor`, `mscale`, `mscale_all_dim`)."""
+
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    rope_type: str = "default"  # "default" | "llama3" | "linear" | "dynamic" | "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("default", "llama3", "linear"):
-            raise ModelConfigError(f"rope_type {self.rope_type!r} is not supported")
+        if self.rope_type not in ROPE_TYPES:
+            raise ModelConfigError(f"rope_type {self.rope_type!r} is not supported (supported: {ROPE_TYPES})")
+        if not (self.theta > 1.0 and self.factor > 0.0 and self.original_max_position_embeddings >= 1):
+            raise ModelConfigError(
+                f"rope: theta {self.theta} must be > 1, factor {self.factor} > 0, "
+                f"original_max_position_embeddings {self.original_max_position_embeddings} >= 1"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,16 +224,26 @@ def _rope(hf: dict) -> RopeConfig:
     """Reads `rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling`."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    max_positions = hf.get("max_position_embeddings", 8192)
+    original = params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    original = original or max_positions
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_positions / original if rope_type == "yarn" else 1.0
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=params.get("factor", 1.0),
+        factor=factor,
         low_freq_factor=params.get("low_freq_factor", 1.0),
         high_freq_factor=params.get("high_freq_factor", 4.0),
-        original_max_position_embeddings=params.get(
-            "original_max_position_embeddings", hf.get("max_position_embeddings", 8192)
-        ),
+        original_max_position_embeddings=original,
+        beta_fast=params.get("beta_fast") or 32.0,
+        beta_slow=params.get("beta_slow") or 1.0,
+        attention_factor=params.get("attention_factor"),
+        mscale=params.get("mscale") or 0.0,
+        mscale_all_dim=params.get("mscale_all_dim") or 0.0,
+        truncate=params.get("truncate", True),
     )

@@ -197,6 +197,21 @@ VARIANTS = {
     "opt-350m-like": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32)),
     # An OPT checkpoint with its own lm_head (tie_word_embeddings false).
     "opt-untied": ("opt", dict(tie_word_embeddings=False)),
+    # Context extension: YaRN (Qwen2.5 / DeepSeek style, with attention temperature) and dynamic NTK.
+    "llama-yarn": (
+        "llama",
+        dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 512}),
+    ),
+    "qwen2-yarn-mscale": (
+        "qwen2",
+        dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 8.0, "mscale": 0.707,
+                              "mscale_all_dim": 1.0, "beta_fast": 16,
+                              "original_max_position_embeddings": 256}),
+    ),
+    "qwen3-dynamic": (
+        "qwen3", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    ),
     # Llama-2-like: MHA, plain rope; tied embeddings as in Llama 3.2 1B.
     "llama-mha-tied": (
         "llama",
