@@ -35,7 +35,7 @@ from executor_svc.worker.config import WorkerConfig
 from scheduler_svc.frontend.main import FrontendOptions
 from scheduler_svc.sched.kv_policies import check_policy_options
 from scheduler_svc.server.main import ServeOptions
-from scheduler_svc.sim.models import MODELS, ModelSpec
+from scheduler_svc.sim.models import MODELS, ModelSpec, moe_and_head_fields
 from scheduler_svc.wire import options
 from scheduler_svc.wire.options import option
 
@@ -175,7 +175,7 @@ def spec_from_hf_config(hf: dict) -> ModelSpec:
     except UnsupportedArchitectureError as err:
         raise SystemExit(f"pagedserve: {err}") from None
     heads = hf["num_attention_heads"]
-    return ModelSpec(
+    dense = dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_heads=heads,
@@ -185,6 +185,7 @@ def spec_from_hf_config(hf: dict) -> ModelSpec:
         max_model_len=hf.get("max_position_embeddings", 2048),
         gated_mlp=hf.get("model_type") != "opt",
     )
+    return ModelSpec(**(dense | moe_and_head_fields(hf)))
 
 
 def executor_command(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 A100_HBM_BYTES_PER_S = 1.555e12
 A100_BF16_FLOPS_PER_S = 312e12
 BYTES_PER_PARAM = 2  # bf16 / fp16 weights and KV
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +40,9 @@ class ModelSpec:
     # num_experts_per_tok of them. 0: a dense MLP.
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    shared_expert_ffn_size: int = 0  # Qwen2-MoE: a gated dense expert every token takes
     explicit_head_dim: int = 0  # Qwen3: head_dim != hidden_size / num_heads; 0: hidden / heads
-    family: str = ""  # the HF family of hf_config() for MoE shapes: "mixtral" or "qwen3_moe"
+    family: str = ""  # the HF family of hf_config() for MoE shapes: one of MOE_FAMILIES
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.hidden_size, self.num_kv_heads, self.ffn_size, self.max_model_len) < 1:
@@ -49,8 +51,8 @@ class ModelSpec:
             raise ValueError(f"heads do not divide evenly in {self}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..num_experts in {self}")
-        if self.num_experts and self.family not in ("mixtral", "qwen3_moe"):
-            raise ValueError(f"an MoE shape names its family (mixtral or qwen3_moe) in {self}")
+        if self.num_experts and self.family not in MOE_FAMILIES:
+            raise ValueError(f"an MoE shape names its family (one of {MOE_FAMILIES}) in {self}")
 
     @property
     def head_dim(self) -> int:
@@ -71,6 +73,8 @@ class ModelSpec:
         h, q_dim, kv_dim = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = 2 * h * q_dim + 2 * h * kv_dim  # q, o, k, v projections
         mlp = max(1, self.num_experts) * self.params_per_expert + h * self.num_experts  # + router
+        if self.shared_expert_ffn_size:
+            mlp += 3 * h * self.shared_expert_ffn_size + h  # + its sigmoid gate
         return self.num_layers * (attention + mlp) + 2 * self.vocab_size * h  # + embedding, lm head
 
     @property
@@ -119,11 +123,34 @@ class ModelSpec:
             return moe | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                           "rms_norm_eps": 1e-5, "num_local_experts": self.num_experts,
                           "intermediate_size": self.ffn_size, "sliding_window": None}
+        if self.family == "qwen2_moe":
+            return moe | {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                          "rms_norm_eps": 1e-6, "num_experts": self.num_experts, "norm_topk_prob": False,
+                          "moe_intermediate_size": self.ffn_size, "intermediate_size": 5632,
+                          "shared_expert_intermediate_size": self.shared_expert_ffn_size,
+                          "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False}
         return moe | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                       "rms_norm_eps": 1e-6, "head_dim": self.head_dim, "num_experts": self.num_experts,
                       "norm_topk_prob": True, "moe_intermediate_size": self.ffn_size,
                       "intermediate_size": 6144, "decoder_sparse_step": 1, "mlp_only_layers": [],
                       "use_sliding_window": False}
+
+
+def moe_and_head_fields(hf: dict) -> dict:
+    """ModelSpec fields of a Hugging Face config.json beyond the dense Llama / OPT ones: an explicit
+    head_dim, and for Mixtral / Qwen MoE the experts (their width replaces the dense FFN's; Qwen's
+    `mlp_only_layers` are counted as sparse)."""
+    fields = {"explicit_head_dim": hf.get("head_dim") or 0}
+    model_type = hf.get("model_type")
+    if model_type not in MOE_FAMILIES:
+        return fields
+    fields |= {"family": model_type, "num_experts_per_tok": hf["num_experts_per_tok"]}
+    if model_type == "mixtral":
+        return fields | {"num_experts": hf["num_local_experts"]}
+    num_experts = hf.get("num_experts") or hf["num_local_experts"]
+    shared = hf.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    ffn_size = hf["moe_intermediate_size"]
+    return fields | {"num_experts": num_experts, "ffn_size": ffn_size, "shared_expert_ffn_size": shared}
 
 
 MODELS: dict[str, ModelSpec] = {

@@ -138,3 +138,21 @@ def test_the_shape_counts_the_parameters_of_the_model_we_build(name):
         model = model_class(config)(config)
     norms = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 1)
     assert sum(p.numel() for p in model.parameters()) - norms == spec.num_params
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "qwen3"])
+def test_the_launcher_reads_the_shape_of_a_model_folder(family, tiny_model_dirs):
+    """A served folder's spec (ideal time, KV bytes) counts the parameters of the model we build
+    (experts, Qwen2-MoE's shared expert, Qwen3's explicit head_dim)."""
+    from clients.cli.serve import spec_from_hf_config
+    from executor_svc.models.registry import model_class
+
+    hf = json.loads((tiny_model_dirs[family] / "config.json").read_text())
+    spec = spec_from_hf_config(hf | {"mlp_only_layers": []})
+    config = ModelConfig.from_hf_dict(hf | {"mlp_only_layers": []})
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() > 1)
+    tied_head = spec.vocab_size * spec.hidden_size if hf["tie_word_embeddings"] else 0  # one tensor twice
+    assert matrices + tied_head == spec.num_params
+    assert spec.head_dim == config.head_dim
