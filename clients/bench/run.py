@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     model, spec = launcher.resolve_model(args)
     result: dict = {
         "mode": args.mode,
-        "model": args.model or "tiny-llama",
+        "model": args.model or launcher.DEFAULT_MODEL_DIR.name,
         "workload": args.workload,
         "requests": args.requests,
         "seed": args.seed,
