@@ -240,3 +240,16 @@ def test_any_overlay_can_be_copied_with_a_name_suffix(tmp_path, overlay):
     scheduler = container(one(docs, "Deployment")["spec"]["template"], "scheduler")
     assert all("pagedserve-executor-c" in t for t in
                expanded_args(scheduler)[expanded_args(scheduler).index("--executors") + 1].split(","))
+
+
+def test_the_readme_walkthrough_renders_what_it_applies():
+    """Every `kubectl kustomize` / `kubectl apply -k` of deploy/README.md names a folder that renders,
+    and every overlay folder is in the README and in this suite."""
+    readme = (K8S.parent / "README.md").read_text()
+    applied = set(re.findall(r"kubectl (?:kustomize|apply -k) (deploy/k8s/\S+)", readme))
+    assert {f"deploy/k8s/overlays/{name}" for name in ("example", "copy-b", "multi-node")} <= applied
+    for path in applied:
+        assert render(K8S.parents[1] / path), path
+    folders = {p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists()}
+    assert folders == set(OVERLAYS)
+    assert all(f"`k8s/overlays/{name}`" in readme for name in folders)
