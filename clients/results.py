@@ -13,6 +13,10 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # most likely alternatives, best first
 
+    def to_json_dict(self) -> dict:
+        return {"token_id": self.token_id, "logprob": self.logprob,
+                "top": [{"token_id": t, "logprob": lp} for t, lp in self.top]}
+
 
 @dataclass(frozen=True, slots=True)
 class OutputDelta:
@@ -86,6 +90,7 @@ class GenerationResult:
                     "token_ids": o.token_ids,
                     "finish_reason": o.finish_reason,
                     "cumulative_logprob": o.cumulative_logprob,
+                    **({"logprobs": [lp.to_json_dict() for lp in o.logprobs]} if o.logprobs else {}),
                 }
                 for o in self.outputs
             ],

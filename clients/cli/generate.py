@@ -13,6 +13,8 @@ import grpc
 from clients.client import Client
 from clients.results import GenerationResult
 
+BANNER_SETTLE_S = 1.0  # after a server became ready: its launcher's banner lines come out first
+
 
 def _token_ids(text: str) -> list[int]:
     try:
@@ -32,17 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="connect over TLS, trusting this CA certificate (PEM; '' = system roots)")
     parser.add_argument("--auth-token-file", default=None,
                         help="bearer token for a server that requires one (default: $PAGEDSERVE_AUTH_TOKEN)")
-    parser.add_argument("--max-tokens", type=int, default=None)
-    parser.add_argument("--n", type=int, default=None, help="parallel samples")
-    parser.add_argument("--beam-width", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None, help="output tokens (None: the server's)")
+    parser.add_argument("--n", type=int, default=None, help="parallel samples, each streamed as [i]")
+    parser.add_argument("--beam-width", type=int, default=None, help="beam search (beams printed at the end)")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (server default 1.0)")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (None: the server's)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables")
+    parser.add_argument("--seed", type=int, default=None, help="reproducible sampling")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate all max_tokens")
     parser.add_argument("--stop", nargs="+", default=[], help="stop strings")
-    parser.add_argument("--stop-token-ids", type=_token_ids, default=[])
-    parser.add_argument("--logprobs", type=int, default=None)
+    parser.add_argument("--stop-token-ids", type=_token_ids, default=[], help="e.g. 2,13")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="print each token's logprob and this many top alternatives (in --json too)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                         help="wait up to this long for the server to be ready (e.g. right after `serve &`)")
@@ -57,9 +60,14 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     result = GenerationResult()
     connection = dict(tls_ca_file=args.tls_ca_file, auth_token=_read_token(args.auth_token_file))
-    if args.wait > 0 and not wait_ready(args.server, args.wait, **connection):
-        print(f"pagedserve generate: {args.server} not ready after {args.wait:.0f} s", file=sys.stderr)
-        return 1
+    if args.wait > 0:
+        ready = wait_ready(args.server, args.wait, **connection)
+        if ready is None:
+            print(f"pagedserve generate: {args.server} not ready after {args.wait:.0f} s", file=sys.stderr)
+            return 1
+        if not ready:  # it just became ready: a launcher sharing this terminal prints its banner now
+            time.sleep(BANNER_SETTLE_S)
+    printer = _Printer(beams=(args.beam_width or 1) > 1, samples=args.n or 1)
     try:
         with Client(args.server, **connection) as client:
             if args.chat is not None:
@@ -67,17 +75,17 @@ def run(args: argparse.Namespace) -> int:
             for delta in client.stream(prompt, **params):
                 result.add(delta)
                 if not args.json:
-                    _print_delta(delta, single=len(result.outputs) <= 1 and not (args.n or 1) > 1)
+                    printer.delta(delta)
     except grpc.RpcError as err:
-        print(f"pagedserve generate: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(f"\npagedserve generate: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the call is cancelled (the server aborts the request)
+        print("\npagedserve generate: interrupted", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(result.to_json_dict(), ensure_ascii=False))
-    elif len(result.outputs) > 1 or (args.beam_width or 1) > 1:
-        for out in result.outputs:
-            print(f"[{out.index}] ({out.finish_reason}) {out.text}")
     else:
-        print(f"\n[{result.outputs[0].finish_reason if result.outputs else 'empty'}]")
+        printer.end(result)
     return 0
 
 
@@ -97,22 +105,59 @@ def _read_token(path: str | None) -> str | None:
     return pathlib.Path(path).read_text().strip() if path else None
 
 
-def wait_ready(target: str, timeout_s: float, **connection) -> bool:
-    """True once the server answers GetModelInfo (it does so only after startup completed)."""
+def wait_ready(target: str, timeout_s: float, **connection) -> bool | None:
+    """Once the server answers GetModelInfo (it does so only after startup completed): True when it
+    did at the first try, False when it became ready while waiting; None when it never did."""
     deadline = time.monotonic() + timeout_s
+    first = True
     while time.monotonic() < deadline:
         try:
             with Client(target, timeout_s=2.0, **connection) as client:
                 client.model_info()
-            return True
+            return first
         except grpc.RpcError:
+            first = False
             time.sleep(0.5)
-    return False
+    return None
 
 
-def _print_delta(delta, single: bool) -> None:
-    """Streams the text of a single output as it comes; several outputs are printed at the end."""
-    if single:
+class _Printer:
+    """Streams the text as it comes: one output plainly; several (n > 1) each under an `[i]` tag,
+    retagged whenever the output being printed changes. Beams arrive whole at the end. Logprobs,
+    when asked for, follow the text (token id, logprob, top alternatives)."""
+
+    def __init__(self, beams: bool, samples: int):
+        self.beams, self.tagged = beams, samples > 1
+        self.current: int | None = None
+
+    def delta(self, delta) -> None:
+        if self.beams:
+            return
         for out in delta.outputs:
+            if not out.text:
+                continue
+            if self.tagged and out.index != self.current:
+                sys.stdout.write(("\n" if self.current is not None else "") + f"[{out.index}] ")
+            self.current = out.index
             sys.stdout.write(out.text)
         sys.stdout.flush()
+
+    def end(self, result: GenerationResult) -> None:
+        if not result.outputs:
+            print("\n[empty]")
+            return
+        if self.beams:
+            for out in result.outputs:
+                print(f"[{out.index}] ({out.finish_reason}) {out.text}")
+        elif len(result.outputs) > 1:
+            print("\n" + "  ".join(f"[{out.index}: {out.finish_reason}]" for out in result.outputs))
+        else:
+            print(f"\n[{result.outputs[0].finish_reason}]")
+        for out in result.outputs:
+            if out.logprobs:
+                print(f"logprobs [{out.index}]: " + " ".join(_logprob_text(lp) for lp in out.logprobs))
+
+
+def _logprob_text(lp) -> str:
+    top = ",".join(f"{t}:{v:.3f}" for t, v in lp.top)
+    return f"{lp.token_id}:{lp.logprob:.3f}" + (f"({top})" if top else "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 # name -> (module, one-line help)
@@ -28,8 +29,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def version() -> str:
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
+    parser.add_argument("--version", action="version", version=f"pagedserve {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -39,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv and argv[0] == "--version":
+        parser.parse_args(argv[:1])  # prints the version and exits
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             parser.print_usage(sys.stderr)
@@ -48,10 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name = argv[0]
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    sub = argparse.ArgumentParser(prog=f"pagedserve {name}", description=SUBCOMMANDS[name][1])
+    sub = argparse.ArgumentParser(prog=f"pagedserve {name}", description=SUBCOMMANDS[name][1],
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback
+        print(f"\npagedserve {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

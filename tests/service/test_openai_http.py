@@ -2,19 +2,23 @@
 against a real server on the tiny model with a bearer token: completions and chat, streamed and not,
 n = 2, stop, seed, logprobs, usage; greedy text and token ids identical to the gRPC API's; every bad
 field a 400 naming it while the server keeps serving; 401 / 404; a client that goes away mid-stream
-frees every block."""
+frees every block. And `pagedserve generate` against the same server (one server start for both):
+logprobs printed (text and JSON), n samples streamed, Ctrl-C without a traceback."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import signal
 import subprocess
+import sys
 
 import httpx
 import pytest
 
 from clients.client import Client
-from tests.helpers.processes import serve
+from tests.helpers.processes import ROOT, serve
 from tests.helpers.wait import wait_until
 
 openai = pytest.importorskip("openai")
@@ -155,30 +159,67 @@ def test_every_bad_field_is_a_400_naming_it_and_the_server_keeps_serving(server,
 
 
 def test_a_missing_or_wrong_token_is_a_401_and_another_model_a_404(server, model):
-    with openai.OpenAI(base_url=f"{server[0]}/v1", api_key="wrong", max_retries=0) as client:
-        with pytest.raises(openai.AuthenticationError):
-            client.models.list()
+    with (openai.OpenAI(base_url=f"{server[0]}/v1", api_key="wrong", max_retries=0) as client,
+          pytest.raises(openai.AuthenticationError)):
+        client.models.list()
     missing = httpx.post(f"{server[0]}/v1/completions", json={"model": model, "prompt": "Hi"})
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server[0]}/health").status_code == 200  # no token needed
-    with openai.OpenAI(base_url=f"{server[0]}/v1", api_key=TOKEN, max_retries=0) as client:
-        with pytest.raises(openai.NotFoundError) as info:
-            client.completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
+    with (openai.OpenAI(base_url=f"{server[0]}/v1", api_key=TOKEN, max_retries=0) as client,
+          pytest.raises(openai.NotFoundError) as info):
+        client.completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
     assert info.value.body["param"] == "model"
 
 
 def test_a_client_that_goes_away_mid_stream_frees_every_block(server, model):
     body = {"model": model, "prompt": "Hello", "max_tokens": 900, "ignore_eos": True, "stream": True}
     headers = {"authorization": f"Bearer {TOKEN}"}
-    with httpx.Client(base_url=f"{server[0]}/v1", headers=headers, timeout=30) as http:
-        with http.stream("POST", "/completions", json=body) as reply:
-            assert reply.status_code == 200
-            lines = reply.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-        # the connection is closed here, mid-stream
+    with (httpx.Client(base_url=f"{server[0]}/v1", headers=headers, timeout=30) as http,
+          http.stream("POST", "/completions", json=body) as reply):
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    # the connection is closed here, mid-stream
     with Client(server[1], auth_token=TOKEN) as client:
         def all_free():
             stats = client.stats()
             return stats.num_running == stats.num_waiting == 0 and stats.num_free_gpu_blocks == NUM_GPU_BLOCKS
 
         wait_until(all_free, 30, 0.1, "every block free after the client went away")
+
+
+# ---- `pagedserve generate` against the same server (its fixes of issue 16) ----------------------
+def _generate(server, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    cmd = [sys.executable, "-m", "clients.cli", "generate", "--server", server[1], "--auth-token-file",
+           str(token), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_generate_prints_logprobs_and_streams_every_sample(server, tmp_path):
+    text = _generate(server, tmp_path, "--prompt", "Hi", "--max-tokens", "4", "--temperature", "0",
+                     "--logprobs", "2")
+    assert text.returncode == 0, text.stderr
+    line = next(line for line in text.stdout.splitlines() if line.startswith("logprobs [0]: "))
+    assert len(line.split(": ", 1)[1].split()) == 4
+    as_json = _generate(server, tmp_path, "--prompt", "Hi", "--max-tokens", "4", "--temperature", "0",
+                        "--logprobs", "2", "--json")
+    logprobs = json.loads(as_json.stdout)["outputs"][0]["logprobs"]
+    assert len(logprobs) == 4 and all(len(lp["top"]) == 2 for lp in logprobs)
+    samples = _generate(server, tmp_path, "--prompt", "Hi", "--max-tokens", "6", "--n", "2", "--seed", "1",
+                        "--ignore-eos")
+    assert samples.returncode == 0 and "[0] " in samples.stdout and "[1] " in samples.stdout
+    assert "[0: length]  [1: length]" in samples.stdout
+
+
+def test_generate_interrupted_prints_no_traceback(server, tmp_path):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    cmd = [sys.executable, "-m", "clients.cli", "generate", "--server", server[1], "--auth-token-file",
+           str(token), "--prompt", "Hi", "--max-tokens", "900", "--ignore-eos"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None and proc.stdout.read(1)  # streaming has begun
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err
