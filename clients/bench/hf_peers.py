@@ -1,4 +1,4 @@
-"""The Hugging Face transformers peers of the benchmarks (WORKLOADS.md), run in-process on the same
+"""The Hugging Face transformers peers of the benchmarks (docs/workloads.md), run in-process on the same
 GPU, model shape and requests as pagedserve:
 
 - `static`: `model.generate` over padded batches in arrival order; a batch runs until its longest

@@ -13,7 +13,7 @@ rate; `paper` runs the `serve` sweep once per KV policy, each on a fresh server.
 the results then show the KV blocks saved by sharing. Without --server the command launches the
 executor and the scheduler itself (the options of `pagedserve serve` apply) with prefix caching
 off, so repeating a request set is not a cache hit.
-`--model` is a model folder or a named shape of WORKLOADS.md (`llama3-8b`, `llama2-13b`, from
+`--model` is a model folder or a named shape of docs/workloads.md (`llama3-8b`, `llama2-13b`, from
 scheduler_svc/sim/models.py): a folder with only config.json is written and served with dummy
 weights and no tokenizer (token-id prompts, empty text).
 

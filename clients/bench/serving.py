@@ -65,7 +65,7 @@ def _http_url(args, endpoint: str) -> str | None:
     return args.http_url if endpoint == "openai" else None
 
 
-# The idle time is also given over the decode steps of at least this many sequences (issue 6's
+# The idle time is also given over the decode steps of at least this many sequences (the throughput
 # target: GPU idle <= 10 % at a batch of 256 decodes), or of max_num_seqs when that is smaller.
 IDLE_DECODE_BATCH = 256
 

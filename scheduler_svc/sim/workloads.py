@@ -1,4 +1,4 @@
-"""Seeded synthetic workloads (docs: /work/shared/WORKLOADS.md), as plain request specs.
+"""Seeded synthetic workloads (docs/workloads.md), as plain request specs.
 
 Pure functions of their arguments: the same (name, num_requests, vocab_size, seed, rate) always
 gives the same requests, so the simulator and the GPU benchmarks replay identical traffic. Nothing
@@ -52,7 +52,7 @@ class WorkloadSpec:
 WORKLOADS: dict[str, WorkloadSpec] = {
     "sharegpt": WorkloadSpec(LengthDistribution(161.3, 1.0), LengthDistribution(338.0, 1.0)),
     "alpaca": WorkloadSpec(LengthDistribution(19.3, 0.8), LengthDistribution(58.5, 0.8)),
-    # WORKLOADS.md gives only the means for `prefix`; the sigmas are alpaca's.
+    # docs/workloads.md: only the means for `prefix` come from the paper; the sigmas are alpaca's.
     "prefix": WorkloadSpec(
         LengthDistribution(20.0, 0.8),
         LengthDistribution(58.5, 0.8),
