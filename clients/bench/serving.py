@@ -16,6 +16,7 @@ import sys
 from clients.bench.load import Decoding, run_load
 from clients.bench.report import gpu_idle, read_step_trace, summarize
 from clients.cli import serve as launcher
+from clients.cli.supervise import executor_credential
 from scheduler_svc.sim.workloads import make_workload
 
 
@@ -31,7 +32,7 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
         serve_args.http_port = args.http_port or launcher.free_port()
         args.http_url = f"http://127.0.0.1:{serve_args.http_port}"
     procs: list[subprocess.Popen] = []
-    try:
+    with executor_credential(serve_args), _stopped_at_exit(procs):
         targets = []
         dist_port = launcher.free_port()
         for rank in range(args.tensor_parallel_size):
@@ -45,6 +46,12 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
         public = f"127.0.0.1:{serve_args.port}"
         launcher.wait_serving(public, procs, args.startup_timeout)
         yield public
+
+
+@contextlib.contextmanager
+def _stopped_at_exit(procs: list[subprocess.Popen]):
+    try:
+        yield
     finally:
         launcher.stop_all(procs)
 

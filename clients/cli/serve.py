@@ -29,13 +29,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from executor_svc.models.families import UnsupportedArchitectureError, family_of
+from clients.cli.supervise import executor_credential
 from executor_svc.server.main import ExecutorOptions
 from executor_svc.worker.config import WorkerConfig
 from scheduler_svc.frontend.main import FrontendOptions
 from scheduler_svc.sched.kv_policies import check_policy_options
 from scheduler_svc.server.main import ServeOptions
-from scheduler_svc.sim.models import MODELS, ModelSpec, moe_and_head_fields
+from scheduler_svc.sim.models import MODELS, ModelSpec
 from scheduler_svc.wire import options
 from scheduler_svc.wire.options import option
 
@@ -73,9 +73,9 @@ class LauncherOptions:
 # an executor's seed stays its default (`bench --seed` seeds the workload).
 LAUNCHER_SETS = {
     "scheduler": ("model", "executors"),
-    "frontend": ("engine", "model_dir"),
+    "frontend": ("engine",),
     "executor": ("model_dir", "device", "seed", "host", "port", "metrics_port", "rank", "world_size",
-                 "dist_init_addr", "dist_timeout_s"),
+                 "dist_init_addr", "dist_timeout_s", "insecure_no_executor_token"),
 }
 
 
@@ -170,12 +170,8 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, ModelSpec]:
 
 
 def spec_from_hf_config(hf: dict) -> ModelSpec:
-    try:
-        family_of(hf)  # before reading any field: a GPT-2 config has no num_attention_heads
-    except UnsupportedArchitectureError as err:
-        raise SystemExit(f"pagedserve: {err}") from None
     heads = hf["num_attention_heads"]
-    dense = dict(
+    return ModelSpec(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_heads=heads,
@@ -185,7 +181,6 @@ def spec_from_hf_config(hf: dict) -> ModelSpec:
         max_model_len=hf.get("max_position_embeddings", 2048),
         gated_mlp=hf.get("model_type") != "opt",
     )
-    return ModelSpec(**(dense | moe_and_head_fields(hf)))
 
 
 def executor_command(
@@ -203,6 +198,7 @@ def executor_command(
         worker=worker, port=port, metrics_port=metrics_port, max_message_bytes=args.max_message_bytes,
         rank=rank, world_size=args.tensor_parallel_size,
         dist_init_addr=f"127.0.0.1:{dist_port}" if args.tensor_parallel_size > 1 else None,
+        executor_token_file=_absolute(args.executor_token_file),
     )
     return [sys.executable, "-m", "executor_svc.server.main", *options.to_argv(executor)]
 
@@ -220,10 +216,9 @@ def scheduler_command(args: argparse.Namespace, model: str, executor_targets: li
     return [sys.executable, "-m", "scheduler_svc.server.main", *options.to_argv(scheduler)]
 
 
-def frontend_command(args: argparse.Namespace, engine_target: str, model_dir: str | None = None) -> list[str]:
+def frontend_command(args: argparse.Namespace, engine_target: str) -> list[str]:
     frontend = options.from_args(
-        FrontendOptions, args, engine=engine_target, model_dir=model_dir,
-        chat_template=_absolute(args.chat_template),
+        FrontendOptions, args, engine=engine_target,
         tls_cert_file=_absolute(args.tls_cert_file), tls_key_file=_absolute(args.tls_key_file),
         auth_token_file=_absolute(args.auth_token_file),
     )
@@ -263,10 +258,9 @@ def start_listening(cmd: list[str], timeout_s: float) -> tuple[subprocess.Popen,
 def start_public(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[subprocess.Popen]:
     """The process(es) clients talk to, on args.host:args.port (args.port 0 becomes the port picked):
     the scheduler, or with --api-frontend the scheduler on a loopback port behind an API front-end
-    process (the front-end last: it is the one to drain first). --http-port implies the front-end: it
-    serves the HTTP API."""
+    process (the front-end last: it is the one to drain first)."""
     timeout_s = args.startup_timeout
-    if not args.api_frontend and args.http_port is None:
+    if not args.api_frontend:
         scheduler, args.port = start_listening(scheduler_command(args, model, executor_targets), timeout_s)
         return [scheduler]
     inner = argparse.Namespace(**vars(args))
@@ -274,8 +268,7 @@ def start_public(args: argparse.Namespace, model: str, executor_targets: list[st
     scheduler, inner_port = start_listening(scheduler_command(inner, model, executor_targets), timeout_s)
     try:
         wait_serving(f"127.0.0.1:{inner_port}", [scheduler], timeout_s)
-        frontend_cmd = frontend_command(args, f"127.0.0.1:{inner_port}", model)
-        frontend, args.port = start_listening(frontend_cmd, timeout_s)
+        frontend, args.port = start_listening(frontend_command(args, f"127.0.0.1:{inner_port}"), timeout_s)
     except BaseException:
         stop_all([scheduler], grace_s=5.0)
         raise
@@ -351,6 +344,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedserve serve: {problem}", file=sys.stderr)
         return 2
     model, _ = resolve_model(args)
+    with executor_credential(args):  # the executors' token: given, or one for this launch
+        return supervise(args, model)
+
+
+def supervise(args: argparse.Namespace, model: str) -> int:
     stop_requested = False
 
     def request_stop(signum, frame) -> None:
@@ -401,3 +399,4 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         stop_all(executors + public_procs, drain_s=args.drain_grace_period_s)
+

@@ -7,6 +7,12 @@ fails (another rank died) turns NOT_SERVING and exits with status 1: the group c
 place, so its supervisor restarts the set and the scheduler re-initializes it.
 `--metrics-port` serves Prometheus /metrics (executor_svc/server/metrics.py); `--config FILE` takes the
 flags as JSON (keys with underscores; flags on the command line override it).
+
+Every Executor call must carry the executor credential (`authorization: Bearer <token>`, the token
+from --executor-token-file or $PAGEDSERVE_EXECUTOR_TOKEN): anyone who reaches this port could
+otherwise read other users' cached tokens through a plan, or resize or reset the cache. Without a
+token the process refuses to start unless --insecure-no-executor-token is given. Health checks and
+reflection stay open.
 """
 
 from __future__ import annotations
@@ -27,7 +33,14 @@ from executor_svc.worker.distributed import DistributedConfig
 from executor_svc.worker.protocol import StepWorker
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from scheduler_svc.wire import options
-from scheduler_svc.wire.grpc_serving import MAX_MESSAGE_BYTES, ApiServerOptions, start_grpc_server
+from scheduler_svc.wire.grpc_serving import (
+    EXECUTOR_TOKEN_ENV,
+    MAX_MESSAGE_BYTES,
+    ApiServerOptions,
+    ExecutorCredentialOptions,
+    read_auth_token,
+    start_grpc_server,
+)
 from scheduler_svc.wire.options import borrow, from_args, option
 
 if TYPE_CHECKING:
@@ -44,17 +57,19 @@ async def start_executor_server(
     on_fatal: Callable[[BaseException], None] | None = None,
     metrics: ExecutorMetrics | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    auth_token: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Starts serving `worker`; returns (server, bound port). Health is SERVING once started.
     `on_fatal(exc)` is called when a call fails with an error that is not the plan's fault;
-    `metrics` (executor_svc.server.metrics.ExecutorMetrics) gets each step's time."""
+    `metrics` (executor_svc.server.metrics.ExecutorMetrics) gets each step's time; `auth_token`:
+    the executor credential every Executor call must carry (None: no check)."""
     from executor_svc.server.servicer import ExecutorServicer
 
     servicer = ExecutorServicer(worker, on_fatal, metrics)
     server, bound, health = await start_grpc_server(
         SERVICE_NAME,
         lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
-        host, port, max_message_bytes,
+        host, port, max_message_bytes, auth_token=auth_token,
     )
     if metrics is not None:
         metrics.watch_health(health)  # the metrics port's /health answers from the gRPC health
@@ -76,6 +91,27 @@ class ExecutorOptions:
                                     aliases=("--tensor-parallel-size",))
     dist_init_addr: str | None = option(None, "HOST:PORT of rank 0's rendezvous")
     dist_timeout_s: float = borrow(DistributedConfig, "timeout_s", help="collective timeout")
+    executor_token_file: str | None = borrow(ExecutorCredentialOptions, "executor_token_file")
+    insecure_no_executor_token: bool = option(
+        False, "start without the executor credential: anyone who reaches the port can send plans, "
+        "InitCache and Reset (tests, a trusted single-user machine)")
+    executor_token: str | None = option(None, cli=False, repr=False)  # default: from executor_token_file
+
+
+class MissingCredentialError(ValueError):
+    """The executor was started without a token and without --insecure-no-executor-token."""
+
+
+def with_executor_token(opts: ExecutorOptions) -> ExecutorOptions:
+    """`opts` with the token read from --executor-token-file or the environment; refuses a start
+    with no token unless --insecure-no-executor-token."""
+    token = opts.executor_token or read_auth_token(
+        opts.executor_token_file, EXECUTOR_TOKEN_ENV, "--executor-token-file")
+    if token is None and not opts.insecure_no_executor_token:
+        raise MissingCredentialError(
+            f"no executor credential: give --executor-token-file FILE (or ${EXECUTOR_TOKEN_ENV}), the token "
+            "the scheduler presents; --insecure-no-executor-token starts without one")
+    return replace(opts, executor_token=token)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,8 +146,10 @@ async def serve(args: ExecutorOptions) -> int:
         metrics = ExecutorMetrics(worker, worker.describe().model_name)
         metrics.serve(args.metrics_port, addr=args.host)
     server, port = await start_executor_server(
-        worker, args.host, args.port, on_fatal, metrics, args.max_message_bytes
+        worker, args.host, args.port, on_fatal, metrics, args.max_message_bytes, args.executor_token
     )
+    if args.executor_token is None:
+        logging.warning("serving without the executor credential (--insecure-no-executor-token)")
     print(f"pagedserve executor listening on {args.host}:{port}", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -127,8 +165,15 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m executor_svc.server.main", description=__doc__.split("\n")[0]
     )
     add_arguments(parser)
-    opts = from_args(ExecutorOptions, options.parse_args_with_config(parser, argv))
-    sys.exit(asyncio.run(serve(opts)))
+    try:
+        opts = with_executor_token(from_args(ExecutorOptions, options.parse_args_with_config(parser, argv)))
+    except (ValueError, OSError) as err:
+        parser.exit(2, f"{parser.prog}: {err}\n")
+    try:
+        status = asyncio.run(serve(opts))
+    except OSError as err:  # e.g. the port is another server's
+        parser.exit(1, f"{parser.prog}: {err}\n")
+    sys.exit(status)
 
 
 if __name__ == "__main__":

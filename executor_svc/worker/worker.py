@@ -4,9 +4,10 @@ plan application (executor_svc/worker/plan_apply.py) holds the per-sequence stat
 steps, in the order documented in scheduler_svc/wire/step_plan.py.
 
 Lifecycle: `Worker(...)` loads the model and measures how many KV blocks fit
-(executor_svc/worker/memory_profile.py); `describe()` reports it; `init_cache(num_gpu_blocks,
-num_cpu_blocks)` (optional) allocates the caches with the counts the scheduler settled on, otherwise
-they are allocated on first use with the counts that fit; `execute(plan)` runs a step (or `launch`,
+(executor_svc/worker/memory_profile.py): the capacity, which `describe()` reports whatever size the
+cache has now; `init_cache(num_gpu_blocks, num_cpu_blocks)` (optional) allocates the caches with
+the counts the scheduler settled on (any up to the capacity), otherwise they are allocated on first
+use with the counts that fit; `execute(plan)` runs a step (or `launch`,
 then `finish`); `reset()` drops all sequence state.
 
 Errors: StepOrderError (a plan that does not follow the last step), PlanError (a plan inconsistent
@@ -71,9 +72,12 @@ class Worker:
             self.model_config.head_dim,
             self.dtype,
         )
-        self.num_gpu_blocks, self.num_cpu_blocks = blocks_that_fit(
+        # What fits (profiled once) is the ceiling of every init_cache, kept apart from the size the
+        # cache has now: a small InitCache never lowers what a later one may ask for.
+        self.capacity_gpu_blocks, self.capacity_cpu_blocks = blocks_that_fit(
             self.cache_config, self.device, self.block_bytes, self._profile_gpu_blocks
         )
+        self.num_gpu_blocks, self.num_cpu_blocks = self.capacity_gpu_blocks, self.capacity_cpu_blocks
         self.runner: ModelRunner | None = None
         # Decode steps replay CUDA graphs on one GPU unless config.enforce_eager.
         self.use_cuda_graphs = (
@@ -103,8 +107,8 @@ class Worker:
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             block_size=self.cache_config.block_size,
-            num_gpu_blocks=self.num_gpu_blocks,
-            num_cpu_blocks=self.num_cpu_blocks,
+            num_gpu_blocks=self.capacity_gpu_blocks,
+            num_cpu_blocks=self.capacity_cpu_blocks,
             eos_token_ids=mc.eos_token_ids,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
@@ -113,11 +117,14 @@ class Worker:
         )
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocates the caches (dropping any sequence state); at most the blocks that fit."""
-        if not 1 <= num_gpu_blocks <= self.num_gpu_blocks or num_cpu_blocks > max(self.num_cpu_blocks, 0):
+        """Allocates the caches (dropping any sequence state); at most the blocks that fit (the
+        profiled capacity, whatever size an earlier call chose)."""
+        if not 1 <= num_gpu_blocks <= self.capacity_gpu_blocks or not 0 <= num_cpu_blocks <= max(
+            self.capacity_cpu_blocks, 0
+        ):
             raise ValueError(
                 f"init_cache({num_gpu_blocks}, {num_cpu_blocks}): at most "
-                f"({self.num_gpu_blocks}, {self.num_cpu_blocks}) blocks fit"
+                f"({self.capacity_gpu_blocks}, {self.capacity_cpu_blocks}) blocks fit"
             )
         self.reset()
         self.runner = None

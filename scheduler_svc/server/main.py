@@ -33,8 +33,10 @@ from scheduler_svc.server.servicer import GenerationServicer
 from scheduler_svc.wire.chat_template import ChatTemplate
 from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.grpc_serving import (
+    EXECUTOR_TOKEN_ENV,
     MAX_MESSAGE_BYTES,
     ApiServerOptions,
+    ExecutorCredentialOptions,
     Health,
     read_auth_token,
     server_credentials,
@@ -74,6 +76,8 @@ class ServeOptions(ApiServerOptions):
     step_timeout_s: float | None = option(120.0, "a rank that takes longer over one step counts as failed "
                                           "(none: no deadline)")
     auth_token: str | None = option(None, cli=False, repr=False)  # default: read from auth_token_file
+    executor_token_file: str | None = borrow(ExecutorCredentialOptions, "executor_token_file")
+    executor_token: str | None = option(None, cli=False, repr=False)  # default: from executor_token_file
 
     def __post_init__(self) -> None:
         ApiServerOptions.__post_init__(self)
@@ -105,7 +109,8 @@ async def wait_for_executors(pool: ExecutorPool, timeout_s: float) -> None:
 
 
 async def build_engine(opts: ServeOptions) -> Engine:
-    pool = ExecutorPool(list(opts.executors), opts.step_timeout_s, opts.max_message_bytes)
+    pool = ExecutorPool(list(opts.executors), opts.step_timeout_s, opts.max_message_bytes,
+                        opts.executor_token)
     await wait_for_executors(pool, opts.connect_timeout_s)
     ranks = await pool.describe()
     first = ranks[0]
@@ -286,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> ServeOptions:
     """The flags (and `--config FILE`); the bearer token from --auth-token-file or the environment."""
     args = parse_args_with_config(build_parser(), argv)
-    return from_args(ServeOptions, args, auth_token=read_auth_token(args.auth_token_file))
+    executor_token = read_auth_token(args.executor_token_file, EXECUTOR_TOKEN_ENV, "--executor-token-file")
+    return from_args(ServeOptions, args, auth_token=read_auth_token(args.auth_token_file),
+                     executor_token=executor_token)
 
 
 async def serve(opts: ServeOptions) -> None:

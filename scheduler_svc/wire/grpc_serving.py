@@ -154,14 +154,34 @@ def server_credentials(cert_file: str | None, key_file: str | None) -> grpc.Serv
 
 
 AUTH_TOKEN_ENV = "PAGEDSERVE_AUTH_TOKEN"
+EXECUTOR_TOKEN_ENV = "PAGEDSERVE_EXECUTOR_TOKEN"
 
 
-def read_auth_token(token_file: str | None) -> str | None:
-    """The bearer token from a file (surrounding whitespace dropped) or from $PAGEDSERVE_AUTH_TOKEN."""
-    token = pathlib.Path(token_file).read_text().strip() if token_file else os.environ.get(AUTH_TOKEN_ENV)
+def read_auth_token(
+    token_file: str | None, env: str = AUTH_TOKEN_ENV, flag: str = "--auth-token-file"
+) -> str | None:
+    """A bearer token from a file (surrounding whitespace dropped) or from $`env`
+    (the public API's: $PAGEDSERVE_AUTH_TOKEN; the executors': $PAGEDSERVE_EXECUTOR_TOKEN)."""
+    token = pathlib.Path(token_file).read_text().strip() if token_file else os.environ.get(env, "").strip()
     if token_file and not token:
-        raise ValueError(f"--auth-token-file {token_file} is empty")
+        raise ValueError(f"{flag} {token_file} is empty")
     return token or None
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that BearerTokenInterceptor(token) accepts (none without a token)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecutorCredentialOptions:
+    """The executor credential: a shared token the scheduler presents on every Executor call and
+    the executor checks (plans, InitCache and Reset come only from the scheduler). Declared once;
+    the executor's and the scheduler's options borrow it."""
+
+    executor_token_file: str | None = option(
+        None, "the executor credential: a file holding the token the scheduler presents on every "
+        f"Executor call (default: ${EXECUTOR_TOKEN_ENV} if set)")
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

@@ -21,6 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 LISTENING = r"listening on (\S+):(\d+)"  # the scheduler's, the executor's and the API front-end's line
 SERVING = r"pagedserve is serving .+ on (\S+:\d+) \(gRPC"  # the launcher's, once everything serves
 EXECUTORS = r"executors \(pagedserve\.v1\.Executor\): (.+)"  # the launcher's executor targets
+EXECUTOR_TOKEN = "test-executor-token"  # the executor credential of processes started here
+EXECUTOR_TOKEN_ENV = {"PAGEDSERVE_EXECUTOR_TOKEN": EXECUTOR_TOKEN}  # an executor's and a scheduler's
 
 
 def free_port() -> int:
@@ -119,7 +121,7 @@ class ServerProcesses:
         self.executor = ServerProcess(
             ["executor_svc.server.main", "--model", self.model_dir, "--device", "cpu", "--port",
              str(self.executor_port), "--cpu-kv-gib", "0.02", "--swap-space-gib", "0.01"],
-            self.log_dir / f"executor{self._num_executor_starts}.log",
+            self.log_dir / f"executor{self._num_executor_starts}.log", EXECUTOR_TOKEN_ENV,
         )
         self.executor_target = self.executor.listening_target(120)
         self.executor_port = int(self.executor_target.rsplit(":", 1)[1])
@@ -129,7 +131,7 @@ class ServerProcesses:
         self.scheduler = ServerProcess(
             ["scheduler_svc.server.main", "--model", self.model_dir, "--executors", self.executor_target,
              "--port", "0", *self.scheduler_args],
-            self.log_dir / "scheduler.log",
+            self.log_dir / "scheduler.log", EXECUTOR_TOKEN_ENV,
         )
         self.target = self.scheduler.listening_target(60)
         assert wait_health(self.target, "SERVING", 60, [self.scheduler]) == "SERVING", self.logs()

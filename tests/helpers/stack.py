@@ -10,9 +10,12 @@ from dataclasses import replace
 import grpc
 import pytest
 
+EXECUTOR_TOKEN = "stack-executor-token"  # the executor credential of the in-process stack
+
 
 class Stack:
-    """`with Stack(model_dir, num_gpu_blocks=...) as stack:` serves on `stack.target`."""
+    """`with Stack(model_dir, num_gpu_blocks=...) as stack:` serves on `stack.target`; the scheduler
+    presents EXECUTOR_TOKEN to the executor, which checks it."""
 
     def __init__(self, model_dir, num_gpu_blocks: int = 256, num_cpu_blocks: int = 256, **options):
         self.model_dir = str(model_dir)
@@ -39,9 +42,10 @@ class Stack:
                 num_cpu_blocks=self.num_cpu_blocks,
             )
         )
-        self.executor_server, port = await start_executor_server(worker)
+        self.executor_server, port = await start_executor_server(worker, auth_token=EXECUTOR_TOKEN)
         self.executor_target = f"127.0.0.1:{port}"
-        opts = ServeOptions(model=self.model_dir, executors=(self.executor_target,), port=0)
+        opts = ServeOptions(model=self.model_dir, executors=(self.executor_target,), port=0,
+                            executor_token=EXECUTOR_TOKEN)
         self.engine = await build_engine(replace(opts, **self.options))
         self.scheduler = await start_scheduler_server(self.engine, "127.0.0.1", 0, **self.serve_kwargs)
         self.target = f"127.0.0.1:{self.scheduler.port}"

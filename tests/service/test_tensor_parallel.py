@@ -17,7 +17,7 @@ import pytest
 from clients.client import Client
 from executor_svc.models.tiny import FAMILIES
 from executor_svc.worker.distributed import DistributedConfig, rank_from_pod_name, resolve_distributed
-from tests.helpers.processes import ServerProcess, free_port
+from tests.helpers.processes import EXECUTOR_TOKEN, EXECUTOR_TOKEN_ENV, ServerProcess, free_port
 from tests.helpers.stack import Stack
 from tests.helpers.wait import wait_health
 
@@ -41,7 +41,7 @@ class TensorParallelStack(Stack):
             args = ["executor_svc.server.main", "--model", self.model_dir, "--device", "cpu", "--port", "0",
                     "--rank", str(rank), "--world-size", str(self.world_size), "--dist-init-addr", dist_addr,
                     "--cpu-kv-gib", "0.01", "--swap-space-gib", "0.01", "--dist-timeout-s", "60"]
-            self.procs.append(ServerProcess(args, self.log_dir / f"rank{rank}.log"))
+            self.procs.append(ServerProcess(args, self.log_dir / f"rank{rank}.log", EXECUTOR_TOKEN_ENV))
         # each rank prints its line once it has joined the group and serves
         return [proc.listening_target(120) for proc in self.procs]
 
@@ -50,7 +50,8 @@ class TensorParallelStack(Stack):
 
         self.executor_targets = self.start_executors()
         targets = tuple(self.executor_targets)
-        opts = ServeOptions(model=self.model_dir, executors=targets, port=0, num_gpu_blocks=NUM_GPU_BLOCKS)
+        opts = ServeOptions(model=self.model_dir, executors=targets, port=0, num_gpu_blocks=NUM_GPU_BLOCKS,
+                            executor_token=EXECUTOR_TOKEN)
         self.engine = await build_engine(replace(opts, **self.options))
         self.scheduler = await start_scheduler_server(self.engine, "127.0.0.1", 0)
         self.target = f"127.0.0.1:{self.scheduler.port}"
@@ -167,7 +168,7 @@ def test_every_rank_samples_the_same_tokens_and_logprobs(served_family):
 async def _describe(targets: list[str]) -> list[dict]:
     from scheduler_svc.engine.executor_client import ExecutorPool
 
-    pool = ExecutorPool(targets)
+    pool = ExecutorPool(targets, token=EXECUTOR_TOKEN)
     try:
         return await pool.describe()
     finally:

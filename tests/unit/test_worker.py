@@ -283,7 +283,7 @@ def test_describe_and_init_cache(tiny_model_dirs):
     worker.init_cache(8, 2)
     assert worker.kv_cache.device_cache.shape == (2, 2, 8, 16, 2, 32)
     assert worker.kv_cache.cpu_cache.shape == (2, 2, 2, 16, 2, 32)
-    assert worker.describe().num_gpu_blocks == 8
+    assert worker.num_gpu_blocks == 8 and worker.describe().num_gpu_blocks == info.num_gpu_blocks  # capacity
 
 
 def test_description_converts_for_the_grpc_edge(tiny_llama_dir):
