@@ -119,14 +119,27 @@ async def start_grpc_server(
 ) -> tuple[grpc.aio.Server, int, Health]:
     """A started server with the services `add_servicers` registers, message size limits, health
     (alive and SERVING for `service_name`) and reflection; TLS with `credentials`, the bearer-token
-    check with `auth_token`. Returns (server, bound port, health)."""
+    check with `auth_token`. Returns (server, bound port, health). The port is this server's alone
+    (no SO_REUSEPORT): a port another server holds is an OSError naming it, not a second server
+    silently sharing its connections."""
     interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
-    server = grpc.aio.server(interceptors=interceptors, options=message_size_options(max_message_bytes))
+    server_options = [*message_size_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(interceptors=interceptors, options=server_options)
     add_servicers(server)
     health = Health(server, [service_name])
     add_reflection(server, [service_name, *health.reflection_names])
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        if credentials:
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as err:  # grpcio: "Failed to bind to address ..."
+        raise OSError(f"cannot listen on {address}: the port is in use (another server?) or the address "
+                      f"is not this machine's ({err})") from err
+    if bound == 0:  # older grpcio reports a failed bind as port 0
+        raise OSError(f"cannot listen on {address}: the port is in use (another server?) or the address "
+                      "is not this machine's")
     await server.start()
     await health.set_alive(True)
     await health.set_serving(True)
