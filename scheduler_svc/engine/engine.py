@@ -65,6 +65,7 @@ class Engine:
         self.healthy = True  # the executors answered the last step
         self.draining = False
         self._down_since = 0.0
+        self._executors_lost = False  # the heartbeat lost a rank (executors_lost)
         self.on_health_change: Callable[[bool], None] | None = None
 
     # ---- requests ------------------------------------------------------------------------------
@@ -121,6 +122,11 @@ class Engine:
         deferred: list[RequestOutput] = []
         in_flight: deque[tuple[StepPlan, asyncio.Future, float]] = deque()
         while not self._stopping:
+            if self._executors_lost:
+                self._executors_lost = False
+                if self.healthy and not in_flight:  # a step in flight fails by itself (streams dropped)
+                    _log.error("the heartbeat lost an executor: recovering")
+                    self._executors_failed()
             if deferred and not in_flight and (not self.healthy or not self.scheduler.has_unfinished()):
                 deferred = self._emit_all(deferred)
             if not self.healthy:
@@ -183,6 +189,12 @@ class Engine:
         in_flight.clear()
 
     # ---- executor failure and drain -----------------------------------------------------------
+    def executors_lost(self, error: BaseException) -> None:
+        """The executors' heartbeat missed a rank (ExecutorPool.start_heartbeat): NOT_SERVING and
+        recovery start now, idle or not, instead of at the next step or the step deadline."""
+        self._executors_lost = True
+        self._wakeup.set()
+
     def _executors_failed(self) -> None:
         """The executors lost their state: keep every request, preempted by recompute (prompt +
         the tokens already streamed are prefilled again once they are back, so streams continue

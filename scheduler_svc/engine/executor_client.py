@@ -11,11 +11,18 @@ plans are written and results read in order (one lock each per rank). Any error 
 deadline drops the rank's stream and the next step opens a new one.
 
 Every call carries the executor credential (`authorization: Bearer <token>`) when one is given.
+A heartbeat (`start_heartbeat`) checks every rank's health service each `heartbeat_interval_s`,
+idle or not: a rank that does not answer within `heartbeat_timeout_s` (killed, or hung, e.g.
+SIGSTOPped) is lost at once: the streams are dropped (a step in flight fails now rather than at
+the step deadline), steps fail until `recover` succeeds, and the engine is told (`on_lost`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -27,6 +34,8 @@ from scheduler_svc.wire.step_plan import StepPlan, StepResult
 from scheduler_svc.wire.worker_description import WorkerDescription
 
 STEP_STREAM_METHOD = "/pagedserve.v1.Executor/StepStream"
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"  # an empty request asks about the whole server
+_log = logging.getLogger(__name__)
 RECONNECT_OPTIONS = [
     # Reconnect soon after an executor restarts (the default backoff grows to minutes).
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -52,19 +61,30 @@ class ExecutorPool:
         step_timeout_s: float | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         token: str | None = None,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 3.0,
     ):
         """`step_timeout_s`: a rank that does not answer a step within it counts as failed (None:
         wait forever). `max_message_bytes` bounds plans and results both ways. `token`: the
-        executor credential presented on every call."""
+        executor credential presented on every call. The heartbeat (`start_heartbeat`) pings every
+        `heartbeat_interval_s` and gives a rank `heartbeat_timeout_s` to answer."""
         if not targets:
             raise ValueError("at least one executor target is needed")
+        if heartbeat_interval_s <= 0 or heartbeat_timeout_s <= 0:
+            raise ValueError("heartbeat_interval_s and heartbeat_timeout_s must be > 0")
         self.targets = list(targets)
         self.step_timeout_s = step_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self._metadata = bearer_metadata(token)
+        self._lost: ExecutorError | None = None  # set by the heartbeat until recover() succeeds
+        self._heartbeat: asyncio.Task | None = None
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes), *RECONNECT_OPTIONS]
         self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self.targets]
         self._stubs = [executor_pb2_grpc.ExecutorStub(c) for c in self._channels]
+        self._pings = [c.unary_unary(HEALTH_CHECK_METHOD, request_serializer=None, response_deserializer=None)
+                       for c in self._channels]
         # Steps take pre-serialized bytes so a plan is serialized once for all ranks.
         self._open_stream = [
             c.stream_stream(STEP_STREAM_METHOD, request_serializer=None,
@@ -116,8 +136,11 @@ class ExecutorPool:
         await self._all(s.InitCache(self._cache_request, timeout=RECOVER_TIMEOUT_S, metadata=self._metadata)
                         for s in self._stubs)
         await self.reset()
+        self._lost = None
 
     async def step(self, plan: StepPlan) -> StepResult:
+        if (lost := self._lost) is not None:  # the heartbeat lost a rank: fail now, recover() clears it
+            raise ExecutorError(lost.target, lost.code, "lost by the heartbeat; not recovered yet")
         data = step_plan_to_pb(plan).SerializeToString()
         self.last_plan_bytes = len(data)
         try:
@@ -160,6 +183,38 @@ class ExecutorPool:
     async def reset(self) -> None:
         await self._all(s.Reset(executor_pb2.ResetRequest(), metadata=self._metadata) for s in self._stubs)
 
+    # ---- liveness ------------------------------------------------------------------------------
+    def start_heartbeat(self, on_lost: Callable[[ExecutorError], None]) -> None:
+        """Pings every rank in the background until `close`; `on_lost(error)` once per loss (again
+        only after a `recover` succeeded)."""
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.create_task(self._beat(on_lost))
+
+    async def ping(self) -> None:
+        """Every rank's health service answers within heartbeat_timeout_s (any status: a process
+        that answers is alive; a rank that cannot serve fails its steps). Raises ExecutorError."""
+        timeout_s = self.heartbeat_timeout_s
+        await self._all(ping(b"", timeout=timeout_s) for ping in self._pings)
+
+    async def _beat(self, on_lost: Callable[[ExecutorError], None]) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            if self._lost is not None:
+                continue  # recover() probes the ranks meanwhile
+            try:
+                await self.ping()
+            except ExecutorError as err:
+                if err.code == "UNIMPLEMENTED":  # no health service there, but the process answered
+                    continue
+                _log.error("heartbeat: %s", err)
+                self._lost = err
+                self._drop_streams()
+                on_lost(err)
+
     async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
         self._drop_streams()
         await asyncio.gather(*(c.close() for c in self._channels))

@@ -78,6 +78,10 @@ class ServeOptions(ApiServerOptions):
     auth_token: str | None = option(None, cli=False, repr=False)  # default: read from auth_token_file
     executor_token_file: str | None = borrow(ExecutorCredentialOptions, "executor_token_file")
     executor_token: str | None = option(None, cli=False, repr=False)  # default: from executor_token_file
+    heartbeat_interval_s: float = option(1.0, "how often the scheduler checks that every executor rank "
+                                         "answers, idle or not")
+    heartbeat_timeout_s: float = option(3.0, "a rank that does not answer a heartbeat within this long is "
+                                        "lost: NOT_SERVING and recovery start (a hung rank too)")
 
     def __post_init__(self) -> None:
         ApiServerOptions.__post_init__(self)
@@ -88,6 +92,8 @@ class ServeOptions(ApiServerOptions):
             raise ValueError("recovery_timeout_s must be >= 0")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be > 0")
+        if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= 0:
+            raise ValueError("heartbeat_interval_s and heartbeat_timeout_s must be > 0")
 
 
 class ExecutorsUnreachableError(RuntimeError):
@@ -110,7 +116,7 @@ async def wait_for_executors(pool: ExecutorPool, timeout_s: float) -> None:
 
 async def build_engine(opts: ServeOptions) -> Engine:
     pool = ExecutorPool(list(opts.executors), opts.step_timeout_s, opts.max_message_bytes,
-                        opts.executor_token)
+                        opts.executor_token, opts.heartbeat_interval_s, opts.heartbeat_timeout_s)
     await wait_for_executors(pool, opts.connect_timeout_s)
     ranks = await pool.describe()
     first = ranks[0]
@@ -163,7 +169,9 @@ async def build_engine(opts: ServeOptions) -> Engine:
     scheduler = Scheduler(config, make_kv_manager(config, opts.kv_policy))
     request_limits = RequestLimits(max_n=opts.max_n, max_beam_width=opts.max_beam_width)
     validator = RequestValidator(request_limits, limits.vocab_size, config, scheduler.kv)
-    return Engine(scheduler, pool, tokenizer, limits, validator, metrics, recovery, opts.async_scheduling)
+    engine = Engine(scheduler, pool, tokenizer, limits, validator, metrics, recovery, opts.async_scheduling)
+    pool.start_heartbeat(engine.executors_lost)
+    return engine
 
 
 def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
