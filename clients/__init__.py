@@ -2,7 +2,7 @@
 `AsyncClient` (asyncio), returning the typed results below; it imports grpc and the generated stubs
 only. The `pagedserve` command (clients.cli) and the benchmarks (clients.bench) are built on it."""
 
-from clients.client import AsyncClient, Client
+from clients.client import AsyncClient, Client, MessageTimeoutError, Sampling
 from clients.results import (
     GenerationDelta,
     GenerationResult,
@@ -18,9 +18,11 @@ __all__ = [
     "Client",
     "GenerationDelta",
     "GenerationResult",
+    "MessageTimeoutError",
     "ModelInfo",
     "Output",
     "OutputDelta",
+    "Sampling",
     "ServerStats",
     "TokenLogprob",
 ]

@@ -12,14 +12,27 @@ stream early cancels the call, which aborts the request on the server.
 A server with TLS: `Client(target, tls_ca_file="ca.pem")` (the CA that signed its certificate;
 "" uses the system roots). A server that checks a bearer token: `auth_token="..."` (default:
 $PAGEDSERVE_AUTH_TOKEN when set).
+
+Sampling parameters are keyword arguments or one typed `Sampling` object (both: the keywords override
+its fields): `client.generate(prompt, Sampling(max_tokens=16, temperature=0.0))`. A call the server
+answers UNAVAILABLE before it accepted it (draining, recovering, not up yet) is retried by gRPC's own
+retry policy (the channel's service config: `retries` more attempts with exponential backoff; 0
+disables). `message_timeout_s` bounds the wait for each streamed message (a stalled stream is
+cancelled, which aborts the request, and raises `MessageTimeoutError`, a `grpc.RpcError` with code
+DEADLINE_EXCEEDED); `timeout_s` bounds a whole call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import os
 import pathlib
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -46,47 +59,76 @@ def _channel_credentials(tls_ca_file: str | None) -> grpc.ChannelCredentials | N
     return grpc.ssl_channel_credentials(root_certificates=roots)
 
 
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """A request's sampling parameters; None takes the server's default (the model's
+    generation_config, else SamplingParams' defaults)."""
+
+    max_tokens: int | None = None
+    n: int | None = None
+    beam_width: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int = 0
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    length_penalty: float | None = None
+
+
+class MessageTimeoutError(grpc.RpcError):
+    """No streamed message within `message_timeout_s` (the call was cancelled)."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(f"no message within {timeout_s:g} s")
+        self._details = f"no streamed message within {timeout_s:g} s (message_timeout_s): cancelled"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._details
+
+
+def channel_options(retries: int) -> list[tuple[str, Any]]:
+    """gRPC's own retry of UNAVAILABLE for the Generation service (service config), `retries` more
+    attempts with exponential backoff. gRPC retries a call only until the server's first response
+    (a stream is never replayed once it has started)."""
+    if retries <= 0:
+        return [("grpc.enable_retries", 0)]
+    policy = {
+        "maxAttempts": min(retries + 1, 5),  # gRPC caps attempts at 5
+        "initialBackoff": "0.2s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    config = {"methodConfig": [{"name": [{"service": "pagedserve.v1.Generation"}], "retryPolicy": policy}]}
+    return [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
+
+
 def _call_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...] | None:
     token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV)
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
+_OPTIONAL = ("max_tokens", "n", "beam_width", "temperature", "top_p", "seed", "logprobs", "length_penalty")
+
+
 def build_request(
-    prompt: Prompt,
-    *,
-    max_tokens: int | None = None,
-    n: int | None = None,
-    beam_width: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int = 0,
-    stop: Sequence[str] = (),
-    stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    seed: int | None = None,
-    logprobs: int | None = None,
-    length_penalty: float | None = None,
-    request_id: str = "",
+    prompt: Prompt, sampling: Sampling | None = None, *, request_id: str = "", **params: Any
 ) -> generation_pb2.GenerateRequest:
-    """A GenerateRequest; parameters left as None take the server's defaults."""
-    optional: dict[str, Any] = dict(
-        max_tokens=max_tokens,
-        n=n,
-        beam_width=beam_width,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        logprobs=logprobs,
-        length_penalty=length_penalty,
+    """A GenerateRequest from `sampling` and / or keyword parameters (Sampling's fields; they
+    override `sampling`'s); parameters left as None take the server's defaults."""
+    s = dataclasses.replace(sampling or Sampling(), **params)  # TypeError names an unknown keyword
+    optional = {name: getattr(s, name) for name in _OPTIONAL if getattr(s, name) is not None}
+    msg = generation_pb2.SamplingParameters(
+        top_k=s.top_k, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        **optional,
     )
-    sampling = generation_pb2.SamplingParameters(
-        top_k=top_k,
-        stop=list(stop),
-        stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos,
-        **{k: v for k, v in optional.items() if v is not None},
-    )
-    request = generation_pb2.GenerateRequest(sampling=sampling, request_id=request_id)
+    request = generation_pb2.GenerateRequest(sampling=msg, request_id=request_id)
     if isinstance(prompt, str):
         request.text = prompt
     else:
@@ -131,6 +173,30 @@ def _stats_from_pb(msg: generation_pb2.GetServerStatsResponse) -> ServerStats:
     return ServerStats(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(ServerStats)})
 
 
+class _Watchdog:
+    """Cancels `call` when `timeout_s` passes without a `kick()` (one thread per watched stream)."""
+
+    def __init__(self, call: Any, timeout_s: float):
+        self._call, self._timeout_s = call, timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        self._done = threading.Event()
+        self.fired = False
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._done.wait(max(0.0, self._deadline - time.monotonic())):
+            if time.monotonic() >= self._deadline:
+                self.fired = True
+                self._call.cancel()
+                return
+
+    def kick(self) -> None:
+        self._deadline = time.monotonic() + self._timeout_s
+
+    def stop(self) -> None:
+        self._done.set()
+
+
 class Client:
     def __init__(
         self,
@@ -138,25 +204,39 @@ class Client:
         timeout_s: float | None = None,
         tls_ca_file: str | None = None,
         auth_token: str | None = None,
+        retries: int = 3,
+        message_timeout_s: float | None = None,
     ):
         credentials = _channel_credentials(tls_ca_file)
+        options = channel_options(retries)
         self._channel = (
-            grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+            grpc.secure_channel(target, credentials, options) if credentials
+            else grpc.insecure_channel(target, options)
         )
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._call_options = dict(timeout=timeout_s, metadata=_call_metadata(auth_token))
+        self.message_timeout_s = message_timeout_s
 
-    def stream(self, prompt: Prompt, **params) -> Iterator[GenerationDelta]:
-        call = self._stub.Generate(build_request(prompt, **params), **self._call_options)
+    def stream(self, prompt: Prompt, sampling: Sampling | None = None, **params) -> Iterator[GenerationDelta]:
+        call = self._stub.Generate(build_request(prompt, sampling, **params), **self._call_options)
+        watchdog = _Watchdog(call, self.message_timeout_s) if self.message_timeout_s else None
         try:
             for msg in call:
+                if watchdog is not None:
+                    watchdog.kick()
                 yield _delta_from_pb(msg)
+        except grpc.RpcError:
+            if watchdog is not None and watchdog.fired:
+                raise MessageTimeoutError(self.message_timeout_s or 0.0) from None
+            raise
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             call.cancel()  # no-op once the stream is complete; aborts the request if left early
 
-    def generate(self, prompt: Prompt, **params) -> GenerationResult:
+    def generate(self, prompt: Prompt, sampling: Sampling | None = None, **params) -> GenerationResult:
         result = GenerationResult()
-        for delta in self.stream(prompt, **params):
+        for delta in self.stream(prompt, sampling, **params):
             result.add(delta)
         return result
 
@@ -192,25 +272,43 @@ class AsyncClient:
         timeout_s: float | None = None,
         tls_ca_file: str | None = None,
         auth_token: str | None = None,
+        retries: int = 3,
+        message_timeout_s: float | None = None,
     ):
         credentials = _channel_credentials(tls_ca_file)
+        options = channel_options(retries)
         self._channel = (
-            grpc.aio.secure_channel(target, credentials) if credentials else grpc.aio.insecure_channel(target)
+            grpc.aio.secure_channel(target, credentials, options) if credentials
+            else grpc.aio.insecure_channel(target, options)
         )
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._call_options = dict(timeout=timeout_s, metadata=_call_metadata(auth_token))
+        self.message_timeout_s = message_timeout_s
 
-    async def stream(self, prompt: Prompt, **params) -> AsyncIterator[GenerationDelta]:
-        call = self._stub.Generate(build_request(prompt, **params), **self._call_options)
+    async def stream(
+        self, prompt: Prompt, sampling: Sampling | None = None, **params
+    ) -> AsyncIterator[GenerationDelta]:
+        call = self._stub.Generate(build_request(prompt, sampling, **params), **self._call_options)
+        timeout_s = self.message_timeout_s
         try:
-            async for msg in call:
+            if timeout_s is None:  # the plain iterator: no task per message (the load generator's path)
+                async for msg in call:
+                    yield _delta_from_pb(msg)
+                return
+            while True:
+                try:
+                    msg = await asyncio.wait_for(call.read(), timeout_s)
+                except TimeoutError:
+                    raise MessageTimeoutError(timeout_s) from None
+                if msg is grpc.aio.EOF:
+                    return
                 yield _delta_from_pb(msg)
         finally:
             call.cancel()
 
-    async def generate(self, prompt: Prompt, **params) -> GenerationResult:
+    async def generate(self, prompt: Prompt, sampling: Sampling | None = None, **params) -> GenerationResult:
         result = GenerationResult()
-        async for delta in self.stream(prompt, **params):
+        async for delta in self.stream(prompt, sampling, **params):
             result.add(delta)
         return result
 

@@ -117,7 +117,8 @@ def test_a_link_that_breaks_mid_stream_ends_it_with_an_error_event():
 
 def test_several_prompts_stream_as_one_with_their_own_indices_and_usage():
     api, link = make_api()
-    body = {**COMPLETION, "prompt": ["p", "q"], "n": 1, "stream": True, "stream_options": {"include_usage": True}}
+    body = {**COMPLETION, "prompt": ["p", "q"], "n": 1, "stream": True,
+            "stream_options": {"include_usage": True}}
     chunks = events(call(api, "POST", "/v1/completions", body))
     texts: dict[int, str] = {}
     for chunk in chunks[:-1]:
