@@ -125,6 +125,12 @@ async def build_engine(opts: ServeOptions) -> Engine:
     num_gpu_blocks = min(opts.num_gpu_blocks or fit_gpu, fit_gpu)
     wanted_cpu = fit_cpu if opts.num_cpu_blocks is None else opts.num_cpu_blocks
     num_cpu_blocks = min(wanted_cpu, num_gpu_blocks, fit_cpu)
+    if opts.num_gpu_blocks is not None and num_gpu_blocks < opts.num_gpu_blocks:
+        _log.warning("--num-gpu-blocks %d cut to %d: what fits on every rank", opts.num_gpu_blocks,
+                     num_gpu_blocks)
+    if opts.num_cpu_blocks is not None and num_cpu_blocks < opts.num_cpu_blocks:
+        _log.warning("--num-cpu-blocks %d cut to %d: at most the GPU blocks (%d) and what every rank's swap "
+                     "space holds (%d)", opts.num_cpu_blocks, num_cpu_blocks, num_gpu_blocks, fit_cpu)
     await pool.init_cache(num_gpu_blocks, num_cpu_blocks)
     await pool.reset()
     max_model_len = min(opts.max_model_len or first.max_model_len, first.max_model_len)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -34,9 +35,11 @@ def server(tiny_llama_dir, tmp_path_factory):
     (log_dir / "token").write_text(TOKEN + "\n")
     proc, public = serve(
         ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-gpu-blocks", str(NUM_GPU_BLOCKS),
-         "--http-port", "0", "--auth-token-file", str(log_dir / "token")], log_dir / "serve.log",
+         "--http-port", "0", "--auth-token-file", str(log_dir / "token"), "--num-cpu-blocks", "100000"],
+        log_dir / "serve.log",
     )
     base_url = proc.wait_for(HTTP_LINE, 30)[1]
+    assert re.search(r"--num-cpu-blocks 100000 cut to \d+", proc.output())  # said, not silent
     try:
         yield base_url, public
     finally:
