@@ -50,8 +50,9 @@ from scheduler_svc.wire.errors import ApiError
 
 MAX_BODY_BYTES = 16 << 20
 _log = logging.getLogger(__name__)
+# The front-end's own series (the scheduler's request metrics count what reaches it, as api="grpc").
 REQUESTS = Counter("pagedserve_http_requests", "HTTP API requests answered, by endpoint and status",
-                   ["api", "endpoint", "status"])
+                   ["model_name", "api", "endpoint", "status"])
 
 
 class HttpApi:
@@ -93,7 +94,7 @@ class HttpApi:
                 response = error_response(http_error(exc))
             finally:
                 self.num_in_flight -= 1
-            REQUESTS.labels("openai", name, str(response.status_code)).inc()
+            REQUESTS.labels(self.model_name, "openai", name, str(response.status_code)).inc()
             return response
 
         return endpoint

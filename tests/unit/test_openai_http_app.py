@@ -138,3 +138,6 @@ def test_unknown_fields_are_ignored_and_unsupported_ones_refused():
     reply = call(api, "POST", "/v1/completions", {**COMPLETION, "logit_bias": {"5": 1.0}})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "logit_bias"
     assert call(api, "GET", "/v1/completions").status_code == 405
+    metrics = call(api, "GET", "/metrics").text
+    series = 'pagedserve_http_requests_total{api="openai",endpoint="completions",model_name="m",status="400"}'
+    assert series in metrics
