@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub = modes.add_parser(mode, help=help_text)
         launcher.add_arguments(sub)  # the serve flags, passed on to the servers bench launches
         sub.set_defaults(port=0, enable_prefix_caching=False)  # a repeated request set is no cache hit
+        for action in sub._actions:
+            if action.dest == "enable_prefix_caching":
+                action.help = ("automatic prefix caching: off by default in bench, unlike serve, so that the "
+                               "requests repeated across runs (warm-up, --prefixes, rates) are no cache hits")
         sub.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt")
         sub.add_argument("--requests", type=int, default=100)
         sub.add_argument("--seed", type=int, default=0)

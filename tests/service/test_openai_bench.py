@@ -36,3 +36,12 @@ def test_openai_endpoint_refuses_beam_search_and_a_server_without_its_url():
     assert "beam" in bench.check_args(beam)
     no_url = parser.parse_args(["serve", "--endpoint", "openai", "--server", "h:1"])
     assert "--http-url" in bench.check_args(no_url)
+
+
+def test_bench_help_says_why_prefix_caching_is_off_unlike_serve(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["throughput", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "off by default in bench, unlike serve" in text and "(default: False)" in text
