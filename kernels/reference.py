@@ -46,8 +46,10 @@ def attend_one_sequence(
     key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Causal GQA attention of the last q_len positions of a context over all of it.
+    """Causal GQA attention of the last q_len positions of a context over all of it; with a
+    sliding_window > 0, a position sees only the last sliding_window positions (itself included).
 
     Computes in float32, or float64 for float64 inputs.
     """
@@ -60,7 +62,10 @@ def attend_one_sequence(
     scores = torch.einsum("qhgd,thd->hgqt", q, k) * scale  # [kvh, g, q, t]
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q]
     k_pos = torch.arange(seq_len, device=query.device)  # [t]
-    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    hidden = k_pos[None, :] > q_pos[:, None]  # [q, t]
+    if sliding_window > 0:
+        hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hgqt,thd->qhgd", probs, v)  # [q, kvh, g, d]
     return out.reshape(q_len, num_heads, head_dim)
@@ -76,6 +81,7 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    sliding_window: int = 0,  # > 0: keys older than this many positions are masked
 ) -> torch.Tensor:
     """Varlen causal paged attention; see docs/interfaces.md. Returns [num_tokens, num_heads, head_dim]."""
     del max_query_len, max_seq_len  # only the kernels need the bounds
@@ -87,7 +93,8 @@ def paged_attention(
             continue
         key = gather_context(key_cache, block_tables[i], seq_len)
         value = gather_context(value_cache, block_tables[i], seq_len)
-        out[begin:end] = attend_one_sequence(query[begin:end], key, value, scale).to(out.dtype)
+        attended = attend_one_sequence(query[begin:end], key, value, scale, sliding_window)
+        out[begin:end] = attended.to(out.dtype)
     return out
 
 

@@ -53,12 +53,14 @@ def _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, BLO
 @triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, lo, hi, kv_hi,
-    row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot,
+    row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     """Online-softmax update of (acc, m_i, l_i) over context positions [lo, hi), BLOCK_N at a time,
     K/V gathered through the block table. MASKED: positions >= kv_hi or after a row's own position
-    are excluded; unmasked calls must cover only positions every row may see."""
+    (and, SLIDING, `window` or more before it) are excluded; unmasked calls must cover only positions
+    every row may see."""
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         if MASKED:
@@ -74,6 +76,8 @@ def _attend_tiles(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if MASKED:
             allowed = pos_valid[None, :] & (pos[None, :] <= row_pos[:, None])
+            if SLIDING:
+                allowed = allowed & (pos[None, :] > row_pos[:, None] - window)
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
@@ -100,10 +104,11 @@ def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2, num_seqs, num_search_steps, partition_size, num_heads, num_splits, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
+    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, window,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,12 +142,21 @@ def _paged_attention_kernel(
     )  # [BLOCK_M, D_PAD]
 
     kv_end = context_start + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    first_row_pos = context_start + q_tile_start
     if EVEN_SPLITS:  # the tile's context in num_splits even partitions of whole K/V tiles
         part = tl.maximum(tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N), 2) * BLOCK_N
     else:  # a fixed size; no split: _NO_PARTITION
         part = partition_size
     kv_lo = split * part
     kv_hi = tl.minimum(kv_lo + part, kv_end)
+    if SLIDING:  # nothing before the first row's window is read; even partitions cover the rest
+        ctx_lo = tl.maximum(first_row_pos - window + 1, 0)
+        if EVEN_SPLITS:
+            part = tl.maximum(tl.cdiv(tl.cdiv(kv_end - ctx_lo, num_splits), BLOCK_N), 2) * BLOCK_N
+            kv_lo = ctx_lo + split * part
+            kv_hi = tl.minimum(kv_lo + part, kv_end)
+        else:
+            kv_lo = tl.maximum(kv_lo, ctx_lo)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -150,19 +164,27 @@ def _paged_attention_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head.to(tl.int64) * stride_c_head
     # Whole tiles at or before the tile's first query position need no mask; the rest (the causal
-    # diagonal, the partial last tile) do.
-    first_row_pos = context_start + q_tile_start
-    num_unmasked = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - kv_lo, 0) // BLOCK_N
-    unmasked_hi = kv_lo + num_unmasked * BLOCK_N
+    # diagonal, the partial last tile) do. SLIDING: so do the positions before the last row's window
+    # (the first rows see them, later rows do not), attended first with their own upper bound.
+    unmasked_lo = kv_lo
+    if SLIDING:
+        unmasked_lo = tl.minimum(tl.maximum(kv_lo, kv_end - window), tl.maximum(kv_hi, kv_lo))
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, unmasked_lo,
+            unmasked_lo, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+            BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING,
+        )
+    num_unmasked = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BLOCK_N
+    unmasked_hi = unmasked_lo + num_unmasked * BLOCK_N
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, unmasked_hi,
-        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot,
-        BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION,
+        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo, unmasked_hi,
+        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+        BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, SLIDING,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_hi, kv_hi,
-        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot,
-        BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION,
+        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+        BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING,
     )
 
     if SPLIT:
@@ -194,7 +216,9 @@ def _reduce_splits_kernel(
     part_sum = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0)
     acc_ptrs = part_acc_ptr + part_row[:, None] * D_PAD + dims[None, :]
     acc = tl.load(acc_ptrs, mask=split_valid[:, None], other=0.0)  # [S_PAD, D_PAD]
-    weight = tl.exp2(part_max - tl.max(part_max, axis=0))  # split 0 holds position 0: the max is finite
+    # the split holding the row's own position has a finite max (others, e.g. before a sliding
+    # window, may hold -inf and weigh 0)
+    weight = tl.exp2(part_max - tl.max(part_max, axis=0))
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(part_sum * weight, axis=0)  # [D_PAD]
     tl.store(
         out_ptr + token * stride_o_tok + head * stride_o_head + dims,
@@ -238,11 +262,13 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_slots: int) -> in
 
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-    max_query_len, max_seq_len, scale, *, num_splits: int | None = None,
+    max_query_len, max_seq_len, scale, sliding_window: int = 0, *, num_splits: int | None = None,
     tile: tuple[int, int, int] | None = None, block_m: int | None = None,
 ) -> torch.Tensor:
-    """See kernels/reference.py. num_splits forces the split-K count (1 = none; > 1: partitions of
-    max_seq_len / num_splits positions, the same for every sequence); tile forces
+    """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
+    the query; 0 compiles the kernel without any window code). num_splits forces the split-K count
+    (1 = none; > 1: partitions of max_seq_len / num_splits positions, the same for every sequence,
+    those wholly before a tile's window left empty); tile forces
     (BLOCK_N, num_warps, num_stages) and block_m the rows of a prefill tile (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -288,10 +314,12 @@ def paged_attention(
         num_heads, num_splits, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        max(sliding_window, 0),
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, D_PAD=d_pad, IS_DECODE=is_decode, SPLIT=split,
         EVEN_SPLITS=even_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING=sliding_window > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

@@ -29,10 +29,13 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.sliding_window = sliding_window  # > 0: keys this many positions back or more are masked
 
     def forward(
         self,
@@ -55,5 +58,6 @@ class PagedAttention(nn.Module):
             meta.max_query_len,
             meta.max_seq_len,
             self.scale,
+            self.sliding_window,
         )  # [T, H, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -97,6 +97,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int = 0  # > 0: a position attends to the last this many positions (Mistral)
     tie_word_embeddings: bool = False
     # OPT only.
     do_layer_norm_before: bool = True
@@ -164,12 +165,9 @@ class ModelConfig:
             )
         if hf.get("use_sliding_window", False):
             raise ModelConfigError("sliding-window attention is not supported")
-        window = hf.get("sliding_window")
-        if family == "llama" and window is not None and window < common["max_model_len"]:  # Mistral's
-            raise ModelConfigError(
-                f"sliding_window {window} (below max_position_embeddings {common['max_model_len']}) "
-                "is not supported: attention over the whole context would not be this model's"
-            )
+        window = hf.get("sliding_window") if family == "llama" else None  # Mistral's, on every layer
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ModelConfigError(f"sliding_window must be a positive integer or null, got {window!r}")
         if hf.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"hidden_act {hf.get('hidden_act')!r} is not supported")
         attention_bias = hf.get("attention_bias", False)
@@ -184,6 +182,7 @@ class ModelConfig:
             o_bias=attention_bias,
             mlp_bias=hf.get("mlp_bias", False),
             qk_norm=family in ("qwen3", "qwen3_moe"),
+            sliding_window=window if window is not None and window < common["max_model_len"] else 0,
             moe=_moe(hf, family),
         )
 

@@ -39,7 +39,7 @@ class LlamaAttention(nn.Module):
             config.num_heads * d, config.hidden_size, config.o_bias, tp_rank, tp_size
         )
         self.rotary_emb = RotaryEmbedding(d, config.max_model_len, config.rope)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5, config.sliding_window)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k  # Qwen3 overrides

@@ -59,6 +59,25 @@ def test_paged_attention_bf16_matches_reference(
     assert err < 1e-2, f"seed {seed}: relative error {err}"
 
 
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), HEAD_CONFIGS[1:4])
+@pytest.mark.parametrize("window", [1, 100, 512, 4096])
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_paged_attention_sliding_window_bf16_matches_reference(
+    seed, name, num_heads, num_kv_heads, head_dim, block_size, window, num_splits
+):
+    """Mistral / Gemma sliding windows: keys `window` or more positions back are masked, decode and
+    prefill, split and unsplit (default split-K partitions only the window)."""
+    seq_lens, query_lens = ATTENTION_CASES[name]
+    case = make_paged_case(
+        seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, DEVICE, seed
+    )
+    ref = reference.paged_attention(*case.args(), window)
+    out = triton_attention.paged_attention(*case.args(), window, num_splits=num_splits)
+    err = relative_error(out, ref)
+    assert err < 1e-2, f"seed {seed}: relative error {err}"
+
+
 def test_default_split_k_is_taken_for_few_long_sequences():
     programs = 2 * 8  # two sequences, 8 KV heads
     slots = triton_attention.split_slots(torch.device(DEVICE))

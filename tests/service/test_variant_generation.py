@@ -1,5 +1,5 @@
 """Greedy generation through the real services equals HF transformers' `generate` for the model
-variants beyond the base families' tiny models (rope scalings; later families join here): every
+variants beyond the base families' tiny models (Mistral's sliding window, rope scalings): every
 prompt of the shared batch, all in flight at once, fp32 CPU."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from tests.helpers.generation import MAX_TOKENS, PROMPTS
 from tests.helpers.stack import Stack
 
 VARIANTS = {
+    "mistral-sliding-window": ("llama", dict(architectures=["MistralForCausalLM"], model_type="mistral",
+                                             sliding_window=16)),
     "llama-yarn": ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                   "original_max_position_embeddings": 512})),
     "qwen2-yarn-mscale": ("qwen2", dict(rope_parameters={

@@ -200,3 +200,39 @@ def test_rotary_embedding_matches_reference_on_views_of_a_fused_qkv(dtype, head_
 def test_silu_and_mul_matches_reference(dtype, inter):
     x = torch.randn(3, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(dtype)
     assert relative_error(triton_layers.silu_and_mul(x), reference.silu_and_mul(x)) < LAYER_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 64])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_paged_attention_sliding_window_matches_reference(seed, name, window, num_splits):
+    """Keys `window` or more positions before a query are masked, for decode and prefill rows, in
+    unsplit and split launches (partitions wholly before a window stay empty)."""
+    seq_lens, query_lens = ATTENTION_CASES[name]
+    case = make_paged_case(seq_lens, query_lens, 8, 2, 32, 8, torch.float32, "cpu", seed)
+    ref = reference.paged_attention(*case.args(), window)
+    out = triton_attention.paged_attention(*case.args(), window, num_splits=num_splits)
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+    if window < min(seq_lens):  # the window changes the result: the test would see a kernel ignore it
+        assert relative_error(reference.paged_attention(*case.args()), ref) > 1e-3
+
+
+@pytest.mark.parametrize("window", [1, 3, 20])
+def test_reference_sliding_window_is_attention_over_the_last_window_keys(seed, window):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, 4, 16, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(30, 2, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    windowed = reference.attend_one_sequence(query, key, value, 0.25, sliding_window=window)
+    sliced = reference.attend_one_sequence(query, key[-window:], value[-window:], 0.25)
+    torch.testing.assert_close(windowed, sliced)
+
+
+def test_paged_attention_sliding_window_with_a_small_tile(seed):
+    """Tiles of 16 positions: whole tiles before the last row's window, several masked ones at its
+    edge, unmasked ones inside, the causal diagonal."""
+    seq_lens, query_lens = ATTENTION_CASES["long_chunk_after_prefix"]
+    case = make_paged_case(seq_lens, query_lens, 8, 2, 32, 8, torch.float32, "cpu", seed)
+    ref = reference.paged_attention(*case.args(), 45)
+    out = triton_attention.paged_attention(*case.args(), 45, tile=(16, 4, 2), block_m=16)
+    assert relative_error(out, ref) < 1e-5, f"seed {seed}"

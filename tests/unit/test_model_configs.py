@@ -1,6 +1,6 @@
 """config.json that the executor cannot honour is refused with a clear error (never approximated):
 unsupported architectures name what is supported, in the executor and in the launcher (before it
-reads any field), and Mistral's sliding window is refused while the attention path ignores it."""
+reads any field); Mistral's sliding window is read (a window as long as the context is none)."""
 
 from __future__ import annotations
 
@@ -50,12 +50,13 @@ def test_malformed_architecture_fields_are_a_clear_error(hf):
         ModelConfig.from_hf_dict(hf)
 
 
-def test_mistral_sliding_window_is_refused():
-    with pytest.raises(ModelConfigError, match="sliding_window 32"):
-        ModelConfig.from_hf_dict(_tiny_mistral(sliding_window=32, max_position_embeddings=2048))
-
-
-@pytest.mark.parametrize("window", [None, 2048, 4096])
-def test_mistral_without_an_effective_window_is_served(window):
+@pytest.mark.parametrize("window, served", [(None, 0), (32, 32), (2047, 2047), (2048, 0), (4096, 0)])
+def test_mistral_sliding_window_is_read(window, served):
     config = ModelConfig.from_hf_dict(_tiny_mistral(sliding_window=window, max_position_embeddings=2048))
-    assert config.family == "llama"
+    assert (config.family, config.sliding_window) == ("llama", served)
+
+
+@pytest.mark.parametrize("window", [0, -1, 3.5, "32", True])
+def test_malformed_sliding_window_is_refused(window):
+    with pytest.raises(ModelConfigError, match="sliding_window"):
+        ModelConfig.from_hf_dict(_tiny_mistral() | {"sliding_window": window})  # as a config.json may hold

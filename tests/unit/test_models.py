@@ -197,6 +197,10 @@ VARIANTS = {
     "opt-350m-like": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32)),
     # An OPT checkpoint with its own lm_head (tie_word_embeddings false).
     "opt-untied": ("opt", dict(tie_word_embeddings=False)),
+    # Mistral with a sliding window shorter than the prompts + decode steps (every layer windowed).
+    "mistral-sliding-window": (
+        "llama", dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=7)
+    ),
     # Context extension: YaRN (Qwen2.5 / DeepSeek style, with attention temperature) and dynamic NTK.
     "llama-yarn": (
         "llama",
