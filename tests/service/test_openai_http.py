@@ -174,7 +174,7 @@ def test_a_missing_or_wrong_token_is_a_401_and_another_model_a_404(server, model
     assert info.value.body["param"] == "model"
 
 
-def test_a_client_that_goes_away_mid_stream_frees_every_block(server, model):
+def test_a_client_that_goes_away_mid_stream_or_before_the_answer_frees_every_block(server, model):
     body = {"model": model, "prompt": "Hello", "max_tokens": 900, "ignore_eos": True, "stream": True}
     headers = {"authorization": f"Bearer {TOKEN}"}
     with (httpx.Client(base_url=f"{server[0]}/v1", headers=headers, timeout=30) as http,
@@ -189,6 +189,11 @@ def test_a_client_that_goes_away_mid_stream_frees_every_block(server, model):
             return stats.num_running == stats.num_waiting == 0 and stats.num_free_gpu_blocks == NUM_GPU_BLOCKS
 
         wait_until(all_free, 30, 0.1, "every block free after the client went away")
+        with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up before the answer
+            httpx.post(f"{server[0]}/v1/completions", headers=headers, timeout=0.3,
+                       json={**body, "stream": False, "max_tokens": 1000})
+        wait_until(all_free, 30, 0.1, "every block free after the client gave up")
+        assert client.stats().num_free_gpu_blocks == NUM_GPU_BLOCKS
 
 
 # ---- `pagedserve generate` against the same server (its fixes of issue 16) ----------------------

@@ -141,3 +141,48 @@ def test_unknown_fields_are_ignored_and_unsupported_ones_refused():
     metrics = call(api, "GET", "/metrics").text
     series = 'pagedserve_http_requests_total{api="openai",endpoint="completions",model_name="m",status="400"}'
     assert series in metrics
+
+
+def test_a_chat_template_file_overrides_the_reported_one(tiny_llama_dir, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
+                        "{{ bos_token }}")
+    reported = ChatTemplate("unused", bos_token="<s>")
+    text = ModelText.with_override(reported, str(tiny_llama_dir), str(template))
+    ids = text.render_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert text.tokenizer is not None
+    assert ids == text.tokenizer.encode("[user] hi <s>", add_special_tokens=False).ids
+    api, link = make_api(template="")
+    api.text = text
+    reply = call(api, "POST", "/v1/chat/completions",
+                 {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert reply.status_code == 200 and list(link.requests[0].token_ids.ids) == ids
+    assert reply.json()["choices"][0]["message"] == {"role": "assistant", "content": "ids-a-b"}
+
+
+def test_a_client_that_disconnects_before_a_whole_answer_cancels_its_request():
+    api, link = make_api(lambda request: [])  # the scheduler never answers
+
+    async def scenario():
+        body = json.dumps(COMPLETION).encode()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        disconnected = asyncio.Event()
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await asyncio.sleep(0.05)
+            disconnected.set()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            pass
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+                 "query_string": b"", "asgi": {"version": "3.0"}}
+        await asyncio.wait_for(api.app(scope, receive, send), 5)
+        assert disconnected.is_set()
+
+    asyncio.run(scenario())
+    assert link.cancelled == [0] and not link.open_streams
+
