@@ -102,6 +102,7 @@ def _step_every_rank(targets: list[str], num_steps: int = 6) -> list[list]:
 
     from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
     from scheduler_svc.wire.convert import step_plan_to_pb, step_result_from_pb
+    from scheduler_svc.wire.grpc_serving import bearer_metadata
     from scheduler_svc.wire.sampling_params import SamplingParams
     from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, StepPlan
 
@@ -113,8 +114,9 @@ def _step_every_rank(targets: list[str], num_steps: int = 6) -> list[list]:
     ]
     prompts = [GREEDY_PROMPTS[i % len(GREEDY_PROMPTS)] + [i + 7] for i in range(len(params))]
     stubs = [executor_pb2_grpc.ExecutorStub(grpc.insecure_channel(t)) for t in targets]
+    auth = bearer_metadata(EXECUTOR_TOKEN)  # the executor credential
     for stub in stubs:
-        stub.Reset(executor_pb2.ResetRequest())
+        stub.Reset(executor_pb2.ResetRequest(), metadata=auth)
     per_rank: list[list] = [[] for _ in targets]
     plan = StepPlan(0, new_seqs=[
         NewSequence(i, p, 0, len(p), [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], sp, 0, len(p))
@@ -123,7 +125,8 @@ def _step_every_rank(targets: list[str], num_steps: int = 6) -> list[list]:
     with ThreadPoolExecutor(len(stubs)) as pool:
         for step in range(num_steps):
             data = step_plan_to_pb(plan)
-            results = [step_result_from_pb(r) for r in pool.map(lambda stub, pb=data: stub.Step(pb), stubs)]
+            replies = pool.map(lambda stub, pb=data: stub.Step(pb, metadata=auth), stubs)
+            results = [step_result_from_pb(r) for r in replies]
             for rank, result in enumerate(results):
                 per_rank[rank].append(result.samples)
             tokens = {s.seq_id: s.token_id for s in results[0].samples}
