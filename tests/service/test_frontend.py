@@ -13,7 +13,7 @@ import pytest
 
 from clients.client import AsyncClient, Client
 from tests.helpers.generation import MAX_TOKENS, PROMPTS, run_batch
-from tests.helpers.stack import Stack, health
+from tests.helpers.stack import EXECUTOR_TOKEN, Stack, health
 from tests.helpers.wait import wait_until
 
 
@@ -141,7 +141,8 @@ def test_a_broken_link_ends_streams_unavailable_and_reconnects_to_a_restarted_sc
         assert stack.run(generate_during_outage()) == grpc.StatusCode.UNAVAILABLE
 
         async def restart_scheduler():
-            opts = ServeOptions(model=stack.model_dir, executors=(stack.executor_target,), port=port)
+            opts = ServeOptions(model=stack.model_dir, executors=(stack.executor_target,), port=port,
+                                executor_token=EXECUTOR_TOKEN)
             stack.engine = await build_engine(replace(opts, **stack.options))
             stack.scheduler = await start_scheduler_server(stack.engine, "127.0.0.1", port)
 
