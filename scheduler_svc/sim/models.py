@@ -140,7 +140,9 @@ def moe_and_head_fields(hf: dict) -> dict:
     """ModelSpec fields of a Hugging Face config.json beyond the dense Llama / OPT ones: an explicit
     head_dim, and for Mixtral / Qwen MoE the experts (their width replaces the dense FFN's; Qwen's
     `mlp_only_layers` are counted as sparse)."""
-    fields = {"explicit_head_dim": hf.get("head_dim") or 0}
+    head_dim = hf.get("head_dim") or 0
+    implied = hf["hidden_size"] // hf["num_attention_heads"]
+    fields = {"explicit_head_dim": head_dim if head_dim != implied else 0}  # one spec per shape
     model_type = hf.get("model_type")
     if model_type not in MOE_FAMILIES:
         return fields
