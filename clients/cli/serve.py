@@ -305,6 +305,7 @@ def check_options(args: argparse.Namespace) -> str | None:
     """Why these serve options cannot run (before any process starts), or None."""
     try:
         check_policy_options(args.kv_policy, args.preemption)
+        RestartBudget(args.max_restarts, args.restart_window_s)
     except ValueError as err:
         return str(err)
     return None

@@ -26,7 +26,7 @@ class RestartBudget:
     then is restarted forever, one that keeps failing is given up on."""
 
     def __init__(self, max_restarts: int, window_s: float):
-        if max_restarts < 0 or window_s <= 0:
+        if max_restarts < 0 or not window_s > 0:  # (NaN too)
             raise ValueError("max_restarts must be >= 0 and restart_window_s > 0")
         self.max_restarts = max_restarts
         self.window_s = window_s

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 
 import grpc
@@ -20,7 +21,7 @@ from clients.cli.serve import restart
 from clients.cli.supervise import RestartBudget
 from clients.client import Client
 from tests.helpers.generation import generate_all
-from tests.helpers.processes import EXECUTOR_TOKEN_ENV, ServerProcess, ServerProcesses, pids_of, serve
+from tests.helpers.processes import EXECUTOR_TOKEN_ENV, ROOT, ServerProcess, ServerProcesses, pids_of, serve
 from tests.helpers.wait import wait_health, wait_until
 
 
@@ -36,6 +37,10 @@ def test_the_restart_budget_refills_after_its_window():
         RestartBudget(-1, 10.0)
     with pytest.raises(ValueError):
         RestartBudget(1, 0.0)
+    for flags in (["--max-restarts", "-1"], ["--restart-window-s", "0"], ["--restart-window-s", "nan"]):
+        command = [sys.executable, "-m", "clients.cli", "serve", "--model", "tiny-random", *flags]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "restart" in done.stderr, (flags, done.stderr)
 
 
 def test_a_restart_that_fails_is_tried_again_within_the_budget(capsys):
