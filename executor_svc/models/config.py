@@ -196,6 +196,13 @@ def _moe(hf: dict, family: str) -> MoeConfig | None:
     `norm_topk_prob` and its dense layers; Qwen2-MoE adds the shared expert."""
     if family not in MOE_FAMILIES:
         return None
+    try:
+        return _read_moe(hf, family)
+    except KeyError as err:
+        raise ModelConfigError(f"a {family} config.json needs {err.args[0]!r}") from None
+
+
+def _read_moe(hf: dict, family: str) -> MoeConfig:
     if family == "mixtral":
         window = hf.get("sliding_window")
         if window is not None and window < hf.get("max_position_embeddings", 2048):  # as Mistral's

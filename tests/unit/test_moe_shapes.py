@@ -88,6 +88,9 @@ def test_moe_configs_are_checked():
     qwen = MODELS["qwen3-30b-a3b"].hf_config()
     with pytest.raises(ModelConfigError, match="decoder_sparse_step"):
         ModelConfig.from_hf_dict(qwen | {"decoder_sparse_step": 0})
+    without_width = {k: v for k, v in qwen.items() if k != "moe_intermediate_size"}
+    with pytest.raises(ModelConfigError, match="qwen3_moe config.json needs 'moe_intermediate_size'"):
+        ModelConfig.from_hf_dict(without_width)
     dense_qwen = ModelConfig.from_hf_dict(qwen | {"mlp_only_layers": [0, 5], "decoder_sparse_step": 2})
     assert [dense_qwen.moe.is_sparse(i) for i in range(6)] == [False, True, False, True, False, False]
 
