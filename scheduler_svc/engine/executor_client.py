@@ -70,7 +70,7 @@ class ExecutorPool:
         `heartbeat_interval_s` and gives a rank `heartbeat_timeout_s` to answer."""
         if not targets:
             raise ValueError("at least one executor target is needed")
-        if heartbeat_interval_s <= 0 or heartbeat_timeout_s <= 0:
+        if not (heartbeat_interval_s > 0 and heartbeat_timeout_s > 0):  # (NaN too)
             raise ValueError("heartbeat_interval_s and heartbeat_timeout_s must be > 0")
         self.targets = list(targets)
         self.step_timeout_s = step_timeout_s

@@ -92,7 +92,7 @@ class ServeOptions(ApiServerOptions):
             raise ValueError("recovery_timeout_s must be >= 0")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be > 0")
-        if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= 0:
+        if not (self.heartbeat_interval_s > 0 and self.heartbeat_timeout_s > 0):  # (NaN too)
             raise ValueError("heartbeat_interval_s and heartbeat_timeout_s must be > 0")
 
 

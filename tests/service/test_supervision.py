@@ -25,6 +25,22 @@ from tests.helpers.processes import EXECUTOR_TOKEN_ENV, ROOT, ServerProcess, Ser
 from tests.helpers.wait import wait_health, wait_until
 
 
+@pytest.mark.parametrize("field", ["heartbeat_interval_s", "heartbeat_timeout_s"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
+def test_heartbeat_options_are_validated(field, value):
+    from scheduler_svc.engine.executor_client import ExecutorPool
+    from scheduler_svc.server.main import ServeOptions
+
+    with pytest.raises(ValueError, match="heartbeat"):
+        ServeOptions(model="m", executors=("h:1",), **{field: value})
+
+    async def pool() -> None:
+        ExecutorPool(["h:1"], **{field: value})
+
+    with pytest.raises(ValueError, match="heartbeat"):
+        asyncio.run(pool())
+
+
 # ---- the restart budget (a rate) and retried restarts ----------------------------------------------
 def test_the_restart_budget_refills_after_its_window():
     budget = RestartBudget(max_restarts=2, window_s=10.0)
