@@ -18,27 +18,16 @@ if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu runs the compiled kernels", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
 
-from triton.runtime import interpreter  # noqa: E402
-
 from kernels import reference, triton_attention, triton_cache, triton_layers  # noqa: E402
 from kernels.testing import make_paged_case, random_block_pairs, relative_error  # noqa: E402
+from tests.helpers.triton_interpreter import patch_interpreter_for_numpy  # noqa: E402
 
 if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":  # imported earlier
     triton_attention = importlib.reload(triton_attention)
     triton_cache = importlib.reload(triton_cache)
     triton_layers = importlib.reload(triton_layers)
 
-_patch_lang_tensor = interpreter._patch_lang_tensor
-
-
-def _patch_lang_tensor_for_numpy_2_4(tensor, scope):
-    """The interpreter holds scalars as 1-element arrays and turns them into loop bounds with int(),
-    which numpy >= 2.4 refuses for arrays with ndim > 0; .item() works on every numpy."""
-    _patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-
-interpreter._patch_lang_tensor = _patch_lang_tensor_for_numpy_2_4
+patch_interpreter_for_numpy()
 
 
 def test_kernels_are_interpreted():
