@@ -23,8 +23,6 @@ import shutil
 import sys
 import time
 
-# The families of executor_svc/models/registry.py, as GGUF-converted configs name them.
-SERVED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 NEEDED_PACKAGES = ("gguf", "accelerate")  # transformers' GGUF loader imports them
 PIP_INSTALL = "pip install gguf==0.19.0 accelerate==1.15.0   (or: pip install -e '.[default-model]')"
 CONFIG_KEYS_DROPPED = ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version")
@@ -48,6 +46,8 @@ def convert(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path) -> pathl
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from executor_svc.models.families import UnsupportedArchitectureError, family_of
+
     src = pathlib.Path(gguf_path).resolve()
     out = pathlib.Path(out_dir)
     if not src.is_file():
@@ -59,11 +59,10 @@ def convert(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path) -> pathl
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         config = model.config.to_dict()
-        if config.get("model_type") not in SERVED_MODEL_TYPES:
-            raise GGUFConversionError(
-                f"{src.name}: architecture {config.get('model_type')!r} is not served (only "
-                f"{', '.join(SERVED_MODEL_TYPES)})"
-            )
+        try:
+            family_of(config)  # before writing: an architecture the executors cannot serve
+        except UnsupportedArchitectureError as err:
+            raise GGUFConversionError(f"{src.name}: {err}") from None
         _write_weights(model, tmp / "model.safetensors")
         for key in CONFIG_KEYS_DROPPED:
             config.pop(key, None)

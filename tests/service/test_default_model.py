@@ -206,3 +206,11 @@ def test_serve_without_model_serves_the_default_model(smollm2_dir, tmp_path):
     assert "converting" not in proc.output()
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("The capital of France is Paris.") and out.stdout.endswith("[stop]\n")
+
+
+def test_generate_chat_with_a_huge_message_is_refused_by_the_server(tiny_llama_dir):
+    with Stack(tiny_llama_dir, num_gpu_blocks=32) as stack:
+        out = _generate_cli("--server", stack.target, "--chat", "word " * 20_000, "--max-tokens", "2")
+        with Client(stack.target) as client:  # the server goes on serving
+            assert len(client.generate([5, 6], max_tokens=2, ignore_eos=True).outputs[0].token_ids) == 2
+    assert out.returncode == 1 and "INVALID_ARGUMENT: prompt" in out.stderr

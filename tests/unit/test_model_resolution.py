@@ -116,3 +116,13 @@ def test_the_chat_template_is_read_from_the_folder(tmp_path):
         ChatTemplate.from_dir(tmp_path).render([])
     (tmp_path / "tokenizer_config.json").write_text("[not json")
     assert ChatTemplate.from_dir(tmp_path).bos_token == ""
+
+
+def test_a_message_is_data_to_the_template_never_code():
+    template = ChatTemplate("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert (
+        template.render([{"role": "user", "content": "{{ 7 * 7 }}{% raise %}"}]) == "[{{ 7 * 7 }}{% raise %}]"
+    )
+    escape = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ValueError, match="refused"):  # the sandbox refuses the attribute
+        escape.render([])
