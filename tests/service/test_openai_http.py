@@ -7,6 +7,7 @@ logprobs printed (text and JSON), n samples streamed, Ctrl-C without a traceback
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import math
@@ -146,7 +147,12 @@ def test_every_bad_field_is_a_400_naming_it_and_the_server_keeps_serving(server,
             "chat/completions": {"model": model, "messages": [{"role": "user", "content": "Hi"}],
                                  "max_tokens": 2}}
     headers = {"authorization": f"Bearer {TOKEN}"}
+    meanwhile = concurrent.futures.ThreadPoolExecutor(1).submit(  # another user's stream, all along
+        lambda: list(sdk.completions.create(model=model, prompt="Hi", max_tokens=150, stream=True,
+                                            extra_body={"return_token_ids": True, "ignore_eos": True})))
     with httpx.Client(base_url=f"{server[0]}/v1", headers=headers, timeout=30) as http:
+        for _ in range(50):  # a flood of malformed bodies
+            assert http.post("/completions", content=b'{"model": 1, "prompt": [[-1]]}').status_code == 400
         for endpoint, fields, param in BAD_FIELDS:
             reply = http.post(f"/{endpoint}", json={**base[endpoint], **fields})
             assert reply.status_code == 400, (fields, reply.text)
@@ -159,6 +165,8 @@ def test_every_bad_field_is_a_400_naming_it_and_the_server_keeps_serving(server,
         assert http.post("/completions", content=b"{not json").status_code == 400
         assert http.post("/completions", content=b"x" * (17 << 20)).status_code == 413
     assert sdk.completions.create(model=model, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
+    chunks = meanwhile.result(timeout=60)
+    assert sum(len(c.choices[0].token_ids) for c in chunks if c.choices) == 150
 
 
 def test_a_missing_or_wrong_token_is_a_401_and_another_model_a_404(server, model):
