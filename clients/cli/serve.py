@@ -120,8 +120,13 @@ def ensure_default_model(model_dir: pathlib.Path = DEFAULT_MODEL_DIR) -> pathlib
 
 def default_gguf_file() -> pathlib.Path:
     """Where the default model's package installed its GGUF file (read from the distribution's file
-    list: the package itself is never imported)."""
+    list: the package itself is never imported), or $PAGEDSERVE_DEFAULT_GGUF: the same file put
+    elsewhere, for a machine that cannot install the package."""
     fallback = f"(or serve --model FOLDER | FILE.gguf | {TINY_MODEL})"
+    if override := os.environ.get("PAGEDSERVE_DEFAULT_GGUF"):
+        if not pathlib.Path(override).is_file():
+            raise SystemExit(f"pagedserve: $PAGEDSERVE_DEFAULT_GGUF {override}: no such file")
+        return pathlib.Path(override)
     try:
         files = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE).files or []
     except importlib.metadata.PackageNotFoundError:

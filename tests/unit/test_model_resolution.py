@@ -126,3 +126,13 @@ def test_a_message_is_data_to_the_template_never_code():
     escape = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
     with pytest.raises(ValueError, match="refused"):  # the sandbox refuses the attribute
         escape.render([])
+
+
+def test_the_default_gguf_file_can_be_put_elsewhere(monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher, "DEFAULT_MODEL_PACKAGE", "pagedserve-no-such-package")
+    monkeypatch.setenv("PAGEDSERVE_DEFAULT_GGUF", str(tmp_path / "absent.gguf"))
+    with pytest.raises(SystemExit, match="PAGEDSERVE_DEFAULT_GGUF .*absent.gguf: no such file"):
+        launcher.default_gguf_file()
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("PAGEDSERVE_DEFAULT_GGUF", str(tmp_path / "model.gguf"))
+    assert launcher.default_gguf_file() == tmp_path / "model.gguf"
