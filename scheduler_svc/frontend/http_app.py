@@ -79,12 +79,16 @@ class HttpApi:
 
     def _endpoint(self, name: str, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
         async def endpoint(request: Request) -> Response:
-            self.num_in_flight += 1
+            self.num_in_flight += 1  # until the answer is sent: a stream's, when it closes
+            streaming = False
             try:
                 self._check_auth(request)
                 if self.draining:
                     raise HttpError(503, "the server is draining (shutting down); retry elsewhere")
                 response = await handler(request)
+                if isinstance(response, SSEResponse):
+                    response.on_close.append(self._stream_closed)
+                    streaming = True
             except HttpError as err:
                 response = error_response(err)
             except (ApiError, pydantic.ValidationError) as exc:
@@ -93,11 +97,15 @@ class HttpApi:
                 _log.exception("%s failed", name)
                 response = error_response(http_error(exc))
             finally:
-                self.num_in_flight -= 1
+                if not streaming:
+                    self.num_in_flight -= 1
             REQUESTS.labels(self.model_name, "openai", name, str(response.status_code)).inc()
             return response
 
         return endpoint
+
+    def _stream_closed(self) -> None:
+        self.num_in_flight -= 1
 
     def _check_auth(self, request: Request) -> None:
         if self._auth is None:
@@ -139,7 +147,7 @@ class HttpApi:
             if exchange.body.stream:
                 # the first response of each call before the headers: a refused request is a 400, not a stream
                 firsts = await _first_responses(calls)
-                return SSEResponse(sse_events(exchange, calls, firsts), on_close=lambda: _close(calls))
+                return SSEResponse(sse_events(exchange, calls, firsts), on_close=[lambda: _close(calls)])
             return JSONResponse(await _unless_disconnected(request, collect(exchange, calls)))
         except BaseException:
             _close(calls)

@@ -188,15 +188,17 @@ async def sse_events(exchange: Exchange, calls: list[LinkCall], firsts: list) ->
 
 
 class SSEResponse(StreamingResponse):
-    """A server-sent-event stream; `on_close` runs however it ends (a client that went away included)."""
+    """A server-sent-event stream; the `on_close` callbacks run however it ends (a client that went
+    away included)."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
+    def __init__(self, content: AsyncIterator[bytes], on_close: list[Callable[[], None]]):
         super().__init__(content, media_type="text/event-stream",
                          headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self._on_close = on_close
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            for callback in self.on_close:
+                callback()

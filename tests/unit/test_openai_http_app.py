@@ -186,3 +186,46 @@ def test_a_client_that_disconnects_before_a_whole_answer_cancels_its_request():
     asyncio.run(scenario())
     assert link.cancelled == [0] and not link.open_streams
 
+
+
+class PacedLink(ScriptedLink):
+    """Each stream gets `tokens` events, one every `period_s`."""
+
+    def __init__(self, tokens: int, period_s: float):
+        super().__init__(lambda request: [])
+        self.tokens, self.period_s = tokens, period_s
+
+    def open(self, request):
+        stream_id, queue = super().open(request)
+
+        async def feed():
+            for i in range(self.tokens):
+                await asyncio.sleep(self.period_s)
+                last = i == self.tokens - 1
+                queue.put_nowait(frontend_pb2.StreamEvent(response=_response("t", last), end=last))
+
+        asyncio.ensure_future(feed())
+        return stream_id, queue
+
+
+def test_a_drain_lets_a_stream_in_flight_finish_and_refuses_new_calls():
+    from scheduler_svc.frontend.http_app import HttpService, start_http_server
+
+    async def scenario():
+        link = PacedLink(tokens=10, period_s=0.05)
+        api = HttpApi(link, "m", 1024, ModelText(ChatTemplate("")))
+        server, port, task = await start_http_server(api, "127.0.0.1", 0)
+        service = HttpService(api, server, port, task)
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base) as client, httpx.AsyncClient(base_url=base) as other:
+            async with client.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as reply:
+                stopping = asyncio.ensure_future(service.stop(5.0))
+                await asyncio.sleep(0.1)
+                refused = await other.post("/v1/completions", json=COMPLETION)
+                body = (await reply.aread()).decode()
+            await asyncio.wait_for(stopping, 5)
+        return refused, body
+
+    refused, body = asyncio.run(scenario())
+    assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+    assert body.count('"text":"t"') == 10 and body.endswith("data: [DONE]\n\n")
