@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import itertools
 import logging
+import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -196,6 +197,13 @@ class FrontendOptions(ApiServerOptions):
                                    "template")
     chat_template: str | None = option(None, "a Jinja chat template file for /v1/chat/completions, "
                                        "instead of the model folder's")
+
+    def __post_init__(self) -> None:
+        ApiServerOptions.__post_init__(self)
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"chat_template: no such file: {self.chat_template}")
 
 
 def build_parser() -> argparse.ArgumentParser:

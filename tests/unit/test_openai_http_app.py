@@ -229,3 +229,14 @@ def test_a_drain_lets_a_stream_in_flight_finish_and_refuses_new_calls():
     refused, body = asyncio.run(scenario())
     assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
     assert body.count('"text":"t"') == 10 and body.endswith("data: [DONE]\n\n")
+
+
+def test_front_end_options_refuse_a_bad_http_port_or_a_missing_template(tmp_path):
+    from scheduler_svc.frontend.main import FrontendOptions
+
+    for port in (-1, 65536, 10**9):
+        with pytest.raises(ValueError, match="http_port"):
+            FrontendOptions(engine="h:1", http_port=port)
+    with pytest.raises(ValueError, match="chat_template"):
+        FrontendOptions(engine="h:1", chat_template=str(tmp_path / "missing.jinja"))
+    assert FrontendOptions(engine="h:1", http_port=0).http_port == 0
