@@ -112,7 +112,7 @@ def wait_ready(target: str, timeout_s: float, **connection) -> bool | None:
     first = True
     while time.monotonic() < deadline:
         try:
-            with Client(target, timeout_s=2.0, **connection) as client:
+            with Client(target, timeout_s=2.0, retries=0, **connection) as client:
                 client.model_info()
             return first
         except grpc.RpcError:
