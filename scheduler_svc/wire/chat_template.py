@@ -10,6 +10,7 @@ The template is the folder's `chat_template.jinja`, else `tokenizer_config.json`
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from collections.abc import Sequence
@@ -47,23 +48,11 @@ class ChatTemplate:
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The chat as prompt text; ValueError when there is no template or it refuses the messages."""
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         if not self.source:
             raise ValueError("this model has no chat template")
-
-        def raise_exception(message: str) -> None:
-            raise jinja2.TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(
-            value, indent=indent, ensure_ascii=False
-        )
         try:
-            return env.from_string(self.source).render(
+            return _compiled(self.source).render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
@@ -71,6 +60,24 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as err:
             raise ValueError(f"the chat template refused the messages: {err}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str) -> Any:
+    """The template compiled once per source: compiling takes milliseconds (3.5 ms for SmolLM2's),
+    rendering a chat microseconds; the API front-end renders one per chat request."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    return env.from_string(source)
 
 
 def _token_text(value: object) -> str:

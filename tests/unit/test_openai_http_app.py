@@ -240,3 +240,16 @@ def test_front_end_options_refuse_a_bad_http_port_or_a_missing_template(tmp_path
     with pytest.raises(ValueError, match="chat_template"):
         FrontendOptions(engine="h:1", chat_template=str(tmp_path / "missing.jinja"))
     assert FrontendOptions(engine="h:1", http_port=0).http_port == 0
+
+
+def test_a_chat_template_is_compiled_once_per_source():
+    from scheduler_svc.wire import chat_template
+
+    template = ChatTemplate("{% for m in messages %}{{ m.content }}|{% endfor %}")
+    template.render([{"role": "user", "content": "a"}])
+    before = chat_template._compiled.cache_info()
+    assert template.render([{"role": "user", "content": "b"}]) == "b|"
+    after = chat_template._compiled.cache_info()
+    assert after.hits == before.hits + 1 and after.misses == before.misses
+    with pytest.raises(ValueError, match="refused"):
+        ChatTemplate("{% if %}").render([])  # a broken template: an error, not a cached failure
