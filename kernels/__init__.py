@@ -40,12 +40,12 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
-    sliding_window: int = 0,
+    sliding_window: int = 0, logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     impl = _cuda_module("triton_attention") if query.is_cuda else reference
     return impl.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        max_query_len, max_seq_len, scale, sliding_window,
+        max_query_len, max_seq_len, scale, sliding_window, logit_softcap,
     )
 
 

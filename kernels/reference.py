@@ -47,9 +47,11 @@ def attend_one_sequence(
     value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     scale: float,
     sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal GQA attention of the last q_len positions of a context over all of it; with a
-    sliding_window > 0, a position sees only the last sliding_window positions (itself included).
+    sliding_window > 0, a position sees only the last sliding_window positions (itself included);
+    with a logit_softcap > 0, scores become softcap * tanh(score / softcap) (Gemma 2).
 
     Computes in float32, or float64 for float64 inputs.
     """
@@ -60,6 +62,8 @@ def attend_one_sequence(
     q = query.to(acc).view(q_len, num_kv_heads, group, head_dim)  # [q, kvh, g, d]
     k, v = key.to(acc), value.to(acc)  # [t, kvh, d]
     scores = torch.einsum("qhgd,thd->hgqt", q, k) * scale  # [kvh, g, q, t]
+    if logit_softcap > 0:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q]
     k_pos = torch.arange(seq_len, device=query.device)  # [t]
     hidden = k_pos[None, :] > q_pos[:, None]  # [q, t]
@@ -82,6 +86,7 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     sliding_window: int = 0,  # > 0: keys older than this many positions are masked
+    logit_softcap: float = 0.0,  # > 0: scores capped by softcap * tanh(score / softcap)
 ) -> torch.Tensor:
     """Varlen causal paged attention; see docs/interfaces.md. Returns [num_tokens, num_heads, head_dim]."""
     del max_query_len, max_seq_len  # only the kernels need the bounds
@@ -93,7 +98,7 @@ def paged_attention(
             continue
         key = gather_context(key_cache, block_tables[i], seq_len)
         value = gather_context(value_cache, block_tables[i], seq_len)
-        attended = attend_one_sequence(query[begin:end], key, value, scale, sliding_window)
+        attended = attend_one_sequence(query[begin:end], key, value, scale, sliding_window, logit_softcap)
         out[begin:end] = attended.to(out.dtype)
     return out
 

@@ -53,9 +53,9 @@ def _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, BLO
 @triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, lo, hi, kv_hi,
-    row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+    row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window, softcap_log2,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Online-softmax update of (acc, m_i, l_i) over context positions [lo, hi), BLOCK_N at a time,
     K/V gathered through the block table. MASKED: positions >= kv_hi or after a row's own position
@@ -74,6 +74,8 @@ def _attend_tiles(
         k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:  # cap * tanh(score / cap), in the base-2 domain: tanh(x) = 1 - 2 / (e^2x + 1)
+            s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * (s / softcap_log2)) + 1.0))
         if MASKED:
             allowed = pos_valid[None, :] & (pos[None, :] <= row_pos[:, None])
             if SLIDING:
@@ -104,11 +106,11 @@ def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2, num_seqs, num_search_steps, partition_size, num_heads, num_splits, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, window,
+    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, window, softcap_log2,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -172,19 +174,19 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, unmasked_lo,
             unmasked_lo, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-            BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING,
+            softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
         )
     num_unmasked = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BLOCK_N
     unmasked_hi = unmasked_lo + num_unmasked * BLOCK_N
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo, unmasked_hi,
         kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-        BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, SLIDING,
+        softcap_log2, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, SLIDING, SOFTCAP,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_hi, kv_hi,
         kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-        BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING,
+        softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
     )
 
     if SPLIT:
@@ -262,11 +264,13 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_slots: int) -> in
 
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-    max_query_len, max_seq_len, scale, sliding_window: int = 0, *, num_splits: int | None = None,
+    max_query_len, max_seq_len, scale, sliding_window: int = 0, logit_softcap: float = 0.0, *,
+    num_splits: int | None = None,
     tile: tuple[int, int, int] | None = None, block_m: int | None = None,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
-    the query; 0 compiles the kernel without any window code). num_splits forces the split-K count
+    the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
+    likewise compiled only when set). num_splits forces the split-K count
     (1 = none; > 1: partitions of max_seq_len / num_splits positions, the same for every sequence,
     those wholly before a tile's window left empty); tile forces
     (BLOCK_N, num_warps, num_stages) and block_m the rows of a prefill tile (benchmark sweeps)."""
@@ -314,12 +318,12 @@ def paged_attention(
         num_heads, num_splits, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        max(sliding_window, 0),
+        max(sliding_window, 0), logit_softcap * math.log2(math.e),
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, D_PAD=d_pad, IS_DECODE=is_decode, SPLIT=split,
         EVEN_SPLITS=even_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        SLIDING=sliding_window > 0,
+        SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

@@ -30,12 +30,14 @@ class AttentionMetadata:
 
 class PagedAttention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0,
+        logit_softcap: float = 0.0,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window  # > 0: keys this many positions back or more are masked
+        self.logit_softcap = logit_softcap  # > 0: scores softcap * tanh(score / softcap) (Gemma 2)
 
     def forward(
         self,
@@ -59,5 +61,6 @@ class PagedAttention(nn.Module):
             meta.max_seq_len,
             self.scale,
             self.sliding_window,
+            self.logit_softcap,
         )  # [T, H, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

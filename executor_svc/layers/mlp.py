@@ -1,4 +1,4 @@
-"""Feed-forward blocks: gated SiLU (Llama/Qwen) and fc1-ReLU-fc2 (OPT)."""
+"""Feed-forward blocks: gated SiLU (Llama/Qwen), gated tanh-GELU (GeGLU: Gemma) and fc1-ReLU-fc2 (OPT)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))  # gate | up: [T, 2 I/tp]
+
+
+class GeluTanhGatedMLP(GatedMLP):
+    """down(gelu_tanh(gate(x)) * up(x)): Gemma's GeGLU (HF `gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I/tp] each
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class ReluMLP(nn.Module):

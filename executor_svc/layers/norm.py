@@ -1,4 +1,4 @@
-"""RMSNorm (Llama/Qwen) and LayerNorm (OPT), numerically as Hugging Face computes them.
+"""RMSNorm (Llama/Qwen), Gemma's RMSNorm and LayerNorm (OPT), numerically as Hugging Face computes them.
 
 RMSNorm's math is `kernels.rms_norm` (reference on CPU, one fused Triton launch on CUDA);
 `add_and_norm` also adds the residual stream in that launch."""
@@ -43,3 +43,18 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is an offset from 1, applied in float32 before the cast back."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)  # [D]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Any shape [..., D] (Gemma 3 also norms each head's q and k)."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)

@@ -15,6 +15,7 @@ import torch
 from executor_svc.models.families import UnsupportedArchitectureError, family_of
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA_FAMILIES = ("gemma2", "gemma3")
 ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
 
 # the names of runner/cache_config.DTYPE_NAMES
@@ -81,6 +82,25 @@ class MoeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GemmaConfig:
+    """Gemma 2 / 3: attention scaled by query_pre_attn_scalar ** -0.5, a sliding window per layer
+    (0: global), attention and final logits soft-capped (0: not), and Gemma 3's own rope for its
+    sliding layers (`local_rope`; the global layers use ModelConfig.rope)."""
+
+    query_pre_attn_scalar: float
+    layer_windows: tuple[int, ...]
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
+    local_rope: RopeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not self.query_pre_attn_scalar > 0 or min(self.layer_windows, default=0) < 0:
+            raise ModelConfigError("query_pre_attn_scalar must be > 0 and sliding_window >= 1")
+        if not (self.attn_logit_softcap >= 0 and self.final_logit_softcap >= 0):
+            raise ModelConfigError("logit soft-capping values must be > 0 or null")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -104,12 +124,13 @@ class ModelConfig:
     word_embed_proj_dim: int = 0
     layer_norm_elementwise_affine: bool = True
     moe: MoeConfig | None = None  # the MoE families only
+    gemma: GemmaConfig | None = None  # the Gemma families only
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
 
     def __post_init__(self) -> None:
-        if self.family not in ("llama", "qwen2", "qwen3", "opt", *MOE_FAMILIES):
+        if self.family not in ("llama", "qwen2", "qwen3", "opt", *MOE_FAMILIES, *GEMMA_FAMILIES):
             raise ModelConfigError(f"unknown model family {self.family!r}")
         if (self.moe is None) == (self.family in MOE_FAMILIES):
             what = "needs" if self.moe is None else "has no"
@@ -142,7 +163,7 @@ class ModelConfig:
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             max_model_len=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=hf.get("tie_word_embeddings", family == "opt"),
+            tie_word_embeddings=hf.get("tie_word_embeddings", family in ("opt", *GEMMA_FAMILIES)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
@@ -163,6 +184,8 @@ class ModelConfig:
                 word_embed_proj_dim=hf.get("word_embed_proj_dim", hf["hidden_size"]),
                 layer_norm_elementwise_affine=hf.get("layer_norm_elementwise_affine", True),
             )
+        if family in GEMMA_FAMILIES:
+            return cls(**common, **_gemma(hf, family, num_heads))
         if hf.get("use_sliding_window", False):
             raise ModelConfigError("sliding-window attention is not supported")
         window = hf.get("sliding_window") if family == "llama" else None  # Mistral's, on every layer
@@ -185,6 +208,59 @@ class ModelConfig:
             sliding_window=window if window is not None and window < common["max_model_len"] else 0,
             moe=_moe(hf, family),
         )
+
+
+def _gemma(hf: dict, family: str, num_heads: int) -> dict:
+    """The ModelConfig fields of a Gemma 2 / Gemma 3 (text) config: GeGLU (gelu_pytorch_tanh), the
+    layer types (Gemma 2: sliding on even layers; Gemma 3: every sliding_window_pattern-th global),
+    and Gemma 3's rope per layer type (`rope_parameters` keyed by it, or rope_local_base_freq)."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelConfigError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh is)")
+    num_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        pattern = 2 if family == "gemma2" else hf.get("sliding_window_pattern", 6)
+        is_full = [(i + 1) % pattern == 0 for i in range(num_layers)]
+        layer_types = ["full_attention" if full else "sliding_attention" for full in is_full]
+    known = ("sliding_attention", "full_attention")
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers or any(
+        t not in known for t in layer_types
+    ):
+        raise ModelConfigError(f"layer_types {layer_types!r}: one of {known} per layer")
+    window = hf.get("sliding_window") or 0
+    if not isinstance(window, int) or window < 0:
+        raise ModelConfigError(f"sliding_window must be a positive integer, got {window!r}")
+    params = hf.get("rope_parameters") or {}
+    local_rope = None
+    if family == "gemma3":
+        if "full_attention" in params:
+            rope = _rope(hf | {"rope_parameters": params["full_attention"]})
+            local_rope = _rope(hf | {"rope_parameters": params.get("sliding_attention") or {}})
+        else:
+            rope = _rope(hf)
+            local_rope = RopeConfig(theta=hf.get("rope_local_base_freq", 10000.0))
+    else:
+        rope = _rope(hf)
+    gemma = GemmaConfig(
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in layer_types),
+        attn_logit_softcap=hf.get("attn_logit_softcapping") or 0.0,
+        final_logit_softcap=hf.get("final_logit_softcapping") or 0.0,
+        local_rope=local_rope,
+    )
+    attention_bias = bool(hf.get("attention_bias", False))
+    return dict(
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        intermediate_size=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope=rope,
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        qk_norm=family == "gemma3",
+        gemma=gemma,
+    )
 
 
 def _qwen2_moe_bias(hf: dict, family: str) -> bool:

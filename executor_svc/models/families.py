@@ -14,6 +14,8 @@ ARCHITECTURE_FAMILIES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # HF `model_type` -> our family name (for a config.json without `architectures`).
 MODEL_TYPE_FAMILIES = {
@@ -25,6 +27,8 @@ MODEL_TYPE_FAMILIES = {
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
 }
 
 

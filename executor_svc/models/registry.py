@@ -34,4 +34,12 @@ def model_class(config: ModelConfig):
         from executor_svc.models.qwen2_moe import Qwen2MoeForCausalLM
 
         return Qwen2MoeForCausalLM
+    if config.family == "gemma2":
+        from executor_svc.models.gemma2 import Gemma2ForCausalLM
+
+        return Gemma2ForCausalLM
+    if config.family == "gemma3":
+        from executor_svc.models.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
     raise ValueError(f"no model for family {config.family!r}")

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 CORPUS = pathlib.Path(__file__).parent / "assets" / "corpus.txt"
-FAMILIES = ("llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3")
 VOCAB_SIZE = 512
 # Special tokens take ids 0, 1, 2: (pad, bos, eos) as Llama/OPT name them; Qwen's tokenizer class
 # insists on <|endoftext|> (its pad = eos = unk), so Qwen folders use Qwen's names.
@@ -107,6 +107,8 @@ def tiny_config(family: str) -> dict:
                 "original_max_position_embeddings": 64,
             },
         }
+    if family in ("gemma2", "gemma3"):
+        return _gemma_config(family, llama_like)
     rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
     if family in ("mixtral", "qwen3_moe", "qwen2_moe"):
         return llama_like | rope | _moe_config(family)
@@ -210,12 +212,46 @@ def _llama_shapes(c: dict) -> dict[str, tuple[int, ...]]:
         }
         if c["model_type"] in ("qwen2", "qwen2_moe"):
             shapes |= {p + f"self_attn.{x}_proj.bias": (n * hd,) for x, n in (("q", h), ("k", kv), ("v", kv))}
-        if c["model_type"] in ("qwen3", "qwen3_moe"):
+        if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        if c["model_type"].startswith("gemma"):
+            shapes |= {p + f"{x}_feedforward_layernorm.weight": (d,) for x in ("pre", "post")}
     shapes["model.norm.weight"] = (d,)
     if not c["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (c["vocab_size"], d)
     return shapes
+
+
+def _gemma_config(family: str, llama_like: dict) -> dict:
+    """Layer 0 sliding (window 8, shorter than the test prompts), layer 1 global; head_dim 32 and
+    query_pre_attn_scalar 24 (neither hidden / heads); soft caps low enough to bite on tiny logits;
+    Gemma 3: no attention cap, q / k norms, a local rope base and linear scaling on the global layer."""
+    config = {k: v for k, v in llama_like.items() if k != "hidden_act"} | {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "final_logit_softcapping": 3.0,
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+    }
+    if family == "gemma2":
+        return config | {
+            "architectures": ["Gemma2ForCausalLM"],
+            "model_type": "gemma2",
+            "attn_logit_softcapping": 2.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    return config | {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "attn_logit_softcapping": None,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+        },
+    }
 
 
 def _mlp_shapes(c: dict, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:

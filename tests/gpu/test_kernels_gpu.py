@@ -78,6 +78,18 @@ def test_paged_attention_sliding_window_bf16_matches_reference(
     assert err < 1e-2, f"seed {seed}: relative error {err}"
 
 
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+@pytest.mark.parametrize(("window", "softcap"), [(0, 50.0), (0, 1.0), (512, 5.0)])
+def test_paged_attention_logit_softcap_bf16_matches_reference(seed, name, window, softcap):
+    """Gemma 2's attention soft-capping, alone and with its sliding window."""
+    seq_lens, query_lens = ATTENTION_CASES[name]
+    case = make_paged_case(seq_lens, query_lens, 16, 8, 128, 16, torch.bfloat16, DEVICE, seed)
+    ref = reference.paged_attention(*case.args(), window, softcap)
+    out = triton_attention.paged_attention(*case.args(), window, softcap)
+    err = relative_error(out, ref)
+    assert err < 1e-2, f"seed {seed}: relative error {err}"
+
+
 def test_default_split_k_is_taken_for_few_long_sequences():
     programs = 2 * 8  # two sequences, 8 KV heads
     slots = triton_attention.split_slots(torch.device(DEVICE))

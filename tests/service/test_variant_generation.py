@@ -1,5 +1,7 @@
 """Greedy generation through the real services equals HF transformers' `generate` for the model
-variants beyond the base families' tiny models (Mistral's sliding window, rope scalings): every
+variants beyond the base families' tiny models (Mistral's sliding window, rope scalings) and for the
+Gemma families, whose tiny models also run under forced preemption (swap, recompute), with and without
+prefix caching, and with chunked prefill: every
 prompt of the shared batch, all in flight at once, fp32 CPU."""
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ VARIANTS = {
 }
 
 
-def _hf_greedy(folder) -> list[list[int]]:
+def _hf_greedy(folder, attention: str = "sdpa") -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attention)
+    model.eval()
     outputs = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -58,3 +61,32 @@ def test_greedy_through_the_services_equals_transformers(variant, tmp_path):
         got = asyncio.run(_served_greedy(stack.target))
     equal = sum(a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=False))
     assert got == expected, f"{equal} / {len(PROMPTS) * MAX_TOKENS} tokens equal"
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def gemma(request, tiny_model_dirs):
+    """(family, its tiny model, HF's greedy tokens): eager attention, the model's own semantics (HF's
+    sdpa path drops Gemma 2's attention soft-capping)."""
+    folder = tiny_model_dirs[request.param]
+    return request.param, folder, _hf_greedy(folder, attention="eager")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(num_gpu_blocks=128),
+        dict(num_gpu_blocks=14, num_cpu_blocks=14, preemption="swap", enable_prefix_caching=True),
+        dict(num_gpu_blocks=14, num_cpu_blocks=14, preemption="recompute", enable_prefix_caching=False),
+        dict(num_gpu_blocks=128, max_num_batched_tokens=32),  # prompts prefilled in chunks
+    ],
+    ids=["plain", "swap-prefix-cache", "recompute", "chunked-prefill"],
+)
+def test_gemma_greedy_through_the_services_equals_transformers(gemma, options):
+    family, folder, expected = gemma
+    with Stack(folder, **options) as stack:
+        got = asyncio.run(_served_greedy(stack.target))
+        stats = stack.engine.stats()
+    if options["num_gpu_blocks"] == 14:
+        assert stats.num_preemptions > 0
+    equal = sum(a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=False))
+    assert got == expected, f"{family}: {equal} / {len(PROMPTS) * MAX_TOKENS} tokens equal"

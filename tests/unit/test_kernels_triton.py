@@ -225,3 +225,21 @@ def test_paged_attention_sliding_window_with_a_small_tile(seed):
     ref = reference.paged_attention(*case.args(), 45)
     out = triton_attention.paged_attention(*case.args(), 45, tile=(16, 4, 2), block_m=16)
     assert relative_error(out, ref) < 1e-5, f"seed {seed}"
+
+
+@pytest.mark.parametrize(
+    "name", ["decode", "prefill_with_cached_prefix", "mixed_chunk_and_decodes", "long_decode"]
+)
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.5), (0, 50.0), (9, 2.0)])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_paged_attention_logit_softcap_matches_reference(seed, name, window, softcap, num_splits):
+    """Gemma 2's attention logit soft-capping (alone, and with its sliding window)."""
+    seq_lens, query_lens = ATTENTION_CASES[name]
+    case = make_paged_case(seq_lens, query_lens, 8, 2, 32, 8, torch.float32, "cpu", seed)
+    case = dataclasses.replace(case, query=case.query * 8)  # scores of several units: the cap matters
+    ref = reference.paged_attention(*case.args(), window, softcap)
+    out = triton_attention.paged_attention(*case.args(), window, softcap, num_splits=num_splits)
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+    if softcap < 10:
+        assert relative_error(reference.paged_attention(*case.args(), window), ref) > 1e-3

@@ -60,3 +60,45 @@ def test_mistral_sliding_window_is_read(window, served):
 def test_malformed_sliding_window_is_refused(window):
     with pytest.raises(ModelConfigError, match="sliding_window"):
         ModelConfig.from_hf_dict(_tiny_mistral() | {"sliding_window": window})  # as a config.json may hold
+
+
+def _tiny_gemma(family: str) -> dict:
+    from executor_svc.models.tiny import tiny_config
+
+    return tiny_config(family)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_config_is_read(family):
+    config = ModelConfig.from_hf_dict(_tiny_gemma(family))
+    assert config.family == family and config.gemma is not None
+    assert config.gemma.layer_windows == (8, 0) and config.gemma.query_pre_attn_scalar == 24
+    assert config.qk_norm == (family == "gemma3") and config.tie_word_embeddings
+    if family == "gemma3":
+        assert config.gemma.local_rope is not None and config.gemma.local_rope.theta == 10000.0
+        assert (config.rope.rope_type, config.rope.factor) == ("linear", 8.0)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"hidden_activation": "relu"}, "hidden_activation"),
+        ({"layer_types": ["sliding_attention"]}, "layer_types"),
+        ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+        ({"layer_types": "sliding_attention"}, "layer_types"),
+        ({"sliding_window": -4}, "sliding_window"),
+        ({"sliding_window": 2.5}, "sliding_window"),
+        ({"final_logit_softcapping": -1.0}, "soft-capping"),
+        ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar"),
+    ],
+)
+def test_broken_gemma_configs_are_refused(change, match):
+    with pytest.raises(ModelConfigError, match=match):
+        ModelConfig.from_hf_dict(_tiny_gemma("gemma2") | change)
+
+
+def test_gemma3_layer_pattern_without_layer_types():
+    hf = _tiny_gemma("gemma3") | {"num_hidden_layers": 12, "sliding_window_pattern": 6}
+    del hf["layer_types"]
+    windows = ModelConfig.from_hf_dict(hf).gemma.layer_windows
+    assert windows == (8, 8, 8, 8, 8, 0) * 2

@@ -18,7 +18,9 @@ from executor_svc.worker.worker import Worker
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, StepPlan
 
-FAMILIES = ("llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3")
+# HF's sdpa path drops Gemma 2's attention soft-capping: the model's own semantics are eager's
+HF_ATTENTION = {"gemma2": "eager", "gemma3": "eager"}
 NUM_DECODE = 32
 BLOCK_SIZE = 8
 ATOL = 1e-4
@@ -131,7 +133,9 @@ def hf_models(tiny_model_dirs):
     from transformers import AutoModelForCausalLM
 
     return {
-        f: AutoModelForCausalLM.from_pretrained(tiny_model_dirs[f], dtype=torch.float32).eval()
+        f: AutoModelForCausalLM.from_pretrained(
+            tiny_model_dirs[f], dtype=torch.float32, attn_implementation=HF_ATTENTION.get(f, "sdpa")
+        ).eval()
         for f in FAMILIES
     }
 
