@@ -11,7 +11,7 @@ import pytest
 
 from clients.bench import run as bench
 
-pytest.importorskip("httpx")
+pytest.importorskip("aiohttp")
 
 
 def test_bench_throughput_through_both_apis_counts_every_token(tiny_llama_dir, capsys):
