@@ -261,8 +261,11 @@ async def serve(a: FrontendOptions) -> None:
     )
     http = None
     if a.http_port is not None:
-        from scheduler_svc.frontend.http_app import start_http_api
-
+        try:
+            from scheduler_svc.frontend.http_app import start_http_api
+        except ImportError as err:
+            extra = "pip install 'pagedserve[http]'"
+            raise SystemExit(f"--http-port needs the http extra ({extra}): {err}") from None
         http = await start_http_api(
             links[0], a.host, a.http_port, a.model_dir, a.chat_template, a.tls_cert_file, a.tls_key_file,
             read_auth_token(a.auth_token_file),
