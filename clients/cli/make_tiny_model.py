@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 
 # executor_svc.models.tiny.FAMILIES without importing torch (tests/unit/test_tiny_model.py checks)
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3")
+TINY_FAMILIES = (
+    "llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3", "phi3",
+    "granite",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

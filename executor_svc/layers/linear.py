@@ -101,6 +101,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), bias, tp_rank, tp_size)
 
     def weight_loader(self, param, full, shard_id=None):
+        if shard_id is None:  # a checkpoint that fuses them too (Phi-3's gate_up_proj): each part
+            totals = [n * self.tp_size for n in self.out_sizes_per_rank]
+            _check_full_shape(full, (sum(totals), *param.shape[1:]), "fused merged")
+            for i, total in enumerate(totals):
+                self.weight_loader(param, full.narrow(0, sum(totals[:i]), total), i)
+            return
         size = self.out_sizes_per_rank[shard_id]
         offset = sum(self.out_sizes_per_rank[:shard_id])
         _check_full_shape(full, (size * self.tp_size, *param.shape[1:]), f"merged shard {shard_id}")
@@ -137,6 +143,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         _ParallelLinear.__init__(self, hidden_size, out, bias, tp_rank, tp_size)
 
     def weight_loader(self, param, full, shard_id=None):
+        if shard_id is None:  # a checkpoint's fused [q; k; v] (Phi-3's qkv_proj): each part
+            rows = [self.total_heads[p] * self.head_dim for p in ("q", "k", "v")]
+            _check_full_shape(full, (sum(rows), *param.shape[1:]), "fused qkv")
+            for i, part in enumerate(("q", "k", "v")):
+                self.weight_loader(param, full.narrow(0, sum(rows[:i]), rows[i]), part)
+            return
         if shard_id not in self.total_heads:
             raise ValueError(f"QKV shard id must be q, k or v, got {shard_id!r}")
         expected = (self.total_heads[shard_id] * self.head_dim, *param.shape[1:])

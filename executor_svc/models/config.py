@@ -7,6 +7,7 @@ placement) are plain fields so a model file never reads the raw JSON.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ import torch
 
 from executor_svc.models.families import UnsupportedArchitectureError, family_of
 
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "opt", "phi3", "granite")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
@@ -101,6 +103,22 @@ class GemmaConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GraniteConfig:
+    """Granite: Llama with embeddings times embedding_multiplier, attention scaled by
+    attention_multiplier, each block's output times residual_multiplier, logits / logits_scaling."""
+
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        values = (self.embedding_multiplier, self.attention_multiplier, self.residual_multiplier)
+        if not all(math.isfinite(v) for v in values) or not self.logits_scaling > 0:
+            raise ModelConfigError("Granite's multipliers must be finite and logits_scaling > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -125,12 +143,13 @@ class ModelConfig:
     layer_norm_elementwise_affine: bool = True
     moe: MoeConfig | None = None  # the MoE families only
     gemma: GemmaConfig | None = None  # the Gemma families only
+    granite: GraniteConfig | None = None  # Granite only
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
 
     def __post_init__(self) -> None:
-        if self.family not in ("llama", "qwen2", "qwen3", "opt", *MOE_FAMILIES, *GEMMA_FAMILIES):
+        if self.family not in (*DENSE_FAMILIES, *MOE_FAMILIES, *GEMMA_FAMILIES):
             raise ModelConfigError(f"unknown model family {self.family!r}")
         if (self.moe is None) == (self.family in MOE_FAMILIES):
             what = "needs" if self.moe is None else "has no"
@@ -188,7 +207,7 @@ class ModelConfig:
             return cls(**common, **_gemma(hf, family, num_heads))
         if hf.get("use_sliding_window", False):
             raise ModelConfigError("sliding-window attention is not supported")
-        window = hf.get("sliding_window") if family == "llama" else None  # Mistral's, on every layer
+        window = hf.get("sliding_window") if family in ("llama", "phi3") else None  # on every layer
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ModelConfigError(f"sliding_window must be a positive integer or null, got {window!r}")
         if hf.get("hidden_act", "silu") != "silu":
@@ -207,6 +226,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=window if window is not None and window < common["max_model_len"] else 0,
             moe=_moe(hf, family),
+            granite=_granite(hf) if family == "granite" else None,
         )
 
 
@@ -263,6 +283,15 @@ def _gemma(hf: dict, family: str, num_heads: int) -> dict:
     )
 
 
+def _granite(hf: dict) -> GraniteConfig:
+    return GraniteConfig(
+        embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+        attention_multiplier=float(hf.get("attention_multiplier", 1.0)),
+        residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+        logits_scaling=float(hf.get("logits_scaling", 1.0)),
+    )
+
+
 def _qwen2_moe_bias(hf: dict, family: str) -> bool:
     return family == "qwen2_moe" and bool(hf.get("qkv_bias", True))
 
@@ -306,6 +335,9 @@ def _rope(hf: dict) -> RopeConfig:
     """Reads `rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling`."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelConfigError(f"partial_rotary_factor {partial} is not supported (only whole-head rotary)")
     rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type == "default":
         return RopeConfig(theta=theta)

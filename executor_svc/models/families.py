@@ -16,6 +16,8 @@ ARCHITECTURE_FAMILIES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "GraniteForCausalLM": "granite",
 }
 # HF `model_type` -> our family name (for a config.json without `architectures`).
 MODEL_TYPE_FAMILIES = {
@@ -29,6 +31,8 @@ MODEL_TYPE_FAMILIES = {
     "qwen3_moe": "qwen3_moe",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "granite": "granite",
 }
 
 

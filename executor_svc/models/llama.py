@@ -1,4 +1,4 @@
-"""Llama family: Llama 2/3 (incl. llama3 rope scaling), Mistral (no sliding window), TinyLlama.
+"""Llama family: Llama 2/3 (incl. llama3 rope scaling), Mistral (incl. its sliding window), TinyLlama.
 
 Parameter names follow the HF checkpoint except the fused `qkv_proj` and `gate_up_proj`
 (`STACKED_PARAMS` tells the loader where q/k/v and gate/up go). Qwen2 and Qwen3 reuse these
@@ -74,11 +74,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer  # Granite overrides
+
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, attention_cls: type[LlamaAttention]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp_rank, tp_size, attention_cls) for _ in range(config.num_layers)
+            self.layer_cls(config, tp_rank, tp_size, attention_cls) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
@@ -100,11 +102,12 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj.", ".up_proj.", 1),
     )
     attention_cls = LlamaAttention
+    model_cls = LlamaModel  # Granite overrides
 
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, tp_rank, tp_size, self.attention_cls)
+        self.model = self.model_cls(config, tp_rank, tp_size, self.attention_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

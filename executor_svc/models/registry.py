@@ -42,4 +42,12 @@ def model_class(config: ModelConfig):
         from executor_svc.models.gemma3 import Gemma3ForCausalLM
 
         return Gemma3ForCausalLM
+    if config.family == "phi3":
+        from executor_svc.models.phi3 import Phi3ForCausalLM
+
+        return Phi3ForCausalLM
+    if config.family == "granite":
+        from executor_svc.models.granite import GraniteForCausalLM
+
+        return GraniteForCausalLM
     raise ValueError(f"no model for family {config.family!r}")

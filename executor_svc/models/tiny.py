@@ -16,7 +16,10 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 CORPUS = pathlib.Path(__file__).parent / "assets" / "corpus.txt"
-FAMILIES = ("llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3")
+FAMILIES = (
+    "llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3", "phi3",
+    "granite",
+)
 VOCAB_SIZE = 512
 # Special tokens take ids 0, 1, 2: (pad, bos, eos) as Llama/OPT name them; Qwen's tokenizer class
 # insists on <|endoftext|> (its pad = eos = unk), so Qwen folders use Qwen's names.
@@ -110,6 +113,17 @@ def tiny_config(family: str) -> dict:
     if family in ("gemma2", "gemma3"):
         return _gemma_config(family, llama_like)
     rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
+    if family == "phi3":  # q / k / v and gate / up fused in the checkpoint
+        return llama_like | rope | {
+            "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "tie_word_embeddings": False,
+            "sliding_window": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+        }
+    if family == "granite":  # multipliers far from 1, so that each one matters
+        return llama_like | rope | {
+            "architectures": ["GraniteForCausalLM"], "model_type": "granite", "tie_word_embeddings": True,
+            "embedding_multiplier": 6.0, "attention_multiplier": 0.1, "residual_multiplier": 0.3,
+            "logits_scaling": 2.0, "attention_bias": False, "mlp_bias": False,
+        }
     if family in ("mixtral", "qwen3_moe", "qwen2_moe"):
         return llama_like | rope | _moe_config(family)
     if family == "qwen2":
@@ -219,7 +233,23 @@ def _llama_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (d,)
     if not c["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (c["vocab_size"], d)
-    return shapes
+    return _fused_phi3(shapes, c) if c["model_type"] == "phi3" else shapes
+
+
+def _fused_phi3(shapes: dict[str, tuple[int, ...]], c: dict) -> dict[str, tuple[int, ...]]:
+    """Phi-3's names: [q; k; v] as self_attn.qkv_proj, [gate; up] as mlp.gate_up_proj."""
+    fused = {}
+    for name, shape in shapes.items():
+        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
+            continue
+        if ".q_proj." in name:
+            kv_rows = 2 * shapes[name.replace(".q_proj.", ".k_proj.")][0]
+            fused[name.replace(".q_proj.", ".qkv_proj.")] = (shape[0] + kv_rows, shape[1])
+        elif ".gate_proj." in name:
+            fused[name.replace(".gate_proj.", ".gate_up_proj.")] = (2 * shape[0], shape[1])
+        else:
+            fused[name] = shape
+    return fused
 
 
 def _gemma_config(family: str, llama_like: dict) -> dict:

@@ -1,8 +1,8 @@
 """Greedy generation through the real services equals HF transformers' `generate` for the model
 variants beyond the base families' tiny models (Mistral's sliding window, rope scalings) and for the
-Gemma families, whose tiny models also run under forced preemption (swap, recompute), with and without
-prefix caching, and with chunked prefill: every
-prompt of the shared batch, all in flight at once, fp32 CPU."""
+Gemma, Phi-3 and Granite families, whose tiny models also run under forced preemption (swap,
+recompute), with and without prefix caching, and with chunked prefill: every prompt of the shared
+batch, all in flight at once, fp32 CPU."""
 
 from __future__ import annotations
 
@@ -63,12 +63,13 @@ def test_greedy_through_the_services_equals_transformers(variant, tmp_path):
     assert got == expected, f"{equal} / {len(PROMPTS) * MAX_TOKENS} tokens equal"
 
 
-@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
-def gemma(request, tiny_model_dirs):
-    """(family, its tiny model, HF's greedy tokens): eager attention, the model's own semantics (HF's
-    sdpa path drops Gemma 2's attention soft-capping)."""
+@pytest.fixture(scope="module", params=["gemma2", "gemma3", "phi3", "granite"])
+def new_family(request, tiny_model_dirs):
+    """(family, its tiny model, HF's greedy tokens): Gemma with eager attention, the model's own
+    semantics (HF's sdpa path drops Gemma 2's attention soft-capping)."""
     folder = tiny_model_dirs[request.param]
-    return request.param, folder, _hf_greedy(folder, attention="eager")
+    attention = "eager" if request.param.startswith("gemma") else "sdpa"
+    return request.param, folder, _hf_greedy(folder, attention=attention)
 
 
 @pytest.mark.parametrize(
@@ -81,8 +82,8 @@ def gemma(request, tiny_model_dirs):
     ],
     ids=["plain", "swap-prefix-cache", "recompute", "chunked-prefill"],
 )
-def test_gemma_greedy_through_the_services_equals_transformers(gemma, options):
-    family, folder, expected = gemma
+def test_new_family_greedy_through_the_services_equals_transformers(new_family, options):
+    family, folder, expected = new_family
     with Stack(folder, **options) as stack:
         got = asyncio.run(_served_greedy(stack.target))
         stats = stack.engine.stats()

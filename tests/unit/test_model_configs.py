@@ -102,3 +102,30 @@ def test_gemma3_layer_pattern_without_layer_types():
     del hf["layer_types"]
     windows = ModelConfig.from_hf_dict(hf).gemma.layer_windows
     assert windows == (8, 8, 8, 8, 8, 0) * 2
+
+
+def test_phi3_and_granite_configs_are_read():
+    from executor_svc.models.tiny import tiny_config
+
+    phi3 = ModelConfig.from_hf_dict(tiny_config("phi3") | {"sliding_window": 16})
+    assert (phi3.family, phi3.sliding_window) == ("phi3", 16)
+    granite = ModelConfig.from_hf_dict(tiny_config("granite")).granite
+    assert granite is not None and (granite.embedding_multiplier, granite.logits_scaling) == (6.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    "family, change, match",
+    [
+        ("phi3", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+         "longrope"),
+        ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+        ("granite", {"logits_scaling": 0.0}, "logits_scaling"),
+        ("granite", {"residual_multiplier": float("nan")}, "multipliers"),
+        ("granite", {"embedding_multiplier": float("inf")}, "multipliers"),
+    ],
+)
+def test_phi3_and_granite_configs_we_cannot_serve_are_refused(family, change, match):
+    from executor_svc.models.tiny import tiny_config
+
+    with pytest.raises(ModelConfigError, match=match):
+        ModelConfig.from_hf_dict(tiny_config(family) | change)

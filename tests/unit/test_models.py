@@ -18,7 +18,10 @@ from executor_svc.worker.worker import Worker
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, StepPlan
 
-FAMILIES = ("llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3")
+FAMILIES = (
+    "llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3", "phi3",
+    "granite",
+)
 # HF's sdpa path drops Gemma 2's attention soft-capping: the model's own semantics are eager's
 HF_ATTENTION = {"gemma2": "eager", "gemma3": "eager"}
 NUM_DECODE = 32
