@@ -94,7 +94,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # (our fused name, HF name, shard id)
-    STACKED_PARAMS = (
+    STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
         (".qkv_proj.", ".q_proj.", "q"),
         (".qkv_proj.", ".k_proj.", "k"),
         (".qkv_proj.", ".v_proj.", "v"),

@@ -238,7 +238,7 @@ def _llama_shapes(c: dict) -> dict[str, tuple[int, ...]]:
 
 def _fused_phi3(shapes: dict[str, tuple[int, ...]], c: dict) -> dict[str, tuple[int, ...]]:
     """Phi-3's names: [q; k; v] as self_attn.qkv_proj, [gate; up] as mlp.gate_up_proj."""
-    fused = {}
+    fused: dict[str, tuple[int, ...]] = {}
     for name, shape in shapes.items():
         if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
             continue
