@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from scheduler_svc.wire.sampling_params import MIN_TEMPERATURE
+
 _MASK32 = 0xFFFFFFFF
 _MIX_MULT = 0x45D9F3B  # < 2**27, so x * _MIX_MULT stays below 2**63 for 32-bit x
 _UNIFORM_BITS = 23  # (k + 0.5) / 2**23 is exact in float32 and strictly inside (0, 1)
@@ -78,8 +80,9 @@ def uniform_noise(seeds, sample_index, output_positions, vocab_size: int) -> tor
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits / T per row; greedy rows (T = 0) are left unscaled."""
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    """logits / T per row; greedy rows (T below MIN_TEMPERATURE: 0, or one whose division would
+    overflow float32 to inf / NaN) are left unscaled."""
+    t = torch.where(temperature >= MIN_TEMPERATURE, temperature, torch.ones_like(temperature))
     return logits / t[:, None]
 
 
@@ -117,7 +120,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         exp_noise = -torch.log(noise)  # [S, V] Exp(1)
         # argmax(log p - log E) with p = softmax(scaled); the normalizer is constant per row.
         random_choice = (scaled - exp_noise.log()).argmax(dim=-1)
-        token_ids = torch.where(meta.temperature > 0, random_choice, logits.argmax(dim=-1))
+        token_ids = torch.where(meta.temperature >= MIN_TEMPERATURE, random_choice, logits.argmax(dim=-1))
     chosen_logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)  # [S]
     top_logprobs, top_token_ids = logprobs_all.topk(meta.max_num_logprobs, dim=-1)  # [S, N]
     beam_logprobs, beam_token_ids = logits.log_softmax(dim=-1).topk(meta.max_num_beam_candidates, dim=-1)

@@ -119,12 +119,22 @@ class OutputText:
         return True
 
     def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of some stop string."""
-        for length in range(min(self._max_stop_len - 1, len(self.text)), 0, -1):
-            tail = self.text[-length:]
-            if any(s.startswith(tail) for s in self.stop):
-                return length
-        return 0
+        """Length of the longest tail of the text that is a proper prefix of some stop string. Only
+        tails starting at an occurrence of a stop string's first character are tried, so a step
+        costs about one `find` per stop string, not one comparison per tail length."""
+        n = min(self._max_stop_len - 1, len(self.text))
+        if n <= 0:
+            return 0
+        tail = self.text[-n:]
+        best = 0
+        for s in self.stop:
+            i = tail.find(s[0], max(0, n - len(s) + 1))
+            while 0 <= i < n - best:
+                if s.startswith(tail[i:]):
+                    best = n - i
+                    break
+                i = tail.find(s[0], i + 1)
+        return best
 
     def _take(self, end: int) -> str:
         end = max(end, self.num_emitted_chars)

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from scheduler_svc.engine.admission import Admission, AdmissionLimits
 from scheduler_svc.engine.api import EngineStats, Executors, ModelLimits, RecoveryOptions, Tokenizer
 from scheduler_svc.engine.detokenizer import StopStringMatcher
 from scheduler_svc.engine.outputs import RequestDelta, RequestState, RequestStream
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine", "EngineStats", "ModelLimits", "RequestStream"]
 _log = logging.getLogger(__name__)
+INLINE_TOKENIZE_MAX_CHARS = 4096  # a longer text prompt is tokenized on a worker thread
 
 
 class Engine:
@@ -47,6 +49,7 @@ class Engine:
         metrics: SchedulerMetrics | None = None,
         recovery: RecoveryOptions | None = None,
         async_scheduling: bool = True,
+        admission: AdmissionLimits | None = None,
     ):
         self.scheduler = scheduler
         self.async_scheduling = async_scheduling
@@ -54,6 +57,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.limits = limits
         self.validator = validator  # every check of a new request (sched/validation.py)
+        self.admission = Admission(admission or AdmissionLimits())
         self.metrics = metrics
         self._requests: dict[str, RequestState] = {}
         self._wakeup = asyncio.Event()
@@ -69,35 +73,60 @@ class Engine:
         self.on_health_change: Callable[[bool], None] | None = None
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str = ""
+    async def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str = "", client: str = ""
     ) -> RequestStream:
-        """Validate (self.validator) and queue a request; raises InvalidRequestError naming the
-        field for bad input, ServiceUnavailableError / RequestFailedError when not serving."""
+        """Validate (self.validator), admit (`client`'s share: self.admission) and queue a request;
+        raises InvalidRequestError naming the field for bad input, ResourceExhaustedError over an
+        admission limit, ServiceUnavailableError / RequestFailedError when not serving. A long text
+        prompt is tokenized on a worker thread, so the streams of other requests keep flowing."""
+        self._check_serving()
+        self.validator.check_fields(request_id, params.stop)
+        self.validator.check_prompt(prompt)
+        self.admission.admit(client, self.scheduler.stats().num_waiting)
+        try:
+            if isinstance(prompt, str):
+                if len(prompt) > INLINE_TOKENIZE_MAX_CHARS:
+                    prompt_ids = await asyncio.to_thread(self._encode, prompt)
+                    self._check_serving()  # the server may have begun stopping meanwhile
+                else:
+                    prompt_ids = self._encode(prompt)
+            else:
+                prompt_ids = list(prompt)
+            request_id = request_id or uuid.uuid4().hex
+            if request_id in self._requests:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+            group = self.scheduler.new_group(request_id, prompt_ids, params)
+            self.validator.check(group)
+            self.scheduler.add_request(group)
+            if group.beam is not None and params.stop:  # a beam ends on a stop string during the search
+                group.beam.stop_text = StopStringMatcher(self.tokenizer, prompt_ids, params.stop)
+        except BaseException:
+            self.admission.release(client)
+            raise
+        request = RequestState(request_id, prompt_ids, params, self.tokenizer, group, client)
+        self._requests[request_id] = request
+        self._wakeup.set()
+        return RequestStream(request, self.abort)
+
+    def _check_serving(self) -> None:
         if self._stopping:
             raise RequestFailedError("the server is stopping")
         if self.draining:
             raise ServiceUnavailableError("the server is draining (shutting down); retry elsewhere")
         if not self.healthy:
             raise ServiceUnavailableError("the executors are down; the server is recovering, retry later")
-        self.validator.check_prompt(prompt)
-        prompt_ids = list(self.tokenizer.encode(prompt).ids) if isinstance(prompt, str) else list(prompt)
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._requests:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        group = self.scheduler.new_group(request_id, prompt_ids, params)
-        self.validator.check(group)
-        self.scheduler.add_request(group)
-        if group.beam is not None and params.stop:  # a beam ends on a stop string during the search
-            group.beam.stop_text = StopStringMatcher(self.tokenizer, prompt_ids, params.stop)
-        request = RequestState(request_id, prompt_ids, params, self.tokenizer, group)
-        self._requests[request_id] = request
-        self._wakeup.set()
-        return RequestStream(request, self.abort)
 
-    def abort(self, request_id: str) -> bool:
-        """Abort now: the blocks are freed at once, the executors drop the state with the next plan."""
-        request = self._requests.pop(request_id, None)
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)
+
+    def abort(self, request_id: str, client: str | None = None) -> bool:
+        """Abort now: the blocks are freed at once, the executors drop the state with the next plan.
+        With `client`, only a request that client created is aborted (another's is "not found")."""
+        request = self._requests.get(request_id)
+        if client is not None and (request is None or request.client != client):
+            return False
+        self._forget(request_id)
         found = self.scheduler.abort(request_id)
         if request is not None:
             request.deliver(request.abort_delta())
@@ -105,6 +134,25 @@ class Engine:
                 self.metrics.inc("requests_finished", reason="abort")
         self._wakeup.set()
         return found or request is not None
+
+    def _forget(self, request_id: str) -> RequestState | None:
+        """The request leaves the engine's table and gives its client's admission slot back."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.admission.release(request.client)
+        return request
+
+    def _fail_request(self, request_id: str, err: Exception) -> None:
+        """One request's processing raised: that request ends with ABORTED naming the cause and
+        its blocks are freed; the engine loop and every other request go on."""
+        _log.exception("request %.64r failed; aborting it alone", request_id, exc_info=err)
+        request = self._forget(request_id)
+        self.scheduler.abort(request_id)
+        if request is not None:
+            error = f"internal error while processing this request: {type(err).__name__}: {err}"
+            request.deliver(RequestDelta(request_id, len(request.prompt_ids), finished=True, error=error))
+            if self.metrics is not None:
+                self.metrics.inc("requests_finished", reason="abort")
 
     def stats(self) -> EngineStats:
         return engine_stats(
@@ -238,6 +286,7 @@ class Engine:
                                  unavailable=unavailable)
             request.deliver(delta)
             self.scheduler.abort(request_id)
+            self.admission.release(request.client)
             if self.metrics is not None:
                 self.metrics.inc("requests_finished", reason="abort")
         self._requests.clear()
@@ -258,6 +307,12 @@ class Engine:
         return []
 
     def _emit(self, out: RequestOutput) -> None:
+        try:  # (free in CPython 3.11+ when nothing raises)
+            self._emit_one(out)
+        except Exception as err:  # noqa: BLE001 - this request's fault (detokenizer, stop strings, ...)
+            self._fail_request(out.request_id, err)
+
+    def _emit_one(self, out: RequestOutput) -> None:
         request = self._requests.get(out.request_id)
         if request is None:
             return
@@ -272,7 +327,7 @@ class Engine:
                 self._finish_sequence(out.request_id, sample.sample_index)
         delta.finished = delta.finished or self.scheduler.get_group(out.request_id) is None
         if delta.finished:
-            del self._requests[out.request_id]
+            self._forget(out.request_id)
         if self.metrics is not None:
             record_output(self.metrics, request, delta, is_beam=bool(out.beams))
         request.deliver(delta)

@@ -60,8 +60,10 @@ class RequestState:
         params: SamplingParams,
         tokenizer: Decoder,
         group: SequenceGroup | None = None,
+        client: str = "",
     ):
         self.request_id = request_id
+        self.client = client  # who created it (admission limits; only its creator may abort it)
         self.prompt_ids = prompt_ids
         self.params = params
         self.tokenizer = tokenizer
@@ -133,8 +135,16 @@ class RequestState:
         )
 
     def abort_delta(self) -> RequestDelta:
+        """The last delta of an aborted request: each unfinished output with the counts it reached."""
         indexes = [i for i, o in sorted(self.outputs.items()) if not o.finished] or [0]
-        outputs = [OutputDelta(i, [], "", finish_reason="abort") for i in indexes]
+        outputs = []
+        for i in indexes:
+            state = self.outputs.get(i)
+            delta = OutputDelta(i, [], "", finish_reason="abort")
+            if state is not None:
+                delta.num_output_tokens = state.num_tokens
+                delta.cumulative_logprob = state.cumulative_logprob
+            outputs.append(delta)
         return RequestDelta(self.request_id, len(self.prompt_ids), outputs, finished=True)
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 
 from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
+from scheduler_svc.wire.client_identity import CLIENT_KEY
 from scheduler_svc.wire.convert import maps_errors
 from scheduler_svc.wire.errors import RelayedError, ServiceUnavailableError
 from scheduler_svc.wire.grpc_serving import (
@@ -45,6 +46,7 @@ from scheduler_svc.wire.grpc_serving import (
     start_grpc_server,
 )
 from scheduler_svc.wire.options import add_arguments, from_args, option, parse_args_with_config
+from scheduler_svc.wire.request_decoding import check_decoded, register_decoding
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
@@ -126,15 +128,15 @@ class EngineLink:
         while True:
             await call.write(await outbox.get())
 
-    def open(self, request) -> tuple[int, asyncio.Queue]:
+    def open(self, request, client: str = "") -> tuple[int, asyncio.Queue]:
+        """Opens a stream for `client` (its peer: the scheduler's admission limits and Abort scope)."""
         if not self.connected.is_set():
             raise ServiceUnavailableError("the scheduler is not reachable")
         stream_id = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[stream_id] = queue
-        self._outbox.put_nowait(
-            frontend_pb2.LinkRequest(open=frontend_pb2.OpenStream(stream_id=stream_id, request=request))
-        )
+        opened = frontend_pb2.OpenStream(stream_id=stream_id, request=request, client=client)
+        self._outbox.put_nowait(frontend_pb2.LinkRequest(open=opened))
         return stream_id, queue
 
     def close(self, stream_id: int, cancel: bool) -> None:
@@ -148,7 +150,9 @@ class FrontendServicer(generation_pb2_grpc.GenerationServicer):
 
     @maps_errors()
     async def Generate(self, request, context):
-        stream_id, queue = self._link.open(request)
+        check_decoded(request)
+        stream_id, queue = self._link.open(request, context.peer())
+        request_id = ""  # the scheduler sends it in the stream's first response only
         done = False
         try:
             while True:
@@ -159,7 +163,12 @@ class FrontendServicer(generation_pb2_grpc.GenerationServicer):
                 if event.end and event.code:  # the scheduler's status for this stream, passed on
                     done = True
                     raise RelayedError(STATUS_BY_VALUE[event.code].name, event.message)
-                yield event.response
+                response = event.response
+                if response.request_id:
+                    request_id = response.request_id
+                else:
+                    response.request_id = request_id
+                yield response
                 if event.end:
                     done = True
                     return
@@ -172,15 +181,17 @@ class FrontendServicer(generation_pb2_grpc.GenerationServicer):
 
     @maps_errors()
     async def Abort(self, request, context):
-        return await self._unary(self._link.generation.Abort, request)
+        """Relayed with the caller's identity: the scheduler lets only a request's creator abort it."""
+        metadata = (*self._link.metadata, (CLIENT_KEY, context.peer()))
+        return await self._unary(self._link.generation.Abort, request, metadata)
 
     @maps_errors()
     async def GetServerStats(self, request, context):
         return await self._unary(self._link.generation.GetServerStats, request)
 
-    async def _unary(self, method, request):
+    async def _unary(self, method, request, metadata: tuple = ()):
         try:
-            return await method(request, metadata=self._link.metadata, timeout=30.0)
+            return await method(request, metadata=metadata or self._link.metadata, timeout=30.0)
         except grpc.aio.AioRpcError as err:  # the scheduler's status, passed on
             raise RelayedError(err.code().name, err.details() or "") from None
 
@@ -243,7 +254,9 @@ async def start_frontend(
         raise TimeoutError(f"scheduler {engine_target} not reachable within {connect_timeout_s:g} s")
     server, bound, health = await start_grpc_server(
         SERVICE_NAME,
-        lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(FrontendServicer(link), server),
+        lambda server: register_decoding(
+            generation_pb2_grpc.add_GenerationServicer_to_server, FrontendServicer(link), server
+        ),
         host, port, max_message_bytes, credentials, auth_token,
     )
     loop = asyncio.get_running_loop()

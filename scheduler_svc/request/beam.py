@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+# exp() of more than this overflows a float; the score's scale factor is clamped to it
+_MAX_EXP = 700.0
 
 
 @dataclass(slots=True)
@@ -27,4 +31,8 @@ class BeamState:
     stop_text: Callable[[list[int]], bool] | None = None
 
     def score(self, cumulative_logprob: float, num_output_tokens: int) -> float:
-        return cumulative_logprob / (num_output_tokens**self.length_penalty)
+        """cumulative_logprob / num_output_tokens ** length_penalty, computed as a product with
+        exp(-length_penalty * ln n) clamped to e**±700, so no penalty can overflow (ranks stay
+        ordered; the request validator also bounds length_penalty)."""
+        exponent = -self.length_penalty * math.log(num_output_tokens)
+        return cumulative_logprob * math.exp(min(_MAX_EXP, max(-_MAX_EXP, exponent)))

@@ -31,6 +31,7 @@ two plans are in flight.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -52,6 +53,8 @@ from scheduler_svc.sched.request_table import RequestTable, arrival_order
 from scheduler_svc.sched.scheduling_pass import SchedulingPass
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import PENDING_TOKEN, StepPlan, StepResult
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -269,7 +272,14 @@ class Scheduler:
             else:
                 multi[id(group)] = (group, [(seq, sample)])
         for group, samples in multi.values():
-            group_out = process_samples(requests, group, samples, group.stop_token_ids)
+            try:
+                group_out = process_samples(requests, group, samples, group.stop_token_ids)
+            except Exception as err:  # noqa: BLE001 - this request's fault (e.g. beam scoring): it alone ends
+                _log.exception("processing request %.64r failed; aborting it", group.request_id)
+                requests.abort(group.request_id)
+                error = f"internal error while processing this request: {type(err).__name__}: {err}"
+                outputs.append(RequestOutput(group.request_id, finished=True, error=error))
+                continue
             if group_out is not None:
                 outputs.append(group_out)
             if group.is_finished:

@@ -4,7 +4,11 @@ The engine calls the `RequestValidator` once per request, before the scheduler s
 check raises `InvalidRequestError` naming the field (INVALID_ARGUMENT at the gRPC edge) and nothing
 else changes. Two phases, because a text prompt is tokenized in between:
 
-    check_prompt(prompt)  the prompt is not empty; its token ids lie in the vocabulary
+    check_fields(id, stop)   the sizes a client controls: request_id length, stop strings' count
+                          and length (before anything is stored or tokenized)
+    check_prompt(prompt)  the prompt is not empty; a text prompt is not longer than the model could
+                          ever hold (max_model_len * max_prompt_chars_per_token characters: checked
+                          before tokenizing); its token ids lie in the vocabulary
     check(group)          the server's limits on n and beam width; stop token ids in the vocabulary;
                           prompt and prompt + max_tokens against the KV cache's size; then
     check_schedulable     what the scheduler relies on: prompt + max_tokens within max_model_len,
@@ -16,6 +20,7 @@ The scheduler trusts what passed here (it only asserts its invariants).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler_svc.kv.kv_manager import AllocStatus, KVCacheManager
@@ -25,6 +30,12 @@ from scheduler_svc.wire.errors import InvalidRequestError
 
 MAX_N = 16
 MAX_BEAM_WIDTH = 16
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+# No tokenizer of a supported family has a token longer than this many characters; a text prompt
+# longer than max_model_len times it can never fit the model and is refused before tokenizing.
+MAX_PROMPT_CHARS_PER_TOKEN = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +45,16 @@ class RequestLimits:
 
     max_n: int = MAX_N  # parallel samples per request
     max_beam_width: int = MAX_BEAM_WIDTH
+    max_request_id_chars: int = MAX_REQUEST_ID_CHARS
+    max_stop_strings: int = MAX_STOP_STRINGS  # per request
+    max_stop_string_chars: int = MAX_STOP_STRING_CHARS  # per stop string
+    max_prompt_chars_per_token: int = MAX_PROMPT_CHARS_PER_TOKEN
 
     def __post_init__(self) -> None:
-        if self.max_n < 1 or self.max_beam_width < 1:
-            raise ValueError(f"max_n and max_beam_width must be >= 1: {self.max_n}, {self.max_beam_width}")
+        for name in ("max_n", "max_beam_width", "max_request_id_chars", "max_stop_strings",
+                     "max_stop_string_chars", "max_prompt_chars_per_token"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 class RequestValidator:
@@ -51,11 +68,35 @@ class RequestValidator:
         self.kv = kv
         self._cache = f"the KV cache ({config.num_gpu_blocks} blocks of {config.block_size} tokens)"
 
+    def check_fields(self, request_id: str, stop: Sequence[str]) -> None:
+        """The sizes of what the client sent, before the engine stores or tokenizes anything (the
+        servicer also calls it before converting the request: `stop` may then be the protobuf
+        list, whose length costs nothing to read, while converting 20,000 strings costs 18 ms)."""
+        limits = self.limits
+        if len(request_id) > limits.max_request_id_chars:
+            raise InvalidRequestError(
+                "request_id", f"{len(request_id)} characters; at most {limits.max_request_id_chars}"
+            )
+        if len(stop) > limits.max_stop_strings:
+            raise InvalidRequestError("stop", f"{len(stop)} stop strings; at most {limits.max_stop_strings}")
+        longest = max(map(len, stop), default=0)
+        if longest > limits.max_stop_string_chars:
+            raise InvalidRequestError(
+                "stop", f"a stop string of {longest} characters; at most {limits.max_stop_string_chars}"
+            )
+
     def check_prompt(self, prompt: str | list[int]) -> None:
         """The prompt as the client sent it: text, or token ids."""
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
         if isinstance(prompt, str):
+            max_chars = self.config.max_model_len * self.limits.max_prompt_chars_per_token
+            if len(prompt) > max_chars:
+                raise InvalidRequestError(
+                    "prompt.text",
+                    f"{len(prompt)} characters can never fit max_model_len {self.config.max_model_len} "
+                    f"(at most {max_chars} characters)",
+                )
             return
         vocab = self.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)

@@ -20,13 +20,23 @@ import grpc
 from tokenizers import Tokenizer
 
 from protos.pagedserve.v1 import frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
+from scheduler_svc.engine.admission import MAX_REQUESTS_PER_CLIENT, MAX_WAITING_REQUESTS, AdmissionLimits
 from scheduler_svc.engine.api import RecoveryOptions
 from scheduler_svc.engine.api import Tokenizer as EngineTokenizer
 from scheduler_svc.engine.engine import Engine, ModelLimits
 from scheduler_svc.engine.executor_client import ExecutorPool
 from scheduler_svc.sched.kv_policies import PAGED, POLICIES, check_policy_options, make_kv_manager
 from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.sched.validation import MAX_BEAM_WIDTH, MAX_N, RequestLimits, RequestValidator
+from scheduler_svc.sched.validation import (
+    MAX_BEAM_WIDTH,
+    MAX_N,
+    MAX_PROMPT_CHARS_PER_TOKEN,
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    RequestLimits,
+    RequestValidator,
+)
 from scheduler_svc.server.frontend_link import FrontendLinkServicer
 from scheduler_svc.server.generation_config import GenerationDefaults, union_ids
 from scheduler_svc.server.servicer import GenerationServicer
@@ -43,6 +53,7 @@ from scheduler_svc.wire.grpc_serving import (
     start_grpc_server,
 )
 from scheduler_svc.wire.options import add_arguments, borrow, from_args, option, parse_args_with_config
+from scheduler_svc.wire.request_decoding import register_decoding
 
 GC_GEN0_THRESHOLD = 20_000
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -70,6 +81,16 @@ class ServeOptions(ApiServerOptions):
     enable_prefix_caching: bool = borrow(SchedulerConfig, "enable_prefix_caching")
     max_n: int = option(MAX_N, "largest n (parallel samples) a request may ask for")
     max_beam_width: int = option(MAX_BEAM_WIDTH, "largest beam width a request may ask for")
+    max_request_id_chars: int = option(MAX_REQUEST_ID_CHARS, "longest request_id a client may send")
+    max_stop_strings: int = option(MAX_STOP_STRINGS, "most stop strings one request may give")
+    max_stop_string_chars: int = option(MAX_STOP_STRING_CHARS, "longest stop string (characters)")
+    max_prompt_chars_per_token: int = option(MAX_PROMPT_CHARS_PER_TOKEN, "a text prompt longer than "
+                                             "max_model_len times this many characters is refused before "
+                                             "tokenizing")
+    max_requests_per_client: int = option(MAX_REQUESTS_PER_CLIENT, "requests one client (connection) may "
+                                          "have in flight; more are refused with RESOURCE_EXHAUSTED")
+    max_waiting_requests: int = option(MAX_WAITING_REQUESTS, "requests that may wait to run, all clients "
+                                       "together; more are refused with RESOURCE_EXHAUSTED")
     metrics_port: int | None = option(None, "Prometheus /metrics port")
     recovery_timeout_s: float = option(120.0, "executor failure: requests wait this long for the executors "
                                        "to come back")
@@ -173,9 +194,15 @@ async def build_engine(opts: ServeOptions) -> Engine:
         metrics.serve(opts.metrics_port, addr=opts.host)
     recovery = RecoveryOptions(recovery_timeout_s=opts.recovery_timeout_s)
     scheduler = Scheduler(config, make_kv_manager(config, opts.kv_policy))
-    request_limits = RequestLimits(max_n=opts.max_n, max_beam_width=opts.max_beam_width)
+    request_limits = RequestLimits(
+        max_n=opts.max_n, max_beam_width=opts.max_beam_width, max_request_id_chars=opts.max_request_id_chars,
+        max_stop_strings=opts.max_stop_strings, max_stop_string_chars=opts.max_stop_string_chars,
+        max_prompt_chars_per_token=opts.max_prompt_chars_per_token,
+    )
+    admission = AdmissionLimits(opts.max_requests_per_client, opts.max_waiting_requests)
     validator = RequestValidator(request_limits, limits.vocab_size, config, scheduler.kv)
-    engine = Engine(scheduler, pool, tokenizer, limits, validator, metrics, recovery, opts.async_scheduling)
+    engine = Engine(scheduler, pool, tokenizer, limits, validator, metrics, recovery, opts.async_scheduling,
+                    admission)
     pool.start_heartbeat(engine.executors_lost)
     return engine
 
@@ -281,8 +308,9 @@ async def start_scheduler_server(
     """Serve the Generation API (TLS with `credentials`; a bearer-token check with `auth_token`)."""
     def add_servicers(server: grpc.aio.Server) -> None:
         servicer = GenerationServicer(engine, model_info_pb(engine))
-        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-        frontend_pb2_grpc.add_FrontendLinkServicer_to_server(FrontendLinkServicer(engine), server)
+        register_decoding(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, server)
+        link = FrontendLinkServicer(engine, max_batch_bytes=max_message_bytes // 2)
+        frontend_pb2_grpc.add_FrontendLinkServicer_to_server(link, server)
 
     server, bound, health = await start_grpc_server(
         SERVICE_NAME, add_servicers, host, port, max_message_bytes, credentials, auth_token
@@ -310,6 +338,24 @@ def parse_args(argv: list[str] | None = None) -> ServeOptions:
                      executor_token=executor_token)
 
 
+class EngineDiedError(RuntimeError):
+    """The engine loop ended by an error: the process exits non-zero so its supervisor restarts it."""
+
+
+async def run_until_stopped(running: SchedulerServer, stop: asyncio.Event) -> None:
+    """Returns once `stop` is set; raises EngineDiedError (after stopping the server) if the engine
+    loop dies first: a scheduler whose loop is gone must not stay up answering ABORTED forever."""
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({stopped, running.loop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if stopped.done():
+        return
+    stopped.cancel()
+    err = running.loop_task.exception() if not running.loop_task.cancelled() else None
+    await running.stop()
+    cause = f"{type(err).__name__}: {err}" if err is not None else "it ended"
+    raise EngineDiedError(f"the engine loop died ({cause}); exiting so that the supervisor restarts it")
+
+
 async def serve(opts: ServeOptions) -> None:
     engine = await build_engine(opts)
     credentials = server_credentials(opts.tls_cert_file, opts.tls_key_file)
@@ -322,7 +368,7 @@ async def serve(opts: ServeOptions) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await run_until_stopped(running, stop)
     _log.info("stopping: draining for up to %g s", opts.drain_grace_period_s)
     num_cut = await running.drain_and_stop(opts.drain_grace_period_s)
     _log.info("stopped (%d requests cut off by the grace period)", num_cut)
@@ -332,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     try:
         asyncio.run(serve(parse_args(argv)))
-    except ExecutorsUnreachableError as err:
+    except (ExecutorsUnreachableError, EngineDiedError) as err:
         sys.exit(f"python -m scheduler_svc.server.main: {err}")
 
 

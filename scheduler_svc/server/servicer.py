@@ -12,8 +12,10 @@ import grpc
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine.engine import Engine, RequestStream
 from scheduler_svc.engine.outputs import OutputDelta, RequestDelta
+from scheduler_svc.wire.client_identity import client_of
 from scheduler_svc.wire.convert import maps_errors, sampling_params_from_pb
 from scheduler_svc.wire.errors import InvalidRequestError
+from scheduler_svc.wire.request_decoding import check_decoded
 
 FINISH_REASONS = {
     None: generation_pb2.FINISH_REASON_UNSPECIFIED,
@@ -40,12 +42,14 @@ def output_delta_to_pb(out: OutputDelta, msg: generation_pb2.OutputDelta) -> Non
 
 
 def request_delta_to_pb(
-    delta: RequestDelta, msg: generation_pb2.GenerateResponse | None = None
+    delta: RequestDelta, msg: generation_pb2.GenerateResponse | None = None, with_request_id: bool = True
 ) -> generation_pb2.GenerateResponse:
-    """The response of one delta; filled into `msg` (an empty submessage of a batch) when given."""
+    """The response of one delta; filled into `msg` (an empty submessage of a batch) when given.
+    Without `with_request_id` the id is left out (the front-end link sends it once per stream)."""
     if msg is None:
         msg = generation_pb2.GenerateResponse()
-    msg.request_id = delta.request_id
+    if with_request_id:
+        msg.request_id = delta.request_id
     msg.prompt_tokens = delta.prompt_len
     msg.finished = delta.finished
     add = msg.outputs.add
@@ -63,10 +67,14 @@ def prompt_from_pb(request: generation_pb2.GenerateRequest) -> str | list[int]:
     raise InvalidRequestError("prompt", "give the prompt as text or as token_ids")
 
 
-def add_request_from_pb(engine: Engine, request: generation_pb2.GenerateRequest) -> RequestStream:
-    """Queues a GenerateRequest (the engine validates it); raises the API's errors (wire/errors.py)."""
+async def add_request_from_pb(
+    engine: Engine, request: generation_pb2.GenerateRequest, client: str
+) -> RequestStream:
+    """Queues a GenerateRequest for `client` (its creator: admission limits, Abort scoping); the
+    engine validates it; raises the API's errors (wire/errors.py)."""
+    engine.validator.check_fields(request.request_id, request.sampling.stop)  # before converting them
     params = sampling_params_from_pb(request.sampling, engine.limits.default_sampling)
-    return engine.add_request(prompt_from_pb(request), params, request.request_id)
+    return await engine.add_request(prompt_from_pb(request), params, request.request_id, client)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -81,7 +89,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @maps_errors()
     async def Generate(self, request, context):
-        stream = add_request_from_pb(self._engine, request)
+        check_decoded(request)
+        stream = await add_request_from_pb(self._engine, request, client_of(context))
         finished = False
         try:
             while not finished:
@@ -98,7 +107,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @maps_errors()
     async def Abort(self, request, context):
-        return generation_pb2.AbortResponse(found=self._engine.abort(request.request_id))
+        # Only the request's creator may abort it; another client's request is "not found".
+        found = self._engine.abort(request.request_id, client=client_of(context))
+        return generation_pb2.AbortResponse(found=found)
 
     @maps_errors()
     async def GetServerStats(self, request, context):

@@ -4,6 +4,7 @@
     ├── InvalidRequestError       INVALID_ARGUMENT     bad client input; `field` names it
     ├── RequestFailedError        ABORTED              an accepted request the server dropped
     ├── ServiceUnavailableError   UNAVAILABLE          draining, or the executors are down: retry
+    ├── ResourceExhaustedError    RESOURCE_EXHAUSTED   an admission limit (per client, waiting): retry later
     └── RelayedError              (the relayed one)    a status another server answered, passed on
 
 The executor's own errors (executor_svc/runner/errors.py) derive from `ApiError` too. One mapping,
@@ -48,6 +49,13 @@ class ServiceUnavailableError(ApiError, RuntimeError):
     Also ends accepted requests that a drain's grace period or an executor recovery's timeout cut off."""
 
     code = "UNAVAILABLE"
+
+
+class ResourceExhaustedError(ApiError, RuntimeError):
+    """Refused by an admission limit (this client's requests in flight, or the server's waiting
+    queue); nothing was queued, the client may retry later."""
+
+    code = "RESOURCE_EXHAUSTED"
 
 
 class RelayedError(ApiError):

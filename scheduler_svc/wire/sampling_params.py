@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from scheduler_svc.wire.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per step the executor's sampler returns at most
+MAX_LENGTH_PENALTY = 10.0  # |length_penalty| at most (Hugging Face's usual values lie in [0, 2])
+# A temperature below this is greedy: dividing logits by it overflows float32 (1e-38 gives NaN).
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +23,9 @@ class SamplingParams:
 
     n > 1 asks for n independent samples that share the prompt's KV blocks (parallel sampling).
     beam_width > 1 asks for beam search; it excludes n > 1 and random sampling (temperature is
-    ignored, candidates are ranked by cumulative log-probability). temperature == 0 is greedy.
+    ignored, candidates are ranked by cumulative log-probability). temperature == 0 is greedy, and so
+    is any temperature below MIN_TEMPERATURE (1e-5): it is stored as 0, since dividing logits by it
+    would overflow to NaN.
     top_k == 0 and top_p == 1.0 disable those filters. seed makes random sampling reproducible: a
     seeded sequence yields the same tokens whatever else shares its batch and however often it is
     preempted. logprobs = k returns the chosen token's log-probability and the k most likely
@@ -63,8 +68,13 @@ class SamplingParams:
             raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if not (self.length_penalty == self.length_penalty):
-            raise InvalidRequestError("length_penalty", "must be a number")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:  # NaN and inf too
+            raise InvalidRequestError(
+                "length_penalty",
+                f"must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got {self.length_penalty}",
+            )
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # greedy (see the class docstring)
 
     @property
     def is_greedy(self) -> bool:

@@ -73,6 +73,7 @@ GRPC_EDGES = (
     "protos",
     "scheduler_svc.wire.convert",
     "scheduler_svc.wire.grpc_serving",
+    "scheduler_svc.wire.request_decoding",
     "scheduler_svc.engine.executor_client",
     "scheduler_svc.server",
     "scheduler_svc.frontend",

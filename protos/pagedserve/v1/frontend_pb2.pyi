@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenStream(_message.Message):
-    __slots__ = ("stream_id", "request")
+    __slots__ = ("stream_id", "request", "client")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     request: _generation_pb2.GenerateRequest
-    def __init__(self, stream_id: _Optional[int] = ..., request: _Optional[_Union[_generation_pb2.GenerateRequest, _Mapping]] = ...) -> None: ...
+    client: str
+    def __init__(self, stream_id: _Optional[int] = ..., request: _Optional[_Union[_generation_pb2.GenerateRequest, _Mapping]] = ..., client: _Optional[str] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
     __slots__ = ("open", "cancel")
