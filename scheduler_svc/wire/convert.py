@@ -311,6 +311,9 @@ class CountsErrors(Protocol):
     def count_error(self, code: grpc.StatusCode) -> None: ...
 
 
+NO_RETRY_METADATA = (("grpc-retry-pushback-ms", "-1"),)
+
+
 def maps_errors(also: CallerErrors | None = None) -> Callable:
     """Decorates an async servicer method (unary or server-streaming): an exception aborts the call
     with the status of `error_status` (ApiErrors their own code, types in `also` theirs, anything
@@ -321,7 +324,11 @@ def maps_errors(also: CallerErrors | None = None) -> Callable:
         code, message = error_status(exc, also)
         if isinstance(servicer, CountsErrors):
             servicer.count_error(code)
-        await context.abort(code, message)
+        # A server that answers UNAVAILABLE itself (draining, recovering) asks gRPC clients not to
+        # retry it (negative pushback): their retry policy is for connections that failed, and a
+        # draining server would otherwise be asked again until it is gone (a hung retry).
+        trailing = NO_RETRY_METADATA if code == grpc.StatusCode.UNAVAILABLE else ()
+        await context.abort(code, message, trailing)
 
     def decorate(method: Callable) -> Callable:
         if inspect.isasyncgenfunction(method):
