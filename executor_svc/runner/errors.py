@@ -15,3 +15,10 @@ class StepOrderError(ApiError, RuntimeError):
     """A plan's step_id does not follow the step this worker last ran (reset the worker to recover)."""
 
     code = "FAILED_PRECONDITION"
+
+
+class CacheAllocationError(ApiError, MemoryError):
+    """The KV cache of the requested size does not fit in the device's free memory. Not transient:
+    the scheduler stops (and says so) instead of asking again."""
+
+    code = "RESOURCE_EXHAUSTED"

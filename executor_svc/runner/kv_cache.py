@@ -49,6 +49,12 @@ class KVCache:
         pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
         self.cpu_cache = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)  # [L, 2, Nc, bs, KV, D]
 
+    def release(self) -> None:
+        """Gives the caches' memory back now, even while something still refers to this object
+        (a failed step's traceback, a launched step): any later use of it fails loudly."""
+        self.device_cache = torch.empty(0, dtype=self.device_cache.dtype, device=self.device_cache.device)
+        self.cpu_cache = torch.empty(0, dtype=self.cpu_cache.dtype)
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, cpu block) pairs."""
         self._check(pairs, self.num_blocks, self.num_cpu_blocks, "swap_out")

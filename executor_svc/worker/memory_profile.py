@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from executor_svc.runner.cache_config import CacheConfig
+from executor_svc.runner.errors import CacheAllocationError
 from executor_svc.runner.kv_cache import GIB, KVCache, blocks_from_profile
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.worker.protocol import MemoryUsage
@@ -66,6 +67,26 @@ def profile_gpu_blocks(
     return blocks_from_profile(
         total, cc.gpu_memory_utilization, peak + max(0, non_torch), block_bytes
     )
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can take on the device: the driver's free memory plus what torch's
+    allocator holds unused; None on the CPU (its cache size is set by cpu_kv_gib)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def check_cache_fits(device: torch.device, block_bytes: int, num_gpu_blocks: int) -> None:
+    """Raises CacheAllocationError, naming the numbers, when the device cache cannot be allocated."""
+    free = free_device_bytes(device)
+    need = block_bytes * num_gpu_blocks
+    if free is not None and need > free:
+        raise CacheAllocationError(
+            f"cannot allocate the KV cache on {device}: {num_gpu_blocks} blocks x {block_bytes} bytes = "
+            f"{need / GIB:.2f} GiB, {free / GIB:.2f} GiB free"
+        )
 
 
 def memory_usage(

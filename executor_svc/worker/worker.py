@@ -29,7 +29,12 @@ from executor_svc.runner.kv_cache import KVCache, bytes_per_block
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.worker.config import WorkerConfig
 from executor_svc.worker.launched_step import LaunchedStep
-from executor_svc.worker.memory_profile import blocks_that_fit, memory_usage, profile_gpu_blocks
+from executor_svc.worker.memory_profile import (
+    blocks_that_fit,
+    check_cache_fits,
+    memory_usage,
+    profile_gpu_blocks,
+)
 from executor_svc.worker.plan_apply import PlanApplier
 from executor_svc.worker.protocol import MemoryUsage
 from executor_svc.worker.step_trace import open_step_trace
@@ -127,9 +132,16 @@ class Worker:
                 f"({self.capacity_gpu_blocks}, {self.capacity_cpu_blocks}) blocks fit"
             )
         self.reset()
-        self.runner = None
-        self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
-        self._ensure_cache()
+        if self.runner is not None and (num_gpu_blocks, num_cpu_blocks) == (
+            self.num_gpu_blocks,
+            self.num_cpu_blocks,
+        ):
+            pass  # recovery asks for the sizes it has: keep the caches (their contents are never reused)
+        else:
+            self._free_cache()
+            self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+            check_cache_fits(self.device, self.block_bytes, num_gpu_blocks)
+            self._ensure_cache()
         if self.config.world_size > 1:
             # Every rank of the set must be there: after a rank died, the survivors fail here (and
             # exit, see executor_svc/server/main.py) instead of waiting for a step that never comes.
@@ -179,6 +191,16 @@ class Worker:
         return self._plan.finish(step)
 
     # ---- memory ----------------------------------------------------------------------------------
+
+    def _free_cache(self) -> None:
+        """Drops the caches before new ones are made: the two never live at once, even when an earlier
+        step's objects still hold the old runner somewhere (they lose its tensors, not the memory)."""
+        if self.runner is None:
+            return
+        self.runner.kv_cache.release()
+        self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _ensure_cache(self) -> ModelRunner:
         if self.runner is None:

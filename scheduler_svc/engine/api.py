@@ -77,3 +77,12 @@ class EngineStats:
     num_swapped_in_blocks: int
     num_shared_block_refs: int = 0  # blocks saved by sharing (kv_manager.num_shared_block_refs)
     kv_policy: str = "paged"
+
+
+class ExecutorError(RuntimeError):
+    """An executor rank failed a call; `code` is the gRPC status code name."""
+
+    def __init__(self, target: str, code: str, details: str):
+        super().__init__(f"executor {target}: {code}: {details}")
+        self.target = target
+        self.code = code

@@ -18,7 +18,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from scheduler_svc.engine.admission import Admission, AdmissionLimits
-from scheduler_svc.engine.api import EngineStats, Executors, ModelLimits, RecoveryOptions, Tokenizer
+from scheduler_svc.engine.api import (
+    EngineStats,
+    ExecutorError,
+    Executors,
+    ModelLimits,
+    RecoveryOptions,
+    Tokenizer,
+)
 from scheduler_svc.engine.detokenizer import StopStringMatcher
 from scheduler_svc.engine.outputs import RequestDelta, RequestState, RequestStream
 from scheduler_svc.engine.stats import engine_stats, record_output, record_step
@@ -260,6 +267,14 @@ class Engine:
                           unavailable=True)
         try:
             await self.executors.recover()
+        except ExecutorError as err:
+            if err.code == "RESOURCE_EXHAUSTED":  # the cache cannot be allocated: asking again will not help
+                _log.error("executors cannot allocate their KV cache: %s", err)
+                self.fail_all(f"the executors cannot allocate their KV cache: {err}", unavailable=True)
+                raise
+            _log.warning("executors not back yet (%.0f s): %s", waited_s, err)
+            await asyncio.sleep(self.recovery.probe_interval_s)
+            return
         except Exception as err:  # noqa: BLE001 - still down: probe again
             _log.warning("executors not back yet (%.0f s): %s", waited_s, err)
             await asyncio.sleep(self.recovery.probe_interval_s)

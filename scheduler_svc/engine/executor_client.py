@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from scheduler_svc.engine.api import ExecutorError
 from scheduler_svc.wire.convert import description_from_pb, step_plan_to_pb, step_result_from_pb
 from scheduler_svc.wire.grpc_serving import MAX_MESSAGE_BYTES, bearer_metadata
 from scheduler_svc.wire.step_plan import StepPlan, StepResult
@@ -43,15 +44,6 @@ RECONNECT_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 RECOVER_TIMEOUT_S = 5.0
-
-
-class ExecutorError(RuntimeError):
-    """An executor rank failed a call; `code` is the gRPC status code name."""
-
-    def __init__(self, target: str, code: str, details: str):
-        super().__init__(f"executor {target}: {code}: {details}")
-        self.target = target
-        self.code = code
 
 
 class ExecutorPool:

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from protos.pagedserve.v1 import frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine.admission import MAX_REQUESTS_PER_CLIENT, MAX_WAITING_REQUESTS, AdmissionLimits
-from scheduler_svc.engine.api import RecoveryOptions
+from scheduler_svc.engine.api import ExecutorError, RecoveryOptions
 from scheduler_svc.engine.api import Tokenizer as EngineTokenizer
 from scheduler_svc.engine.engine import Engine, ModelLimits
 from scheduler_svc.engine.executor_client import ExecutorPool
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     try:
         asyncio.run(serve(parse_args(argv)))
-    except (ExecutorsUnreachableError, EngineDiedError) as err:
+    except (ExecutorsUnreachableError, EngineDiedError, ExecutorError) as err:
         sys.exit(f"python -m scheduler_svc.server.main: {err}")
 
 

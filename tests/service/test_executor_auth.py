@@ -72,7 +72,8 @@ def test_executor_calls_with_the_token_work(tiny_llama_dir):
 
 
 def test_a_pool_without_the_token_is_refused(tiny_llama_dir):
-    from scheduler_svc.engine.executor_client import ExecutorError, ExecutorPool
+    from scheduler_svc.engine.api import ExecutorError
+    from scheduler_svc.engine.executor_client import ExecutorPool
 
     async def describe(target: str, token: str | None):
         pool = ExecutorPool([target], token=token)

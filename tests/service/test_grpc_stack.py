@@ -72,7 +72,8 @@ def test_the_pool_steps_over_one_stream_and_reopens_it_after_an_error(tiny_llama
     """ExecutorPool drives a rank through StepStream: a plan that skips a step ends that stream
     with FAILED_PRECONDITION (as the unary Step would), and after a reset the next step opens a
     new stream and runs."""
-    from scheduler_svc.engine.executor_client import ExecutorError, ExecutorPool
+    from scheduler_svc.engine.api import ExecutorError
+    from scheduler_svc.engine.executor_client import ExecutorPool
     from scheduler_svc.wire.step_plan import StepPlan
 
     async def scenario():

@@ -237,7 +237,8 @@ def test_a_step_whose_stream_another_failed_step_dropped_fails_with_executor_err
     still raises CancelledError."""
     import asyncio
 
-    from scheduler_svc.engine.executor_client import ExecutorError, ExecutorPool
+    from scheduler_svc.engine.api import ExecutorError
+    from scheduler_svc.engine.executor_client import ExecutorPool
     from scheduler_svc.wire.step_plan import StepPlan
 
     async def scenario():

@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "scheduler_svc.kv": {"scheduler_svc.wire", "scheduler_svc.request"},
     "scheduler_svc.sched": {"scheduler_svc.wire", "scheduler_svc.request", "scheduler_svc.kv"},
     "scheduler_svc.engine": {"scheduler_svc.wire", "scheduler_svc.request", "scheduler_svc.sched"},
-    "scheduler_svc.engine.executor_client": {"protos", "scheduler_svc.wire"},
+    "scheduler_svc.engine.executor_client": {"protos", "scheduler_svc.wire", "scheduler_svc.engine.api"},
     "scheduler_svc.server": {
         "protos",
         "scheduler_svc.wire",
