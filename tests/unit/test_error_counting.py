@@ -18,7 +18,7 @@ class Context:
     def __init__(self) -> None:
         self.aborted: tuple[grpc.StatusCode, str] | None = None
 
-    async def abort(self, code: grpc.StatusCode, message: str) -> None:
+    async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata=()) -> None:
         self.aborted = (code, message)
         raise grpc.aio.AbortError()
 

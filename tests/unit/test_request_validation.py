@@ -131,10 +131,37 @@ def test_every_error_class_names_a_grpc_status():
 
 class _Context:
     status: tuple[grpc.StatusCode, str] | None = None
+    trailing_metadata: tuple = ()
 
-    async def abort(self, code, details):
+    async def abort(self, code, details, trailing_metadata=()):
         self.status = (code, details)
+        self.trailing_metadata = tuple(trailing_metadata)
         raise grpc.aio.AbortError()
+
+
+def test_a_servers_own_unavailable_asks_clients_not_to_retry_it():
+    """gRPC's retry policy re-sends UNAVAILABLE calls; a draining server must not be asked again
+    (the client library's retries hung on a draining scheduler): negative retry pushback."""
+    from scheduler_svc.wire.convert import NO_RETRY_METADATA
+
+    class Refusing:
+        @maps_errors()
+        async def Unary(self, request, context):
+            raise ServiceUnavailableError("the server is draining")
+
+        @maps_errors()
+        async def Bad(self, request, context):
+            raise InvalidRequestError("prompt", "must not be empty")
+
+    for method, code, trailing in (
+        ("Unary", grpc.StatusCode.UNAVAILABLE, NO_RETRY_METADATA),
+        ("Bad", grpc.StatusCode.INVALID_ARGUMENT, ()),
+    ):
+        context = _Context()
+        with pytest.raises(grpc.aio.AbortError):
+            asyncio.run(getattr(Refusing(), method)(None, context))
+        assert context.status[0] == code and context.trailing_metadata == trailing
+    assert NO_RETRY_METADATA == (("grpc-retry-pushback-ms", "-1"),)
 
 
 class _Servicer:
