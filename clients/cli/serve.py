@@ -450,4 +450,5 @@ def print_serving(args: argparse.Namespace, model: str, public: str, targets: li
         urls = ", ".join(f"http://localhost:{args.executor_metrics_port + r}/metrics" for r in ranks)
         print(f"executor metrics: {urls}", flush=True)
     print(f"executors (pagedserve.v1.Executor): {', '.join(targets)}", flush=True)
-    print(f"try: pagedserve generate --server {public} --prompt 'Hello'   (Ctrl-C stops)", flush=True)
+    example = "--chat 'Hello'" if not args.model else "--prompt 'Hello'"  # the default model chats
+    print(f"try: pagedserve generate --server {public} {example}   (Ctrl-C stops)", flush=True)
