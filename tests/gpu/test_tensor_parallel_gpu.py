@@ -124,7 +124,7 @@ def _rank_main(rank: int, model_dir: str, device_type: str, addr: str, forced, o
 
 
 def compare(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path) -> dict:
-    from tests.helpers.processes import free_port
+    from clients.cli.serve import free_port
 
     device = "cuda:0" if device_type == "cuda" else "cpu"
     one = _worker(str(model_dir), device, 0, 1)

@@ -1,7 +1,8 @@
 """pagedserve as real processes on loopback. Every server is started on port 0 and its port read
 from its own "listening on HOST:PORT" line (the launcher's "pagedserve is serving ... on HOST:PORT"),
-so no port is picked before the server binds it; `free_port` is left for ports that must be known
-before any process starts (a torch.distributed rendezvous, a Prometheus port a test scrapes)."""
+so no port is picked before the server binds it; `clients.cli.serve.free_port` is left for ports
+that must be known before any process starts (a torch.distributed rendezvous, a Prometheus port a
+test scrapes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -23,14 +23,6 @@ SERVING = r"pagedserve is serving .+ on (\S+:\d+) \(gRPC"  # the launcher's, onc
 EXECUTORS = r"executors \(pagedserve\.v1\.Executor\): (.+)"  # the launcher's executor targets
 EXECUTOR_TOKEN = "test-executor-token"  # the executor credential of processes started here
 EXECUTOR_TOKEN_ENV = {"PAGEDSERVE_EXECUTOR_TOKEN": EXECUTOR_TOKEN}  # an executor's and a scheduler's
-
-
-def free_port() -> int:
-    """A port free now (another process may take it before it is used: only for ports that must be
-    known before the process that binds them starts)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess(subprocess.Popen):

@@ -10,8 +10,9 @@ import urllib.request
 
 import pytest
 
+from clients.cli.serve import free_port
 from clients.client import Client
-from tests.helpers.processes import EXECUTORS, ROOT, free_port, serve
+from tests.helpers.processes import EXECUTORS, ROOT, serve
 from tests.helpers.stack import Stack
 
 

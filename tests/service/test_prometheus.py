@@ -21,8 +21,9 @@ import urllib.request
 import grpc
 import pytest
 
+from clients.cli.serve import free_port
 from clients.client import Client
-from tests.helpers.processes import free_port, serve
+from tests.helpers.processes import serve
 from tests.helpers.wait import wait_until
 
 DASHBOARD = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pagedserve-dashboard.json"

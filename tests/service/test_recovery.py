@@ -12,11 +12,12 @@ import urllib.request
 import grpc
 import pytest
 
+from clients.cli.serve import free_port
 from clients.client import Client
 from scheduler_svc.request.sequence import SequenceStatus
 from scheduler_svc.wire.grpc_serving import health_status
 from tests.helpers.generation import generate_all
-from tests.helpers.processes import EXECUTORS, ServerProcesses, free_port, serve
+from tests.helpers.processes import EXECUTORS, ServerProcesses, serve
 from tests.helpers.scheduler import add, answer, make
 from tests.helpers.stack import Stack
 from tests.helpers.wait import wait_health, wait_until

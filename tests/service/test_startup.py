@@ -6,7 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.helpers.processes import ROOT, free_port
+from clients.cli.serve import free_port
+from tests.helpers.processes import ROOT
 
 
 def test_an_unreachable_executor_is_a_one_line_error_naming_its_address(tiny_llama_dir):

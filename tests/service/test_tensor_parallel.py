@@ -14,10 +14,11 @@ from dataclasses import replace
 
 import pytest
 
+from clients.cli.serve import free_port
 from clients.client import Client
 from executor_svc.models.tiny import FAMILIES
 from executor_svc.worker.distributed import DistributedConfig, rank_from_pod_name, resolve_distributed
-from tests.helpers.processes import EXECUTOR_TOKEN, EXECUTOR_TOKEN_ENV, ServerProcess, free_port
+from tests.helpers.processes import EXECUTOR_TOKEN, EXECUTOR_TOKEN_ENV, ServerProcess
 from tests.helpers.stack import Stack
 from tests.helpers.wait import wait_health
 

@@ -29,7 +29,7 @@ class _Info(generation_pb2_grpc.GenerationServicer):
 
 def test_generate_wait_tells_a_server_that_was_ready_from_one_that_just_became_ready():
     from clients.cli.generate import wait_ready
-    from tests.helpers.processes import free_port
+    from clients.cli.serve import free_port
 
     port = free_port()
     servers = []
