@@ -30,6 +30,11 @@ SEEDED = [  # (prompt index, sampling parameters)
 ]
 
 
+def batch_size() -> int:
+    """How many requests `run_batch` sends."""
+    return len(PROMPTS) + len(SEEDED)
+
+
 async def run_batch(target: str) -> tuple[list[list[int]], list[list[list[int]]], list[str | None]]:
     """Every prompt greedily and the seeded requests, all sent at once."""
     async with AsyncClient(target) as client:

@@ -67,6 +67,24 @@ class Stack:
             self._thread.join(10)
             self.loop.close()
 
+    def schedule_together(self, num_requests: int) -> None:
+        """The engine takes no step until `num_requests` requests wait in its queue; then it runs as
+        usual. A test that needs requests to share the cache (to force preemption, say) calls this
+        before sending them, so how far apart they arrive cannot decide what the test sees."""
+        scheduler = self.engine.scheduler
+        real = scheduler.has_unfinished
+
+        def gated() -> bool:
+            if scheduler.stats().num_waiting < num_requests:
+                return False  # the engine waits for the next request's wake-up
+            del scheduler.has_unfinished  # back to the class's method
+            return real()
+
+        async def install() -> None:
+            scheduler.has_unfinished = gated  # type: ignore[method-assign]
+
+        self.run(install())
+
     def check_integrity(self) -> None:
         """The scheduler's block manager invariants (run on the engine's loop, between steps)."""
 

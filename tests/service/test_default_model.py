@@ -107,6 +107,7 @@ def _agreement(ours: list[list[int]], hf: list[list[int]]) -> tuple[int, int]:
 )
 def test_greedy_tokens_equal_transformers_on_the_real_model(smollm2_dir, prompts, hf_greedy, cache):
     with Stack(smollm2_dir, **cache) as stack:
+        stack.schedule_together(len(prompts))  # all in the cache at once: the small one must preempt
         ours, reasons = asyncio.run(_greedy(stack.target, prompts))
         stats = stack.engine.stats()
         stack.check_integrity()

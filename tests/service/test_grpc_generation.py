@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from clients.client import AsyncClient
-from tests.helpers.generation import MAX_TOKENS, PROMPTS, run_batch
+from tests.helpers.generation import MAX_TOKENS, PROMPTS, batch_size, run_batch
 from tests.helpers.stack import Stack
 
 
@@ -76,6 +76,7 @@ def test_same_outputs_when_a_tiny_cache_forces_preemption(
         preemption=preemption,
         enable_prefix_caching=prefix_caching,
     ) as stack:
+        stack.schedule_together(batch_size())
         greedy, seeded, _ = asyncio.run(run_batch(stack.target))
         stats = stack.engine.stats()
         _assert_all_blocks_free(stack)

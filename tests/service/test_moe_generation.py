@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import torch
 
-from tests.helpers.generation import MAX_TOKENS, PROMPTS, run_batch
+from tests.helpers.generation import MAX_TOKENS, PROMPTS, batch_size, run_batch
 from tests.helpers.stack import Stack
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
@@ -46,6 +46,7 @@ def family_and_hf_greedy(request, tiny_model_dirs):
 def test_greedy_equals_transformers(family_and_hf_greedy, tiny_model_dirs, setting):
     family, hf_greedy = family_and_hf_greedy
     with Stack(tiny_model_dirs[family], **SETTINGS[setting]) as stack:
+        stack.schedule_together(batch_size())
         greedy, _, _ = asyncio.run(run_batch(stack.target))
         stats = stack.engine.stats()
         stack.check_integrity()

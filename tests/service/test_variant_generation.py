@@ -85,6 +85,7 @@ def new_family(request, tiny_model_dirs):
 def test_new_family_greedy_through_the_services_equals_transformers(new_family, options):
     family, folder, expected = new_family
     with Stack(folder, **options) as stack:
+        stack.schedule_together(len(PROMPTS))
         got = asyncio.run(_served_greedy(stack.target))
         stats = stack.engine.stats()
     if options["num_gpu_blocks"] == 14:
