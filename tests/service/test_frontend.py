@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from clients.client import AsyncClient, Client
-from tests.helpers.generation import MAX_TOKENS, PROMPTS, run_batch
+from tests.helpers.generation import MAX_TOKENS, PROMPTS, batch_size, run_batch
 from tests.helpers.stack import EXECUTOR_TOKEN, Stack, health
 from tests.helpers.wait import wait_until
 
@@ -47,6 +47,7 @@ def frontend_stack(tiny_llama_dir):
 def test_front_end_streams_the_tokens_of_a_direct_connection(tiny_llama_dir, frontend_stack):
     with Stack(tiny_llama_dir, num_gpu_blocks=14, num_cpu_blocks=14) as direct:
         expected = asyncio.run(run_batch(direct.target))
+    frontend_stack.schedule_together(batch_size())  # the tiny cache is shared: preemption happens
     got = asyncio.run(run_batch(frontend_stack.target))
     assert got == expected
     assert frontend_stack.engine.stats().num_preemptions > 0  # a tiny cache: preemption happened
