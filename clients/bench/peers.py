@@ -1,5 +1,5 @@
 """`pagedserve bench --compare`: the Hugging Face peers on the same GPU, model and requests as
-ours, and the offline ideal time (clients/bench_report.ideal_time) against the measured wall time."""
+ours, and the offline ideal time (clients/bench/report.py ideal_time) against the measured wall time."""
 
 from __future__ import annotations
 
@@ -52,17 +52,42 @@ def peer_size(args, peer: str, num_requests: int) -> int:
     return min(size or num_requests, num_requests)
 
 
-def add_ideal(spec: ModelSpec, requests_by_size: dict[int, list], runs: dict[int, dict]) -> dict:
-    from clients.bench.report import measure_device_rates
+def add_ideal(
+    spec: ModelSpec,
+    requests_by_size: dict[int, list],
+    runs: dict[int, dict],
+    tensor_parallel_size: int = 1,
+    max_num_batched_tokens: int | None = None,
+) -> dict | None:
+    """Measures this machine's rates and puts each run's ideal time and measured / ideal in it; returns
+    the rates (None, with the reason printed, when the machine has fewer GPUs than the ranks). Runs
+    after our servers stopped: at TP > 1 the all-reduce takes the GPUs the ranks held."""
+    import torch
 
+    from clients.bench.device_rates import measure_all_reduce_rates, measure_device_rates
+
+    t = tensor_parallel_size
+    if torch.cuda.device_count() < t:
+        print(f"bench: no ideal time: tensor-parallel size {t} needs {t} GPUs to measure its all-reduce, "
+              f"this machine has {torch.cuda.device_count()}", file=sys.stderr)
+        return None
+    all_reduce = measure_all_reduce_rates(t) if t > 1 else None
     rates = measure_device_rates()
     for size, summary in runs.items():
         reqs = requests_by_size[size]
-        ideal = ideal_time(spec, [r.prompt_len for r in reqs], [r.max_tokens for r in reqs], rates)
+        ideal = ideal_time(spec, [r.prompt_len for r in reqs], [r.max_tokens for r in reqs], rates,
+                           t, all_reduce, max_num_batched_tokens)
         ideal["measured_over_ideal"] = round(ideal["total_s"] / summary["wall_s"], 3)
         summary["ideal"] = ideal
-    return {
+    measured = {
         "device": rates.device,
         "copy_tb_s": round(rates.copy_bytes_per_s / 1e12, 3),
         "matmul_tflop_s": round(rates.matmul_flops_per_s / 1e12, 1),
     }
+    if all_reduce is not None:
+        measured |= {
+            "tensor_parallel_size": t,
+            "all_reduce_latency_us": round(all_reduce.latency_s * 1e6, 1),
+            "all_reduce_bus_gb_s": round(all_reduce.bus_bytes_per_s / 1e9, 1),
+        }
+    return measured

@@ -170,49 +170,82 @@ class DeviceRates:
     matmul_flops_per_s: float  # bf16 GEMM
 
 
-def measure_device_rates() -> DeviceRates:
-    """The two ceilings on this GPU: a 1 GiB copy and an 8192^3 bf16 matrix product (median of 10)."""
-    import torch
+@dataclass(frozen=True, slots=True)
+class AllReduceRates:
+    """A ring all-reduce over `world_size` GPUs, fitted to two measured sizes
+    (clients/bench/device_rates.py): time(bytes) = latency_s + 2 (t - 1) / t x bytes / bus_bytes_per_s,
+    the bus bandwidth as nccl-tests defines it (each rank sends and receives 2 (t - 1) / t x bytes)."""
 
-    def median_ms(fn) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(10):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        return percentile(times, 50)
+    latency_s: float
+    bus_bytes_per_s: float
+    world_size: int
 
-    src = torch.randn(1 << 29, dtype=torch.bfloat16, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src))
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    mm_ms = median_ms(lambda: a @ b)
-    rates = DeviceRates(
-        torch.cuda.get_device_name(), 2 * src.numel() * 2 / (copy_ms / 1e3), 2 * n**3 / (mm_ms / 1e3)
-    )
-    return rates
+    def __post_init__(self) -> None:
+        if self.world_size < 2 or self.latency_s < 0 or self.bus_bytes_per_s <= 0:
+            raise ValueError(f"bad all-reduce rates {self}")
+
+    def time_s(self, num_bytes: float) -> float:
+        t = self.world_size
+        return self.latency_s + 2 * (t - 1) / t * num_bytes / self.bus_bytes_per_s
 
 
-def ideal_time(spec: ModelSpec, prompt_lens: list[int], output_lens: list[int], rates: DeviceRates) -> dict:
+def ideal_time(
+    spec: ModelSpec,
+    prompt_lens: list[int],
+    output_lens: list[int],
+    rates: DeviceRates,
+    tensor_parallel_size: int = 1,
+    all_reduce: AllReduceRates | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> dict:
     """Every request runs from the start: prefill (all prompts, FLOPs / matmul rate) produces each
     first token; decode step k (k = 1 .. max output - 1) runs the requests with more than k output
     tokens and takes max(bytes / copy rate, FLOPs / matmul rate), bytes = the weights once + the K/V
     of every active context, FLOPs = 2 x matmul params per token + attention (4 x hidden x layers
     per context position). For a mixture of experts, the weights a decode step reads are the dense
     ones and the experts its tokens touch (`ModelSpec.params_read`: E (1 - (1 - k/E)^tokens) per
-    layer), and a token's FLOPs count its k experts only (`num_active_params`)."""
+    layer), and a token's FLOPs count its k experts only (`num_active_params`).
+
+    At tensor-parallel size t > 1 (docs/tensor_parallel.md) the rates are one GPU's and every figure
+    is one rank's: 1/t of the matmul weights, except the K/V projections of a model with fewer KV
+    heads than ranks, which are replicated (a rank holds max(1, kv_heads / t) heads, so its K/V cache
+    per token is kv_bytes_per_token x that / kv_heads); 1/t of the attention FLOPs (query heads
+    split). Each step then also pays, not overlapped with compute, 2 x layers + 1 all-reduces of
+    [step tokens, hidden] bf16 (after o_proj and down_proj of every layer, and after the
+    vocabulary-parallel embedding), each `all_reduce.time_s(bytes)`. The prefill is cut into steps
+    of `max_num_batched_tokens` prompt tokens (one step when None) for the all-reduces; its compute
+    stays FLOPs / matmul rate. Left out: the logits all-gather (step rows x vocab x 2 bytes, once a
+    step), replicated norms and routers, and decode tokens riding in prefill steps. "all_reduce_s"
+    is the part of total_s spent in all-reduces."""
+    t = tensor_parallel_size
+    if (all_reduce.world_size if all_reduce else 1) != t:
+        raise ValueError(f"tensor-parallel size {t} needs all-reduce rates measured over {t} GPUs")
+    if t < 1 or spec.num_heads % t or (spec.num_kv_heads % t and spec.num_kv_heads > t):
+        raise ValueError(f"{spec.num_heads} heads / {spec.num_kv_heads} KV heads do not split over {t} ranks")
+    kv_heads_per_rank = max(1, spec.num_kv_heads // t)
+    kv_proj = spec.num_layers * 2 * spec.hidden_size * spec.head_dim  # K and V projections per KV head
+
+    def per_rank(params: float) -> float:
+        if t == 1:
+            return params
+        return (params - kv_proj * spec.num_kv_heads) / t + kv_proj * kv_heads_per_rank
+
+    def all_reduces_s(num_tokens: int) -> float:
+        if all_reduce is None:
+            return 0.0
+        return (2 * spec.num_layers + 1) * all_reduce.time_s(num_tokens * spec.hidden_size * BYTES_PER_PARAM)
+
     embedding = spec.vocab_size * spec.hidden_size  # a lookup, no matmul
-    matmul_params = spec.num_active_params - embedding
-    attn_flops_per_pos = 4 * spec.hidden_size * spec.num_layers  # QK^T and PV, 2 FLOPs per MAC
+    matmul_params = per_rank(spec.num_active_params - embedding)
+    attn_flops_per_pos = 4 * spec.hidden_size * spec.num_layers // t  # QK^T and PV, 2 FLOPs per MAC
+    kv_bytes_per_token = spec.kv_bytes_per_token * kv_heads_per_rank // spec.num_kv_heads
     prefill_flops = sum(2 * matmul_params * p + attn_flops_per_pos * p * (p + 1) / 2 for p in prompt_lens)
     prefill_s = prefill_flops / rates.matmul_flops_per_s
+    num_prompt_tokens = sum(prompt_lens)
+    step_tokens = max_num_batched_tokens or max(1, num_prompt_tokens)
+    prefill_steps = [step_tokens] * (num_prompt_tokens // step_tokens) + [num_prompt_tokens % step_tokens]
+    all_reduce_s = sum(all_reduces_s(n) for n in prefill_steps if n)
+    prefill_s += all_reduce_s
     decode_s = 0.0
     pairs = sorted(zip(output_lens, prompt_lens, strict=True), reverse=True)
     for k in range(1, max(output_lens, default=1)):
@@ -220,12 +253,18 @@ def ideal_time(spec: ModelSpec, prompt_lens: list[int], output_lens: list[int], 
         if not active:
             break
         context = sum(active) + k * len(active)
-        weight_bytes = (spec.params_read(len(active)) - embedding) * BYTES_PER_PARAM
-        bytes_moved = weight_bytes + context * spec.kv_bytes_per_token
+        weight_bytes = per_rank(spec.params_read(len(active)) - embedding) * BYTES_PER_PARAM
+        bytes_moved = weight_bytes + context * kv_bytes_per_token
         flops = 2 * matmul_params * len(active) + attn_flops_per_pos * context
-        decode_s += max(bytes_moved / rates.copy_bytes_per_s, flops / rates.matmul_flops_per_s)
-    return {
+        step_s = max(bytes_moved / rates.copy_bytes_per_s, flops / rates.matmul_flops_per_s)
+        step_all_reduce_s = all_reduces_s(len(active))
+        all_reduce_s += step_all_reduce_s
+        decode_s += step_s + step_all_reduce_s
+    out = {
         "prefill_s": round(prefill_s, 4),
         "decode_s": round(decode_s, 4),
         "total_s": round(prefill_s + decode_s, 4),
     }
+    if t > 1:
+        out["all_reduce_s"] = round(all_reduce_s, 4)
+    return out

@@ -20,7 +20,8 @@ weights and no tokenizer (token-id prompts, empty text).
 `--compare` stops our servers, then runs the Hugging Face peers in this process on the same GPU,
 model and requests (`--static-requests` / `--cb-requests` take a prefix of the requests, since the
 peers are slow) and prints our throughput on the identical request set divided by theirs.
-On CUDA the offline run also prints measured / ideal (clients/bench_report.ideal_time).
+On CUDA the offline run also prints measured / ideal (clients/bench/report.py ideal_time; at
+--tensor-parallel-size N > 1 with the all-reduce over N GPUs measured after our servers stop).
 """
 
 from __future__ import annotations
@@ -151,8 +152,11 @@ def run(args: argparse.Namespace) -> int:
             result["runs"] = list(runs.values()) + also
             greedy = args.n == 1 and args.beam_width == 1  # the ideal time models one sequence per request
             gpu = greedy and _cuda_available() and not args.no_ideal and args.device != "cpu"
-            if gpu:
-                result["device_rates"] = add_ideal(spec, {k: requests[:k] for k in sizes}, runs)
+            if gpu:  # after `servers` stopped the executors: the measurement needs their GPUs
+                rates = add_ideal(spec, {k: requests[:k] for k in sizes}, runs, args.tensor_parallel_size,
+                                  args.max_num_batched_tokens)
+                if rates is not None:
+                    result["device_rates"] = rates
             ours_ok = all(r["output_tokens"] == r["expected_output_tokens"] for r in result["runs"])
             if args.compare and ours_ok:
                 result["peers"] = run_peers(args, model, requests, runs)

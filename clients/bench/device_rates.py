@@ -1,0 +1,90 @@
+"""The ceilings the ideal time (clients/bench/report.py `ideal_time`) divides by, measured on this
+machine's GPUs: one GPU's copy and bf16 matmul rates, and the all-reduce latency and bus bandwidth
+over `world_size` GPUs (NCCL, one process per GPU, as the executor ranks run)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from clients.bench.report import AllReduceRates, DeviceRates, percentile
+
+ALL_REDUCE_SMALL_BYTES = 16 << 10  # latency: a message the size of a few decode tokens' hidden states
+ALL_REDUCE_LARGE_BYTES = 256 << 20  # bandwidth
+
+
+def median_ms(fn: Callable[[], object], reps: int = 1) -> float:
+    """Median over 10 timings (CUDA events, after 3 warm-ups) of `reps` back-to-back calls, per call."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(10):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / reps)
+    return percentile(times, 50)
+
+
+def measure_device_rates() -> DeviceRates:
+    """The two ceilings on this GPU: a 1 GiB copy and an 8192^3 bf16 matrix product (median of 10)."""
+    import torch
+
+    src = torch.randn(1 << 29, dtype=torch.bfloat16, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    mm_ms = median_ms(lambda: a @ b)
+    return DeviceRates(
+        torch.cuda.get_device_name(), 2 * src.numel() * 2 / (copy_ms / 1e3), 2 * n**3 / (mm_ms / 1e3)
+    )
+
+
+def measure_all_reduce_rates(world_size: int) -> AllReduceRates:
+    """All-reduce of bf16 messages over GPUs 0 .. world_size-1, one spawned process each (NCCL, the
+    environment inherited: keep NVLink multicast off where docs/tensor_parallel.md says so). The
+    latency is the median time of a 16 KiB all-reduce (20 back to back per timing, so the ranks'
+    start skew is spread out); the bus bandwidth comes from a 256 MiB one with that latency taken
+    off, so `AllReduceRates.time_s` reproduces both measured times."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from clients.cli.serve import free_port
+
+    if world_size < 2:
+        raise ValueError(f"an all-reduce needs at least 2 GPUs, not {world_size}")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise RuntimeError(f"measuring an all-reduce over {world_size} GPUs needs {world_size} CUDA GPUs; "
+                           f"this machine has {found}")
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_all_reduce_rank, args=(world_size, free_port(), results), nprocs=world_size, join=True)
+    small_s, large_s = results.get()
+    factor = 2 * (world_size - 1) / world_size
+    return AllReduceRates(small_s, factor * ALL_REDUCE_LARGE_BYTES / (large_s - small_s), world_size)
+
+
+def _all_reduce_rank(rank: int, world_size: int, port: int, results) -> None:
+    """One rank of `measure_all_reduce_rates`; rank 0 puts (small, large) seconds per all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, device_id=device)
+    try:
+        small = torch.zeros(ALL_REDUCE_SMALL_BYTES // 2, dtype=torch.bfloat16, device=device)
+        large = torch.zeros(ALL_REDUCE_LARGE_BYTES // 2, dtype=torch.bfloat16, device=device)
+        small_ms = median_ms(lambda: dist.all_reduce(small), reps=20)
+        large_ms = median_ms(lambda: dist.all_reduce(large), reps=2)
+        if rank == 0:
+            results.put((small_ms / 1e3, large_ms / 1e3))
+    finally:
+        dist.destroy_process_group()
