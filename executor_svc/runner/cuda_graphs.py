@@ -13,6 +13,11 @@ The attention metadata is captured with max_seq_len = the model's max length, so
 split-K count (chosen on the host from max_seq_len and the grid) is fixed per bucket; partitions past
 a sequence's end exit at once and weigh zero in the reduction. The logits of the padded batch
 `[b, V]` float32 come out of a static buffer too; the sampler runs eagerly on the real rows.
+
+At TP > 1 the tensor-parallel all-reduces and the logits all-gather are captured inside each rank's
+graphs (NCCL supports stream capture): replaying bucket b on every rank replays the same collectives
+in the same order, so the ranks stay matched. The warm-up passes before each capture run the
+collectives for real, which also creates the NCCL communicator before any capture.
 """
 
 from __future__ import annotations

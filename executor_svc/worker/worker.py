@@ -84,10 +84,11 @@ class Worker:
         )
         self.num_gpu_blocks, self.num_cpu_blocks = self.capacity_gpu_blocks, self.capacity_cpu_blocks
         self.runner: ModelRunner | None = None
-        # Decode steps replay CUDA graphs on one GPU unless config.enforce_eager.
-        self.use_cuda_graphs = (
-            self.device.type == "cuda" and config.world_size == 1 and not config.enforce_eager
-        )
+        # Decode steps replay CUDA graphs on the GPU unless config.enforce_eager. At TP > 1 each
+        # rank's graphs hold its NCCL collectives: every rank captures the same buckets in the same
+        # order (the warm-up passes run real collectives, matched across ranks) and replays the same
+        # bucket for a step, since the choice depends only on the plan, which every rank gets.
+        self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
         self._plan = PlanApplier(
             self.device,
             self.cache_config.block_size,

@@ -91,7 +91,7 @@ def run_greedy(worker, forced: list[list[int]] | None) -> tuple[torch.Tensor, li
     return torch.stack(logits), sampled
 
 
-def _worker(model_dir: str, device: str, rank: int, world_size: int):
+def _worker(model_dir: str, device: str, rank: int, world_size: int, graphs: bool = False):
     from executor_svc.worker.worker import Worker, WorkerConfig
 
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -104,18 +104,20 @@ def _worker(model_dir: str, device: str, rank: int, world_size: int):
             num_cpu_blocks=0,
             rank=rank,
             world_size=world_size,
-            enforce_eager=True,  # the same eager path on both sides (graphs are tested apart)
+            enforce_eager=not graphs,  # TP=1: eager; TP=2: eager, or its decode steps as CUDA graphs
         )
     )
 
 
-def _rank_main(rank: int, model_dir: str, device_type: str, addr: str, forced, out_path: str) -> None:
+def _rank_main(
+    rank: int, model_dir: str, device_type: str, addr: str, forced, out_path: str, graphs: bool
+) -> None:
     from executor_svc.worker.distributed import DistributedConfig, init_process_group, rank_device
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     device = rank_device(device_type, rank, environ={})
     init_process_group(DistributedConfig(rank, 2, addr, timeout_s=120), device)
-    worker = _worker(model_dir, device, rank, 2)
+    worker = _worker(model_dir, device, rank, 2, graphs)
     forced_logits, _ = run_greedy(worker, forced)
     _, free_tokens = run_greedy(worker, None)
     if rank == 0:
@@ -123,7 +125,7 @@ def _rank_main(rank: int, model_dir: str, device_type: str, addr: str, forced, o
     torch.distributed.destroy_process_group()
 
 
-def compare(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path) -> dict:
+def compare(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path, graphs: bool = False) -> dict:
     from clients.cli.serve import free_port
 
     device = "cuda:0" if device_type == "cuda" else "cpu"
@@ -135,7 +137,7 @@ def compare(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path) ->
     out_path = str(tmp_dir / "tp2.pt")
     torch.multiprocessing.spawn(
         _rank_main,
-        args=(str(model_dir), device_type, f"127.0.0.1:{free_port()}", ref_tokens, out_path),
+        args=(str(model_dir), device_type, f"127.0.0.1:{free_port()}", ref_tokens, out_path, graphs),
         nprocs=2,
     )
     tp2 = torch.load(out_path)
@@ -162,9 +164,12 @@ def compare(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path) ->
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpu_ranks_match_one_in_bf16(tmp_path):
-    figures = compare(make_medium_model(tmp_path / "medium"), "cuda", tmp_path)
-    print("TP2_VS_TP1", json.dumps(figures), flush=True)
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_two_gpu_ranks_match_one_in_bf16(tmp_path, graphs):
+    """TP=2 (eager, or decode steps replayed as CUDA graphs holding the NCCL all-reduces) against
+    TP=1 eager, teacher-forced on TP=1's tokens."""
+    figures = compare(make_medium_model(tmp_path / "medium"), "cuda", tmp_path, graphs)
+    print("TP2_VS_TP1", "graphs" if graphs else "eager", json.dumps(figures), flush=True)
     sigma = figures["logit_std"]
     assert figures["mean_abs_diff"] < 0.02 * sigma
     assert figures["max_abs_diff"] < 0.15 * sigma
