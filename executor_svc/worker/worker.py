@@ -17,6 +17,7 @@ after either, the scheduler resets the worker. Finished ids the worker does not 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -44,6 +45,21 @@ from scheduler_svc.wire.worker_description import WorkerDescription
 __all__ = ["PlanError", "StepOrderError", "Worker", "WorkerConfig"]
 
 
+def _on_device(method):
+    """Makes the rank's GPU the calling thread's current device first. The gRPC servicer calls the
+    worker from a thread pool, and the current CUDA device is per thread (0 in a new one): Triton
+    launches on the current device, so rank 1's kernels would get rank 0's context ("Pointer
+    argument cannot be accessed from Triton") without this."""
+
+    @functools.wraps(method)
+    def on_device(self, *args, **kwargs):
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
+        return method(self, *args, **kwargs)
+
+    return on_device
+
+
 class Worker:
     launches_ahead = True  # launch() queues the step's device work and returns before it is done
 
@@ -57,6 +73,8 @@ class Worker:
         self.config = config
         self.cache_config = config.cache_config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:  # the thread's current one, named
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
         self.model = load_model(
@@ -122,6 +140,7 @@ class Worker:
             hidden_size=mc.hidden_size,
         )
 
+    @_on_device
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Allocates the caches (dropping any sequence state); at most the blocks that fit (the
         profiled capacity, whatever size an earlier call chose)."""
@@ -148,6 +167,7 @@ class Worker:
             # exit, see executor_svc/server/main.py) instead of waiting for a step that never comes.
             torch.distributed.barrier()
 
+    @_on_device
     def reset(self) -> None:
         """Drops every sequence's state and the step count; the next plan may carry any step_id."""
         self._plan.reset()
@@ -165,6 +185,7 @@ class Worker:
     def kv_cache(self) -> KVCache:
         return self._ensure_cache().kv_cache
 
+    @_on_device
     def memory_usage(self) -> MemoryUsage:
         return memory_usage(
             self.device, self.block_bytes, self.num_gpu_blocks, self.num_cpu_blocks, self.runner is not None
@@ -172,20 +193,24 @@ class Worker:
 
     # ---- one step (executor_svc/worker/plan_apply.py) --------------------------------------------
 
+    @_on_device
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step to the end (`launch`, then `finish`)."""
         return self._plan.finish(self._plan.launch(plan))
 
+    @_on_device
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Applies the plan and queues the step's GPU work (block operations, forward pass, sampling,
         copy of the samples to the host) without waiting for it, so the host can go on to the next
         plan while the GPU runs this one. Steps are finished in the order they were launched."""
         return self._plan.launch(plan)
 
+    @_on_device
     def wait(self, step: LaunchedStep) -> None:
         """Blocks until the GPU is done with `step` (not with steps launched after it)."""
         self._plan.wait(step)
 
+    @_on_device
     def finish(self, step: LaunchedStep) -> StepResult:
         """The step's samples, once the GPU is done with it; also fills in the tokens that later
         steps took from it on the device."""
