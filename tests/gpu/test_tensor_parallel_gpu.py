@@ -146,7 +146,10 @@ def compare(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path, gr
     margin = top2[..., 0] - top2[..., 1]
     agree = tp2["logits"].argmax(-1) == ref_logits.argmax(-1)
     sigma = float(ref_logits.std())
-    clear = margin > 0.05 * sigma
+    # a row whose top-2 gap is wider than twice the max-error bound (0.15 sigma, asserted below) cannot
+    # flip while that bound holds: on those rows the argmax must agree (0.05 sigma let one of 224 rows
+    # flip on 2x H100, max error 1.44 = 0.09 sigma, inside the bound)
+    clear = margin > 0.3 * sigma
     identical = sum(a == b for a, b in zip(tp2["free_tokens"], ref_tokens, strict=True))
     return {
         "device": torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu",
@@ -174,6 +177,7 @@ def test_two_gpu_ranks_match_one_in_bf16(tmp_path, graphs):
     assert figures["mean_abs_diff"] < 0.02 * sigma
     assert figures["max_abs_diff"] < 0.15 * sigma
     assert figures["argmax_agreement_clear_margin"] == 1.0
+    assert figures["argmax_agreement"] >= 0.95  # all rows, near-ties included (0.962 seen, 2x H100)
 
 
 def main(argv: list[str] | None = None) -> None:
