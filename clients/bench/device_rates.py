@@ -49,8 +49,10 @@ def measure_device_rates() -> DeviceRates:
 def measure_all_reduce_rates(world_size: int) -> AllReduceRates:
     """All-reduce of bf16 messages over GPUs 0 .. world_size-1, one spawned process each (NCCL, the
     environment inherited: keep NVLink multicast off where docs/tensor_parallel.md says so). The
-    latency is the median time of a 16 KiB all-reduce (20 back to back per timing, so the ranks'
-    start skew is spread out); the bus bandwidth comes from a 256 MiB one with that latency taken
+    latency is the median time of a 16 KiB all-reduce replayed from a CUDA graph of 20 back to back,
+    as the executor's decode graphs run them (issued eagerly, each one also pays ~30 us of host
+    launch: 43.9 us per all-reduce measured that way on 2x H100, which made the ideal too lenient);
+    the bus bandwidth comes from a 256 MiB one with that latency taken
     off, so `AllReduceRates.time_s` reproduces both measured times."""
     import torch
     import torch.multiprocessing as mp
@@ -82,9 +84,27 @@ def _all_reduce_rank(rank: int, world_size: int, port: int, results) -> None:
     try:
         small = torch.zeros(ALL_REDUCE_SMALL_BYTES // 2, dtype=torch.bfloat16, device=device)
         large = torch.zeros(ALL_REDUCE_LARGE_BYTES // 2, dtype=torch.bfloat16, device=device)
-        small_ms = median_ms(lambda: dist.all_reduce(small), reps=20)
+        small_ms = _graph_ms(lambda: dist.all_reduce(small), 20)
         large_ms = median_ms(lambda: dist.all_reduce(large), reps=2)
         if rank == 0:
             results.put((small_ms / 1e3, large_ms / 1e3))
     finally:
         dist.destroy_process_group()
+
+
+def _graph_ms(fn: Callable[[], object], count: int) -> float:
+    """Per call: `count` calls of fn captured in one CUDA graph (after eager warm-ups on a side
+    stream, which also sets up NCCL), the graph's replay timed by `median_ms`."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(count):
+            fn()
+    return median_ms(graph.replay) / count
