@@ -16,8 +16,11 @@ import torch
 from kernels import reference
 
 __all__ = [
+    "batch_invariant_matmul",
     "copy_blocks",
     "fused_moe",
+    "gemma_rms_norm",
+    "layer_norm",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
@@ -40,13 +43,16 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
-    sliding_window: int = 0, logit_softcap: float = 0.0,
+    sliding_window: int = 0, logit_softcap: float = 0.0, deterministic: bool = False,
 ) -> torch.Tensor:
-    impl = _cuda_module("triton_attention") if query.is_cuda else reference
-    return impl.paged_attention(
+    """deterministic: batch-invariant rows (kernels/triton_attention.py); the CPU reference ignores it."""
+    args = (
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         max_query_len, max_seq_len, scale, sliding_window, logit_softcap,
     )
+    if query.is_cuda:
+        return _cuda_module("triton_attention").paged_attention(*args, deterministic=deterministic)
+    return reference.paged_attention(*args)
 
 
 def copy_blocks(kv_cache, block_mapping) -> None:
@@ -78,3 +84,21 @@ def silu_and_mul(x) -> torch.Tensor:
 def fused_moe(hidden, w13, w2, router_logits, top_k, renormalize) -> torch.Tensor:
     impl = _cuda_module("triton_moe") if hidden.is_cuda else reference
     return impl.fused_moe(hidden, w13, w2, router_logits, top_k, renormalize)
+
+
+# ---- deterministic mode (kernels/triton_batch_invariant.py): each row computed alike in any batch ----
+
+
+def batch_invariant_matmul(x, weight, bias=None) -> torch.Tensor:
+    impl = _cuda_module("triton_batch_invariant").matmul if x.is_cuda else reference.batch_invariant_matmul
+    return impl(x, weight, bias)
+
+
+def gemma_rms_norm(x, weight, eps) -> torch.Tensor:
+    impl = _cuda_module("triton_batch_invariant") if x.is_cuda else reference
+    return impl.gemma_rms_norm(x, weight, eps)
+
+
+def layer_norm(x, weight, bias, eps) -> torch.Tensor:
+    impl = _cuda_module("triton_batch_invariant") if x.is_cuda else reference
+    return impl.layer_norm(x, weight, bias, eps)

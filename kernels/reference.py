@@ -208,3 +208,41 @@ def fused_moe(
         y = silu_and_mul(gate_up) @ w2[expert].to(acc).t()  # [n, H]
         out.index_add_(0, token_index, y * weights[token_index, slot, None].to(acc))
     return out.to(hidden.dtype)
+
+
+# ---- deterministic mode: the CPU forms of kernels/triton_batch_invariant.py ---------------------------
+
+
+def batch_invariant_matmul(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """x @ weight.T + bias -> [M, N] in x's dtype, in float32 (float64 for float64 inputs), each row
+    by its own matrix-vector product of the same shape on a fresh copy of the row (a BLAS GEMM picks
+    its kernel and blocking by M, and a vectorized dot may peel by the row's alignment), so a row's
+    result never depends on the other rows. One Python iteration per row: the CPU path of
+    deterministic mode, for tests and tiny models, not for speed."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    w = weight.to(acc)  # [N, K]
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=acc, device=x.device)  # [M, N]
+    for i in range(x.shape[0]):
+        out[i] = torch.mv(w, x[i].to(acc).clone())
+    if bias is not None:
+        out += bias.to(acc)
+    return out.to(x.dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm of [..., D] as Hugging Face computes it: the weight is an offset from 1,
+    applied in float32 before the one cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """LayerNorm of [..., D] over D (OPT)."""
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)

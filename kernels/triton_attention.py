@@ -24,6 +24,22 @@ output with its running max and sum, and `_reduce_splits_kernel` combines them. 
 own context evenly (whole K/V tiles, at least two), so the work is balanced whatever the lengths:
 a CUDA graph captures the split count for the model's maximum length, and partitions of that
 maximum would leave all but the first empty for the contexts a server actually sees.
+
+Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
+row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
+alone, in a batch, as a row of a prefill chunk or of a recompute gets the same bits. Then:
+  - one tile shape for every step: the prefill tile (BLOCK_M 64 rows, BLOCK_N 64, 4 warps, 2 stages),
+    decode included (a decode sequence is a query of length 1 in a BLOCK_Q tile, as in mixed
+    batches), so each row goes through the same instructions wherever it sits;
+  - no split-K: one program reduces a row's whole context, always in the same order;
+  - the K/V loop starts at a multiple of BLOCK_N (0, or the start of the tile holding the first
+    row's window start), so a row sees its context in the same K/V tiles however it was chunked;
+  - every K/V tile takes the masked path. The default mode skips the mask on tiles at or before a
+    query tile's first row, a bound that depends on the row's neighbours; masked and unmasked code
+    may round differently (the compiler may fuse the scores' scaling into exp2's argument in one
+    and not the other). Tiles that a tile's other rows add (wholly after or before what the row
+    sees) leave its running max, sum and accumulator bit for bit unchanged: exp2(-inf) = 0 and
+    exp2(0) = 1.
 """
 
 import math
@@ -94,6 +110,41 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _attend_context(
+    acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
+    first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window, softcap_log2,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """The default mode's pass over a query tile's context [kv_lo, kv_hi): the mask only where some
+    row of the tile needs it."""
+    # Whole tiles at or before the tile's first query position need no mask; the rest (the causal
+    # diagonal, the partial last tile) do. SLIDING: so do the positions before the last row's window
+    # (the first rows see them, later rows do not), attended first with their own upper bound.
+    unmasked_lo = kv_lo
+    if SLIDING:
+        unmasked_lo = tl.minimum(tl.maximum(kv_lo, kv_end - window), tl.maximum(kv_hi, kv_lo))
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, unmasked_lo,
+            unmasked_lo, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+            softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
+        )
+    num_unmasked = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BLOCK_N
+    unmasked_hi = unmasked_lo + num_unmasked * BLOCK_N
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo, unmasked_hi,
+        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+        softcap_log2, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, SLIDING, SOFTCAP,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_hi, kv_hi,
+        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+        softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
+    )
+    return acc, m_i, l_i
+
+
 # Triton compiles a variant per value class of each integer argument (1, a multiple of 16, other);
 # these change from step to step, and a serving process would stall on a compilation (1-2 s) each
 # time a step brings a new combination. Their values never shape the code.
@@ -110,7 +161,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DETERMINISTIC: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -165,29 +216,18 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head.to(tl.int64) * stride_c_head
-    # Whole tiles at or before the tile's first query position need no mask; the rest (the causal
-    # diagonal, the partial last tile) do. SLIDING: so do the positions before the last row's window
-    # (the first rows see them, later rows do not), attended first with their own upper bound.
-    unmasked_lo = kv_lo
-    if SLIDING:
-        unmasked_lo = tl.minimum(tl.maximum(kv_lo, kv_end - window), tl.maximum(kv_hi, kv_lo))
+    if DETERMINISTIC:  # no split: [kv_lo, kv_hi) is the tile's whole context (or window), all masked
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, unmasked_lo,
-            unmasked_lo, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-            softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset,
+            kv_lo // BLOCK_N * BLOCK_N, kv_hi, kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block,
+            stride_c_slot, window, softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
         )
-    num_unmasked = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BLOCK_N
-    unmasked_hi = unmasked_lo + num_unmasked * BLOCK_N
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo, unmasked_hi,
-        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-        softcap_log2, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, SLIDING, SOFTCAP,
-    )
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_hi, kv_hi,
-        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-        softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
-    )
+    else:
+        acc, m_i, l_i = _attend_context(
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
+            first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+            softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP,
+        )
 
     if SPLIT:
         part_row = (row_global * num_heads + row_head) * num_splits + split  # [BLOCK_M]
@@ -266,14 +306,16 @@ def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
     max_query_len, max_seq_len, scale, sliding_window: int = 0, logit_softcap: float = 0.0, *,
     num_splits: int | None = None,
-    tile: tuple[int, int, int] | None = None, block_m: int | None = None,
+    tile: tuple[int, int, int] | None = None, block_m: int | None = None, deterministic: bool = False,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
     the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
     likewise compiled only when set). num_splits forces the split-K count
     (1 = none; > 1: partitions of max_seq_len / num_splits positions, the same for every sequence,
     those wholly before a tile's window left empty); tile forces
-    (BLOCK_N, num_warps, num_stages) and block_m the rows of a prefill tile (benchmark sweeps)."""
+    (BLOCK_N, num_warps, num_stages) and block_m the rows of a prefill tile (benchmark sweeps).
+    deterministic: batch-invariant rows (module docstring): the prefill tile for every step, no
+    split; it takes no num_splits > 1, tile or block_m."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -287,7 +329,9 @@ def paged_attention(
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    is_decode = max_query_len == 1
+    if deterministic and ((num_splits or 1) > 1 or tile is not None or block_m is not None):
+        raise ValueError("deterministic attention has one tile shape and no split")
+    is_decode = max_query_len == 1 and not deterministic  # deterministic: a decode row in a prefill tile
     if is_decode:
         block_q, block_m, block_n, num_warps, num_stages = 1, max(16, g_pad), 64, 4, 3
         num_tiles = num_seqs
@@ -299,7 +343,9 @@ def paged_attention(
         block_n, num_warps, num_stages = tile
     partition_size = _NO_PARTITION
     even_splits = False
-    if num_splits is None:
+    if deterministic:
+        num_splits = 1
+    elif num_splits is None:
         num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seq_len, split_slots(query.device))
         even_splits = num_splits > 1  # each tile's own context split evenly (in the kernel)
     elif num_splits > 1:  # forced: partitions of a fixed size, as a sweep over split counts needs
@@ -323,7 +369,7 @@ def paged_attention(
         BLOCK_SIZE=block_size, D_PAD=d_pad, IS_DECODE=is_decode, SPLIT=split,
         EVEN_SPLITS=even_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0,
+        SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0, DETERMINISTIC=deterministic,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

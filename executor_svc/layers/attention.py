@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import kernels
+from executor_svc.layers import determinism
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,5 +63,6 @@ class PagedAttention(nn.Module):
             self.scale,
             self.sliding_window,
             self.logit_softcap,
+            deterministic=determinism.deterministic(),
         )  # [T, H, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

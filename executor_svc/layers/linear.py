@@ -10,6 +10,9 @@ only through `.shape` and `.narrow(dim, start, length)`, so a rank reads just it
     QKVParallelLinear      q, k, v heads split by rank, stored fused as [q | k | v] rows
     MergedColumnParallel   gate and up stored fused as [gate | up] rows
     VocabParallelEmbedding vocab rows split by rank; rows of other ranks give 0, then all-reduce
+
+Every weight product goes through `linear` and every sum over ranks through `tp_all_reduce`, which
+compute batch-invariantly in deterministic mode (executor_svc/layers/determinism.py).
 """
 
 from __future__ import annotations
@@ -19,11 +22,37 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+from executor_svc.layers import determinism
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T + bias -> [..., N]. In deterministic mode a row's result does not
+    depend on the other rows (`kernels.batch_invariant_matmul`; cuBLAS picks its kernel by M)."""
+    if not determinism.deterministic():
+        return F.linear(x, weight, bias)
+    out = kernels.batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight, bias)  # [M, N]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
 
 def tp_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    if tp_size > 1:
+    """Sum of x over the tensor-parallel ranks, in place. In deterministic mode the ranks' tensors are
+    gathered and summed in rank order in float32 (NCCL's all-reduce picks its algorithm, hence its
+    summation order, by the message size); every shape is x's, so it stays capturable in a CUDA graph."""
+    if tp_size == 1:
+        return x
+    if not determinism.deterministic():
         dist.all_reduce(x)
-    return x
+        return x
+    parts = torch.empty((tp_size, *x.shape), dtype=x.dtype, device=x.device)  # [tp, ...]
+    if dist.get_backend() == "nccl":
+        dist.all_gather_into_tensor(parts, x.contiguous())
+    else:
+        dist.all_gather(list(parts.unbind(0)), x.contiguous())
+    total = parts[0].float()
+    for rank in range(1, tp_size):
+        total = total + parts[rank].float()
+    return x.copy_(total)
 
 
 def tp_all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
@@ -88,7 +117,7 @@ class ColumnParallelLinear(_ParallelLinear):
         _copy_checked(param.data, full.narrow(0, self.tp_rank * rows, rows), "column-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -182,7 +211,7 @@ class RowParallelLinear(_ParallelLinear):
         _copy_checked(param.data, full.narrow(1, self.tp_rank * cols, cols), "row-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tp_all_reduce(F.linear(x, self.weight), self.tp_size)
+        out = tp_all_reduce(linear(x, self.weight), self.tp_size)
         return out if self.bias is None else out + self.bias
 
 
@@ -218,5 +247,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocabulary projection split by rank; logits are gathered to the full vocabulary."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tp_all_gather_last_dim(F.linear(hidden, self.weight), self.tp_size)  # [S, V_padded]
+        logits = tp_all_gather_last_dim(linear(hidden, self.weight), self.tp_size)  # [S, V_padded]
         return logits[..., : self.vocab_size]

@@ -14,11 +14,11 @@ The router is replicated (every rank routes every token alike). `weight_loader(p
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from executor_svc.layers.linear import _check_full_shape, _copy_checked, _divide, tp_all_reduce
+from executor_svc.layers import determinism
+from executor_svc.layers.linear import _check_full_shape, _copy_checked, _divide, linear, tp_all_reduce
 from executor_svc.layers.mlp import GatedMLP
 from executor_svc.models.config import MoeConfig
 
@@ -33,7 +33,7 @@ class ReplicatedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)  # [out, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class FusedMoE(nn.Module):
@@ -42,6 +42,11 @@ class FusedMoE(nn.Module):
         tp_rank: int, tp_size: int,
     ):
         super().__init__()
+        if determinism.deterministic():
+            raise ValueError(
+                "deterministic mode does not support mixture-of-experts models: the fused MoE kernel "
+                "picks its row tile by the number of tokens, so a token's expert sums depend on its batch"
+            )
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.top_k, self.renormalize = top_k, renormalize
         self.inter = _divide(intermediate_size, tp_size, "moe_intermediate_size")

@@ -1,7 +1,10 @@
 """RMSNorm (Llama/Qwen), Gemma's RMSNorm and LayerNorm (OPT), numerically as Hugging Face computes them.
 
 RMSNorm's math is `kernels.rms_norm` (reference on CPU, one fused Triton launch on CUDA);
-`add_and_norm` also adds the residual stream in that launch."""
+`add_and_norm` also adds the residual stream in that launch. In deterministic mode
+(executor_svc/layers/determinism.py) every norm on CUDA runs one program per row with a launch
+config set by the row length alone (torch's reductions pick theirs by the number of rows); on the
+CPU the torch forms stay."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from executor_svc.layers import determinism
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +24,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Any shape [..., D] (e.g. Qwen3's per-head norm of q and k)."""
+        if determinism.deterministic() and x.is_cuda:
+            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
         return kernels.reference.rms_norm(x, self.weight, self.eps)[0]
 
     def add_and_norm(
@@ -42,6 +48,8 @@ class LayerNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if determinism.deterministic() and x.is_cuda:
+            return kernels.layer_norm(x, self.weight, self.bias, self.eps)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
@@ -55,6 +63,6 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Any shape [..., D] (Gemma 3 also norms each head's q and k)."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        if determinism.deterministic() and x.is_cuda:
+            return kernels.gemma_rms_norm(x, self.weight, self.eps)
+        return kernels.reference.gemma_rms_norm(x, self.weight, self.eps)

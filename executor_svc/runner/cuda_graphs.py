@@ -11,7 +11,10 @@ Every captured graph reads its inputs from the same static buffers, sliced to it
 
 The attention metadata is captured with max_seq_len = the model's max length, so the decode kernel's
 split-K count (chosen on the host from max_seq_len and the grid) is fixed per bucket; partitions past
-a sequence's end exit at once and weigh zero in the reduction. The logits of the padded batch
+a sequence's end exit at once and weigh zero in the reduction. In deterministic mode
+(executor_svc/layers/determinism.py) the kernel splits nothing and runs its prefill tile whatever
+max_query_len says, so a replayed decode row has the bits of the same row run eagerly, in a batch of
+any size, or in a prefill. The logits of the padded batch
 `[b, V]` float32 come out of a static buffer too; the sampler runs eagerly on the real rows.
 
 At TP > 1 the tensor-parallel all-reduces and the logits all-gather are captured inside each rank's

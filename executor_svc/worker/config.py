@@ -33,6 +33,9 @@ class WorkerConfig:
     world_size: int = option(1, cli=False)
     seed: int = option(0, "sampling seed of this rank")
     enforce_eager: bool = option(False, "no CUDA graphs: decode steps run eagerly too")
+    deterministic: bool = option(
+        False, "batch-invariant kernels: a request's tokens do not depend on what shares its steps (slower)"
+    )
     step_trace_path: str | None = option(None, "rank 0 appends one line per step here (worker/step_trace.py)")
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from executor_svc.layers import determinism
 from executor_svc.models.config import DTYPES, ModelConfig
 from executor_svc.models.loader import load_model
 from executor_svc.runner.errors import PlanError, StepOrderError
@@ -77,6 +78,7 @@ class Worker:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
+        determinism.set_deterministic(config.deterministic)  # before the layers are built: they read it
         self.model = load_model(
             config.model_dir,
             self.model_config,
