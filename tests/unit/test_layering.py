@@ -53,7 +53,9 @@ ALLOWED: dict[str, set[str]] = {
     "executor_svc.layers": {"kernels", "executor_svc.models.config"},
     "executor_svc.models": {"kernels", "executor_svc.layers"},
     "executor_svc.runner": {"kernels", "executor_svc.layers", "executor_svc.models", "scheduler_svc.wire"},
-    "executor_svc.worker": {"executor_svc.runner", "executor_svc.models", "executor_svc.layers", "scheduler_svc.wire"},
+    "executor_svc.worker": {
+        "executor_svc.runner", "executor_svc.models", "executor_svc.layers", "scheduler_svc.wire"
+    },
     "executor_svc.server": {
         "protos",
         "executor_svc.worker",
