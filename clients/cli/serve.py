@@ -5,9 +5,11 @@
 Waits until every process reports SERVING through grpc.health.v1, prints where to connect, and
 stops them all on Ctrl-C / SIGTERM: the public process first (the API front-end, then the
 scheduler: each drains), then the executors. The children run in their own process groups, so a
-terminal's Ctrl-C reaches only this launcher, which stops them in that order. An executor that
-dies is restarted with its set on the same ports (the scheduler keeps its requests and recomputes
-them once they are back); a dead scheduler is restarted with its front-end, a dead front-end
+terminal's Ctrl-C reaches only this launcher, which stops them in that order. An executor rank
+that dies takes its set with it (a tensor-parallel group cannot go on without a rank): the other
+ranks are stopped and every rank is started again, together, on the same gRPC ports and a new
+rendezvous port (the scheduler keeps its requests and recomputes them once the set is back),
+which spends one restart; a dead scheduler is restarted with its front-end, a dead front-end
 alone; at most --max-restarts restarts per --restart-window-s (a rate: the budget refills), then
 everything stops. The executors accept only calls carrying the executor credential: the token of
 --executor-token-file or $PAGEDSERVE_EXECUTOR_TOKEN, else one generated per launch
@@ -34,7 +36,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from clients.cli.supervise import RestartBudget, certificate_name, executor_credential, stop_in_order
+from clients.cli.supervise import (
+    RestartBudget,
+    certificate_name,
+    executor_credential,
+    exit_summary,
+    stop_in_order,
+)
 from executor_svc.models.families import UnsupportedArchitectureError, family_of
 from executor_svc.server.main import ExecutorOptions
 from executor_svc.worker.config import WorkerConfig
@@ -347,7 +355,9 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0, drain_s: floa
 
 
 def start_executors(args: argparse.Namespace, model: str, ports: list[int]) -> list[subprocess.Popen]:
-    """One process per rank on the given ports (a restart reuses them: the scheduler reconnects)."""
+    """One process per rank on the given ports (a restart reuses them: the scheduler reconnects),
+    meeting at a rendezvous on a port picked now (a restarted set meets afresh, whatever the old
+    rank 0's store left behind)."""
     dist_port = free_port()
     procs = [subprocess.Popen(executor_command(args, model, rank, port, dist_port), start_new_session=True)
              for rank, port in enumerate(ports)]
@@ -400,8 +410,11 @@ def supervise(args: argparse.Namespace, model: str, stop: threading.Event) -> in
         print_serving(args, model, public, targets)
         while not stop.wait(0.2):
             if any(p.poll() is not None for p in executors):
-                print("pagedserve: an executor exited; restarting the executors (the scheduler keeps its "
-                      "requests and recomputes them once they are back)", file=sys.stderr, flush=True)
+                whole = (f"; the other ranks are stopped and all {len(executors)} restart together on a new "
+                         "rendezvous" if len(executors) > 1 else "")
+                print(f"pagedserve: an executor exited; restarting the executors ({exit_summary(executors)}"
+                      f"{whole}; the scheduler keeps its requests and recomputes them once they are back)",
+                      file=sys.stderr, flush=True)
                 if not restart("the executors", restart_executors, budget, stop):
                     return 1
             if public_procs[0].poll() is not None:

@@ -1,6 +1,7 @@
 """What `pagedserve serve` (clients/cli/serve.py) needs to supervise its processes: the restart
-budget (a rate), the ordered stop (drain the public process first, the executors last), the
-per-launch executor credential, and the name a TLS certificate serves under. No torch, no gRPC."""
+budget (a rate), the ordered stop (drain the public process first, the executors last), how the
+ranks of a failed set ended, the per-launch executor credential, and the name a TLS certificate
+serves under. No torch, no gRPC."""
 
 from __future__ import annotations
 
@@ -61,6 +62,24 @@ def stop_in_order(stages: Sequence[Sequence[subprocess.Popen]], grace_s: float =
                 proc.wait()
 
 
+def exit_summary(ranks: Sequence[subprocess.Popen]) -> str:
+    """How the ranks of a set (listed rank 0 first) that have exited ended: "rank 1 killed by
+    SIGKILL, rank 0 exited with status 1"."""
+    ended = []
+    for rank, proc in enumerate(ranks):
+        if (status := proc.poll()) is None:
+            continue
+        if status >= 0:
+            ended.append(f"rank {rank} exited with status {status}")
+            continue
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        ended.append(f"rank {rank} killed by {name}")
+    return ", ".join(ended)
+
+
 @contextlib.contextmanager
 def executor_credential(args: argparse.Namespace) -> Iterator[None]:
     """The executor credential of this launch: --executor-token-file or $PAGEDSERVE_EXECUTOR_TOKEN
@@ -101,3 +120,19 @@ def certificate_name(cert_file: str) -> str:
             if key == "commonName":
                 return value
     return "localhost"
+
+
+def pids_of(*needles: str, parent: int | None = None) -> list[int]:
+    """The processes whose command line holds every one of `needles` (children of `parent` only,
+    when given: other launchers may run the same commands), from /proc; a zombie (its command line
+    empty) matches nothing."""
+    pids = []
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if all(n in cmdline for n in needles) and parent in (None, ppid):
+            pids.append(int(proc.name))
+    return sorted(pids)

@@ -123,9 +123,23 @@ class ExecutorPool:
 
     async def recover(self) -> None:
         """After a failure: every rank gets the cache sizes again (a restarted rank has none) and
-        drops its sequence state. Raises ExecutorError while a rank is still unreachable."""
+        drops its sequence state. Raises ExecutorError while a rank is still unreachable.
+
+        InitCache ends in a barrier of the set, so it must reach every rank or none: a rank that
+        gets it alone waits in that barrier, and the next InitCache's barrier on the others meets
+        this stale one, leaving the set one collective apart until the stale barrier times out
+        (--dist-timeout-s, 300 s, ends that rank). That happened at TP = 2 when a
+        restarted set came up while one channel was still in its reconnect backoff and failed that
+        call fast). So it goes out only once every rank answers its health check, and waits for a
+        channel that is still reconnecting instead of failing."""
         self._drop_streams()
-        await self._all(s.InitCache(self._cache_request, timeout=RECOVER_TIMEOUT_S, metadata=self._metadata)
+        try:
+            await self.ping()
+        except ExecutorError as err:
+            if err.code != "UNIMPLEMENTED":  # (no health service there, but the process answered)
+                raise
+        await self._all(s.InitCache(self._cache_request, timeout=RECOVER_TIMEOUT_S, metadata=self._metadata,
+                                    wait_for_ready=True)
                         for s in self._stubs)
         await self.reset()
         self._lost = None
