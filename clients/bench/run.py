@@ -6,6 +6,7 @@
     pagedserve bench throughput --workload alpaca --n 4          (every request: 4 parallel samples)
     pagedserve bench paper --model llama2-13b --kv-cache-gib 12 --rates 0.5,1,1.5,2 \
         --policies paged,reserve-oracle,reserve-pow2,reserve-max      (clients/bench/paper.py)
+    pagedserve bench repeat --model llama3-8b --deterministic      (reproducibility: clients/bench/repeat.py)
 
 `throughput` sends every request at t = 0 (offline); `serve` sends Poisson arrivals, one run per
 rate; `paper` runs the `serve` sweep once per KV policy, each on a fresh server. `--n K` /
@@ -32,6 +33,7 @@ import sys
 import tempfile
 
 from clients.bench.peers import PEERS, add_ideal, peer_size, run_peers
+from clients.bench.repeat import add_repeat_arguments, run_repeat
 from clients.bench.serving import decoding_of, report, run_ours, servers, sweep_rates, warm_up
 from clients.bench.table import format_table, plot_sweep
 from clients.cli import serve as launcher
@@ -46,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("throughput", "all requests at t=0"),
         ("serve", "Poisson arrivals, a sweep of rates"),
         ("paper", "the serve sweep for each KV policy (the paper's Fig. 12 comparison)"),
+        ("repeat", "are the tokens reproducible: across runs, batch compositions and an executor SIGKILL"),
     ):
         sub = modes.add_parser(mode, help=help_text)
         launcher.add_arguments(sub)  # the serve flags, passed on to the servers bench launches
@@ -54,13 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if action.dest == "enable_prefix_caching":
                 action.help = ("automatic prefix caching: off by default in bench, unlike serve, so that the "
                                "requests repeated across runs (warm-up, --prefixes, rates) are no cache hits")
-        sub.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt")
-        sub.add_argument("--requests", type=int, default=100)
+        sub.add_argument("--requests", type=int, default=32 if mode == "repeat" else 100)
         sub.add_argument("--seed", type=int, default=0)
-        sub.add_argument("--server", default=None, help="HOST:PORT of a running server (default: launch one)")
         sub.add_argument("--json", action="store_true", help="print the results as JSON")
         sub.add_argument("--out", default=None, help="also write the JSON results to this file")
         sub.add_argument("--no-progress", action="store_true")
+        if mode == "repeat":
+            add_repeat_arguments(sub)
+            continue
+        sub.add_argument("--workload", choices=sorted(WORKLOADS), default="sharegpt")
+        sub.add_argument("--server", default=None, help="HOST:PORT of a running server (default: launch one)")
         sub.add_argument("--trace", default=None, help="keep the executor's step trace in this file")
         sub.add_argument(
             "--warmup", type=int, default=64, help="requests (8 tokens each, not measured) sent first"
@@ -114,6 +120,8 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mode == "repeat":
+        return run_repeat(args)
     if (problem := check_args(args)) is not None:
         print(f"pagedserve bench: {problem}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """What `pagedserve serve` (clients/cli/serve.py) needs to supervise its processes: the restart
 budget (a rate), the ordered stop (drain the public process first, the executors last), how the
-ranks of a failed set ended, the per-launch executor credential, and the name a TLS certificate
-serves under. No torch, no gRPC."""
+ranks of a failed set ended, the per-launch executor credential, the name a TLS certificate
+serves under, and a launcher's children found by command line (`pids_of`: bench repeat, the tests).
+No torch, no gRPC."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from clients.cli.supervise import pids_of as pids_of  # the tests find a launcher's children with it
 from tests.helpers.wait import WaitTimeout, wait_health, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -94,21 +95,6 @@ def serve(
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.stop(timeout_s=60)  # SIGTERM: the launcher stops the processes it started
         raise
-
-
-def pids_of(*needles: str, parent: int | None = None) -> list[int]:
-    """The processes whose command line holds every one of `needles` (children of `parent` only,
-    when given: other tests may run the same commands)."""
-    pids = []
-    for proc in pathlib.Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if all(n in cmdline for n in needles) and parent in (None, ppid):
-            pids.append(int(proc.name))
-    return sorted(pids)
 
 
 class ServerProcesses:
