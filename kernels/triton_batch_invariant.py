@@ -1,10 +1,13 @@
 """Batch-invariant kernels for deterministic mode (executor_svc/layers/determinism.py): each output
 row is computed the same way whatever the number of rows M or the row's place in the batch.
 
-* matmul: y = x @ w.T + bias. The tile config depends on N and the device only, never on M, and
-  the K loop is sequential (no split-K), so every output element is reduced over K in one order:
-  tile by tile, BLOCK_K at a time, with the same tl.dot instruction. cuBLAS picks its kernel,
-  tiles and split-K by M, which flips near-ties in bf16::
+* matmul: y = x @ w.T + bias. BLOCK_K (and BLOCK_M) depend on the weight's N only, and the K loop
+  is sequential (no split-K), so every output element is reduced over K in one order: tile by
+  tile, BLOCK_K at a time, with the same tl.dot (wgmma) instruction. BLOCK_N, warps and stages are
+  picked by an M bucket for speed: on an H100 configs that differ only in those gave the same bits
+  (the `python -m tests.gpu.test_batch_invariant_gpu` sweep, M = 64), and the GPU end-to-end test
+  (tests/gpu/test_deterministic_gpu.py) checks rows across batch sizes that cross the buckets.
+  cuBLAS picks its kernel, tiles and split-K by M, which flips near-ties in bf16::
 
       y[m, n] = sum over k0 = 0, BLOCK_K, 2 BLOCK_K, ... of  dot(x[m, k0 : k0 + BLOCK_K], w[n, k0 : ...])
                 (float32 accumulator, in that order; bias added in float32; one rounding to x's dtype)
@@ -42,26 +45,34 @@ class TileConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {size}")
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+SMALL_M = 64  # the M bucket boundary of tile_config: decode steps of up to 64 rows, and the rest
 
 
 @functools.cache
-def tile_config(n: int, device: torch.device) -> TileConfig:
-    """The one tile config of a weight of n rows on `device`, the same for every M and K.
+def tile_config(n: int, m: int, device: torch.device) -> TileConfig:
+    """The tile config of a weight of n rows for an x of m rows on `device`. BLOCK_K and BLOCK_M are
+    fixed per n (the reduction order of every output element); BLOCK_N, warps and stages follow the
+    M bucket (m <= SMALL_M, or more), which leaves the bits unchanged (module docstring).
 
-    BLOCK_M is 128 (prefill tiles); BLOCK_N is the widest of 128, 64, 32 that still gives every SM an
-    N tile, so a decode step (one M tile) streams the weights with all SMs (Llama-3-8B on an H100's
-    132 SMs: 32 for o_proj / down_proj, 32 for qkv, 128 for gate_up, 128 for the LM head). The price
-    of narrow tiles: each reads its rows of x once per N tile (from L2), M / BLOCK_N times the weight
-    bytes, and prefill tiles do less work per byte loaded. `python -m tests.gpu.test_batch_invariant_gpu`
-    times other fixed configs against cuBLAS at decode and prefill sizes."""
+    Picked from the H100 sweep (`python -m tests.gpu.test_batch_invariant_gpu`, llama3-8b shapes,
+    time vs cuBLAS at M = 1, 64 / 256 / 4096), 2026-11-26:
+      n <= 8192 (qkv, o_proj, down_proj): BLOCK_K 128, BLOCK_M 64; m <= 64: BLOCK_N 32 (n <= 4096,
+        5 stages) or 64: 1.00-1.09x cuBLAS; more rows: BLOCK_N 128: o_proj 1.04x, down 1.18x,
+        qkv 1.57x at M = 256; ~1.9x at M = 4096 (prefill);
+      n > 8192 (gate_up, LM head): BLOCK_K 64, BLOCK_M 128, 8 warps; m <= 64: BLOCK_N 128 (1.07x);
+        more: BLOCK_N 256, 3 stages (1.28x at M = 256, 1.37x at 4096)."""
     if device.type != "cuda":  # the interpreter (tests)
         return TileConfig()
-    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    block_n = next((b for b in (128, 64) if triton.cdiv(n, b) >= num_sms), 32)
-    return TileConfig(block_n=block_n, num_warps=8 if block_n == 128 else 4)
+    small = m <= SMALL_M
+    if n <= 8192:
+        if small:
+            narrow = n <= 4096
+            return TileConfig(block_m=64, block_n=32 if narrow else 64, block_k=128, num_warps=4,
+                              num_stages=5 if narrow else 4)
+        return TileConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
+    if small:
+        return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M (no M == 1 or M % 16 variants)
@@ -114,7 +125,7 @@ def matmul(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
-    config: TileConfig | None = None,  # tests and benchmarks only; None: tile_config(N, device)
+    config: TileConfig | None = None,  # tests and benchmarks only; None: tile_config(N, M, device)
 ) -> torch.Tensor:
     """x @ weight.T + bias -> [M, N] in x's dtype, float32 accumulation, batch-invariant (module doc)."""
     num_rows, k = x.shape
@@ -130,7 +141,7 @@ def matmul(
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)  # [M, N]
     if num_rows == 0 or n == 0:
         return y
-    cfg = config or tile_config(n, x.device)
+    cfg = config or tile_config(n, min(num_rows, SMALL_M + 1), x.device)
     grid = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if x.is_cuda else {}
     # the interpreter's tl.dot multiplies bf16 tiles as their raw uint16 bits (triton 3.6)

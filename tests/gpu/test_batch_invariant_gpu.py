@@ -145,26 +145,26 @@ def bench() -> None:
     BLOCK_K that differ in BLOCK_N (or in BLOCK_M), warps and stages give the same bits on this GPU:
     if they do, picking the tile by M might stay batch-invariant here (the kernel does not rely on it)."""
     from kernels.bench import time_ms, warm_up_gpu
-    from kernels.triton_batch_invariant import matmul, tile_config
+    from kernels.triton_batch_invariant import matmul
 
     warm_up_gpu()
     print(f"{torch.cuda.get_device_name()}, bf16; us (ratio to cuBLAS)")
     for label, (n, k) in BENCH_SHAPES.items():
         weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5
         xs = {m: torch.randn(m, k, device="cuda", dtype=DTYPE) for m in BENCH_BATCH_SIZES}
-        default = tile_config(n, weight.device)
         print(f"\n{label}\n{'config':>30}" + "".join(f"{'M=' + str(m):>16}" for m in BENCH_BATCH_SIZES))
         cublas = {m: time_ms(lambda x=x, w=weight: F.linear(x, w)) for m, x in xs.items()}
         print(f"{'cuBLAS':>30}" + "".join(f"{1000 * cublas[m]:>16.1f}" for m in BENCH_BATCH_SIZES))
         outputs = {}
-        configs = [("default " + _label(default), default)] + [(_label(c), c) for c in _candidate_configs()]
+        configs = [("default (tile by M bucket)", None)] + [(_label(c), c) for c in _candidate_configs()]
         for name, config in configs:
             times = {m: time_ms(lambda x=x, w=weight, c=config: matmul(x, w, config=c))
                      for m, x in xs.items()}
             print(f"{name:>30}" + "".join(
                 f"{1000 * times[m]:>9.1f} ({times[m] / cublas[m]:.2f})" for m in BENCH_BATCH_SIZES
             ), flush=True)
-            outputs[config] = matmul(xs[64], weight, config=config)
+            if config is not None:
+                outputs[config] = matmul(xs[64], weight, config=config)
         same_bk = [c for c in outputs if c.block_k == 64 and c.block_m == 128]
         same_bn = [c for c in outputs if c.block_k == 128 and c.block_n == 64]
         for what, group in (("BLOCK_N", same_bk), ("BLOCK_M", same_bn)):
