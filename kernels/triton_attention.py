@@ -31,9 +31,10 @@ alone, in a batch, as a row of a prefill chunk or of a recompute gets the same b
   - one tile shape for every step: BLOCK_M = max(16, G_PAD) rows (the decode tile's height, so a
     decode step does no more tensor-core work than in the default mode: a 64-row tile did 16x the
     work of a GQA-4 decode row and cost llama3-8b 0.71x of the default's throughput on an H100),
-    BLOCK_N 64, 4 warps, 2 stages, with BLOCK_Q = BLOCK_M / G_PAD query tokens per tile for prefill
-    and decode alike (a decode sequence is a query of length 1 in a BLOCK_Q tile, as in mixed
-    batches), so each row goes through the same instructions wherever it sits;
+    BLOCK_N 64, 4 warps, 3 stages (as the decode tile), with BLOCK_Q = BLOCK_M / G_PAD query
+    tokens per tile for prefill and decode alike (a decode sequence is a query of length 1 in a
+    BLOCK_Q tile, as in mixed batches), so each row goes through the same instructions wherever it
+    sits;
   - no split-K: one program reduces a row's whole context, always in the same order;
   - the K/V loop starts at a multiple of BLOCK_N (0, or the start of the tile holding the first
     row's window start), so a row sees its context in the same K/V tiles however it was chunked;
@@ -340,7 +341,8 @@ def paged_attention(
         num_tiles = num_seqs
     else:
         block_m = max(16, g_pad) if deterministic else max(block_m or 64, g_pad)
-        block_q, block_n, num_warps, num_stages = block_m // g_pad, 64, 4, 2
+        block_q, block_n, num_warps = block_m // g_pad, 64, 4
+        num_stages = 3 if deterministic else 2  # the decode tile's pipelining depth (no effect on the bits)
         num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles exit at once
     if tile is not None:
         block_n, num_warps, num_stages = tile
