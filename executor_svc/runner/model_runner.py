@@ -9,7 +9,8 @@ from executor_svc.layers.attention import AttentionMetadata
 from executor_svc.runner.cuda_graphs import DecodeGraphs
 from executor_svc.runner.inputs import ModelInput
 from executor_svc.runner.kv_cache import KVCache
-from executor_svc.runner.sampler import SamplerOutput, sample
+from executor_svc.runner.sampler import SamplerOutput, SamplingMetadata, sample
+from scheduler_svc.wire.sampling_params import MAX_LOGPROBS
 
 
 class ModelRunner:
@@ -43,9 +44,11 @@ class ModelRunner:
         return sample(logits, batch.sampling) if logits.shape[0] else None
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, max_num_seqs: int = 256) -> None:
-        """A forward pass over `num_tokens` tokens (split into up to `max_num_seqs` prefills) that
-        writes no KV (all slots -1) and reads only block 0: the activation peak of the largest step."""
+    def profile_run(self, num_tokens: int, max_num_seqs: int) -> None:
+        """The largest step, for the memory profile: a forward pass over `num_tokens` tokens (split
+        into up to `max_num_seqs` prefills) that writes no KV (all slots -1) and reads only block 0,
+        then the sampler over one row per prefill (a step samples at most one row per sequence, and
+        each sampled sequence computes a token) at its costliest (`worst_case_sampling`)."""
         device = self.kv_cache.device_cache.device
         num_seqs = max(1, min(max_num_seqs, num_tokens))
         q_lens = torch.full((num_seqs,), num_tokens // num_seqs, dtype=torch.int32)  # [B]
@@ -69,4 +72,37 @@ class ModelRunner:
         hidden = self.model(
             input_ids, positions.to(device=device, dtype=torch.int64), self.kv_cache.device_cache, meta
         )
-        self.model.compute_logits(hidden[query_start_loc[1:].to(device, torch.int64) - 1]).float()
+        logits = self.model.compute_logits(hidden[query_start_loc[1:].to(device, torch.int64) - 1]).float()
+        del hidden
+        logits.normal_()  # [B, V] spread out like real logits (the zero prompts' rows are all equal)
+        sample(logits, worst_case_sampling(num_seqs, logits.shape[-1], max_num_seqs, device))
+
+
+def worst_case_sampling(
+    num_rows: int, vocab_size: int, max_num_seqs: int, device: torch.device
+) -> SamplingMetadata:
+    """Sampling parameters taking every path of `sample` at once, with its largest outputs: random
+    sampling (temperature > 0) through the top-k / top-p sort, seeded, the most logprobs a request may
+    ask for, and the most beam candidates a step may ask for (2 per beam; a beam is at most
+    max_num_seqs wide, the scheduler's validation)."""
+    num_logprobs = min(MAX_LOGPROBS, vocab_size)
+    num_beam_candidates = min(2 * max_num_seqs, vocab_size)
+
+    def full(value, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((num_rows,), value, dtype=dtype, device=device)  # [S]
+
+    return SamplingMetadata(
+        temperature=full(0.8, torch.float32),
+        top_p=full(0.95, torch.float32),
+        top_k=full(max(1, vocab_size // 2), torch.int64),
+        seeds=torch.arange(num_rows, dtype=torch.int64, device=device),
+        has_seed=full(True, torch.bool),
+        sample_index=torch.zeros(num_rows, dtype=torch.int64, device=device),
+        output_positions=torch.zeros(num_rows, dtype=torch.int64, device=device),
+        num_logprobs=full(num_logprobs, torch.int64),
+        num_beam_candidates=full(num_beam_candidates, torch.int64),
+        max_num_logprobs=num_logprobs,
+        max_num_beam_candidates=num_beam_candidates,
+        all_greedy=False,
+        any_top_k_top_p=True,
+    )

@@ -55,11 +55,17 @@ class SamplerOutput:
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding values in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = (x * _MIX_MULT) & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * _MIX_MULT) & _MASK32
-    return x ^ (x >> 16)
+    return mix32_(x.clone())
+
+
+def mix32_(x: torch.Tensor) -> torch.Tensor:
+    """`mix32` in place: one temporary of x's size at a time (x may be [S, V])."""
+    for _ in range(2):
+        x ^= x >> 16
+        x *= _MIX_MULT
+        x &= _MASK32
+    x ^= x >> 16
+    return x
 
 
 def row_keys(seeds: torch.Tensor, sample_index: torch.Tensor, output_positions: torch.Tensor) -> torch.Tensor:
@@ -73,10 +79,12 @@ def row_keys(seeds: torch.Tensor, sample_index: torch.Tensor, output_positions: 
 def uniform_noise(seeds, sample_index, output_positions, vocab_size: int) -> torch.Tensor:
     """[S, V] float32 uniforms in (0, 1), a pure function of (seed, sample_index, position, token)."""
     keys = row_keys(seeds, sample_index, output_positions)  # [S]
-    token_keys = mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) + 0x7F4A7C15)  # [V]
-    x = mix32(keys[:, None] ^ token_keys[None, :])  # [S, V]
-    x = mix32(x ^ (keys[:, None] >> 5))
-    return ((x >> (32 - _UNIFORM_BITS)).float() + 0.5) * (2.0**-_UNIFORM_BITS)
+    token_keys = mix32_(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) + 0x7F4A7C15)  # [V]
+    x = mix32_(keys[:, None] ^ token_keys[None, :])  # [S, V] int64, hashed in place
+    x ^= keys[:, None] >> 5
+    x = mix32_(x)
+    x >>= 32 - _UNIFORM_BITS
+    return x.float().add_(0.5).mul_(2.0**-_UNIFORM_BITS)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -98,32 +106,47 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     ranks = torch.arange(vocab_size, device=logits.device)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab_size))
     keep = ranks[None, :] < k[:, None]  # [S, V] in sorted order
-    probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
+    probs = sorted_logits.masked_fill_(~keep, float("-inf")).softmax(dim=-1)
+    del sorted_logits
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    del probs
     keep &= mass_before < top_p[:, None]
+    del mass_before
     keep[:, 0] = True
     return torch.zeros_like(keep).scatter_(1, order, keep)
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-    """logits: [S, V] (any float dtype) -> one token per row plus logprobs and beam candidates."""
+    """logits: [S, V] (any float dtype) -> one token per row plus logprobs and beam candidates.
+
+    Its [S, V] temporaries (GiBs at S = 256 and a 128k vocabulary) are updated in place and dropped
+    as soon as they are used; the worker's memory profile runs it at its costliest
+    (executor_svc/runner/model_runner.py `worst_case_sampling`)."""
     logits = logits.float()
-    scaled = apply_temperature(logits, meta.temperature)
+    scaled = apply_temperature(logits, meta.temperature)  # [S, V], ours to update in place
     logprobs_all = scaled.log_softmax(dim=-1)  # [S, V]
     if meta.all_greedy:
         token_ids = logits.argmax(dim=-1)
     else:
         if meta.any_top_k_top_p:
             mask = top_k_top_p_mask(scaled, meta.top_k, meta.top_p)
-            scaled = scaled.masked_fill(~mask, float("-inf"))
+            scaled.masked_fill_(~mask, float("-inf"))
+            del mask
         noise = uniform_noise(meta.seeds, meta.sample_index, meta.output_positions, logits.shape[-1])
-        exp_noise = -torch.log(noise)  # [S, V] Exp(1)
+        log_exp_noise = noise.log_().neg_().log_()  # [S, V] log E, E = -log u ~ Exp(1)
         # argmax(log p - log E) with p = softmax(scaled); the normalizer is constant per row.
-        random_choice = (scaled - exp_noise.log()).argmax(dim=-1)
+        random_choice = scaled.sub_(log_exp_noise).argmax(dim=-1)
+        del noise, log_exp_noise
         token_ids = torch.where(meta.temperature >= MIN_TEMPERATURE, random_choice, logits.argmax(dim=-1))
+    del scaled
     chosen_logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)  # [S]
     top_logprobs, top_token_ids = logprobs_all.topk(meta.max_num_logprobs, dim=-1)  # [S, N]
-    beam_logprobs, beam_token_ids = logits.log_softmax(dim=-1).topk(meta.max_num_beam_candidates, dim=-1)
+    del logprobs_all
+    if meta.max_num_beam_candidates:
+        beam_logprobs, beam_token_ids = logits.log_softmax(dim=-1).topk(meta.max_num_beam_candidates, dim=-1)
+    else:  # no row asks for candidates: [S, 0]
+        beam_logprobs = logits.new_empty((len(logits), 0))
+        beam_token_ids = token_ids.new_empty((len(logits), 0))
     return SamplerOutput(
         token_ids, chosen_logprobs, top_token_ids, top_logprobs, beam_token_ids, beam_logprobs
     )

@@ -28,7 +28,12 @@ class WorkerConfig:
                                            "fraction of GPU memory for weights, activations and KV cache")
     cpu_kv_gib: float = option(_CACHE_DEFAULTS.cpu_kv_gib, "KV cache size when on CPU (GiB)")
     swap_space_gib: float = option(_CACHE_DEFAULTS.swap_space_gib, "CPU swap space per rank (GiB)")
-    max_num_batched_tokens: int = option(_CACHE_DEFAULTS.max_num_batched_tokens, cli=False)
+    # The scheduler's step limits (its flags and defaults): the largest step the memory profile runs.
+    max_num_batched_tokens: int = option(_CACHE_DEFAULTS.max_num_batched_tokens,
+                                         "most tokens in one step (give the scheduler's): the memory "
+                                         "profile's forward pass computes this many")
+    max_num_seqs: int = option(_CACHE_DEFAULTS.max_num_seqs, "most sequences in one step (give the "
+                               "scheduler's): the memory profile samples this many rows")
     rank: int = option(0, cli=False)  # from the process group (worker/distributed.py)
     world_size: int = option(1, cli=False)
     seed: int = option(0, "sampling seed of this rank")
@@ -55,4 +60,5 @@ class WorkerConfig:
             self.cpu_kv_gib,
             self.swap_space_gib,
             self.max_num_batched_tokens,
+            self.max_num_seqs,
         )

@@ -1,9 +1,12 @@
 """How many KV blocks fit on one rank, and what its memory holds now.
 
 Explicit block counts (CacheConfig) win. Otherwise on CUDA the device cache gets what a profile
-leaves: total memory * gpu_memory_utilization - (the peak of a forward pass over
-max_num_batched_tokens + memory held outside torch); on CPU it gets `cpu_kv_gib`. The swap space
-gets `swap_space_gib`, never more blocks than the device cache.
+leaves: total memory * gpu_memory_utilization - (the peak of the largest step + memory held outside
+torch); on CPU it gets `cpu_kv_gib`. The largest step is a forward pass over max_num_batched_tokens
+followed by the sampler over max_num_seqs rows, with every sampling option on (the top-k / top-p
+sort, seeds, the most logprobs and beam candidates): the sampler's [rows, vocab] temporaries are
+GiBs at a large vocabulary. The swap space gets `swap_space_gib`, never more blocks than the device
+cache.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def profile_gpu_blocks(
     device: torch.device,
     block_bytes: int,
 ) -> int:
-    """Runs a forward pass over max_num_batched_tokens with a one-block cache and measures its peak."""
+    """Runs the largest step (ModelRunner.profile_run: forward and sampler) with a one-block cache
+    and measures its peak."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     probe = KVCache(
@@ -57,7 +61,7 @@ def profile_gpu_blocks(
         dtype,
         device,
     )
-    ModelRunner(model, probe).profile_run(cc.max_num_batched_tokens)
+    ModelRunner(model, probe).profile_run(cc.max_num_batched_tokens, cc.max_num_seqs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler_svc.wire.options import option
+from scheduler_svc.wire.step_plan import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -22,8 +23,9 @@ class SchedulerConfig:
     block_size: int = 16
     num_gpu_blocks: int = 1024
     num_cpu_blocks: int = 0
-    max_num_batched_tokens: int = option(2048, "most tokens computed in one step (prompt chunks + decodes)")
-    max_num_seqs: int = option(256, "most sequences in one step's batch")
+    max_num_batched_tokens: int = option(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                         "most tokens computed in one step (prompt chunks + decodes)")
+    max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "most sequences in one step's batch")
     max_model_len: int = 2048
     preemption_mode: str = option("recompute", "a preempted request's KV cache is recomputed later, or "
                                   "swapped to the CPU pool", choices=PREEMPTION_MODES, flag="preemption")

@@ -45,6 +45,13 @@ from scheduler_svc.wire.sampling_params import SamplingParams
 # the previous step (async scheduling, see above).
 PENDING_TOKEN = -1
 
+# The default size limits of one step: a plan computes at most this many tokens, over at most this
+# many sequences. The scheduler keeps its plans within them (SchedulerConfig) and an executor's
+# memory profile sizes its activations and its sampler for them (CacheConfig); `serve` passes the
+# same values to both.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 256
+
 
 @dataclass(slots=True)
 class NewSequence:

@@ -161,7 +161,8 @@ def test_every_process_parses_what_the_launcher_passes_it(tmp_path):
     executor = from_args(ExecutorOptions, parser.parse_args(executor_argv))
     assert executor == ExecutorOptions(
         worker=WorkerConfig(model_dir="/m", device="cpu", dtype="float32", load_format="dummy", block_size=32,
-                            gpu_memory_utilization=0.5, swap_space_gib=1, cpu_kv_gib=0.5, enforce_eager=True),
+                            gpu_memory_utilization=0.5, swap_space_gib=1, cpu_kv_gib=0.5,
+                            max_num_batched_tokens=512, max_num_seqs=8, enforce_eager=True),
         port=5001, metrics_port=9501, max_message_bytes=1 << 20, rank=1, world_size=2,
         dist_init_addr="127.0.0.1:5999",
     )
@@ -175,6 +176,31 @@ def test_serve_defaults_are_the_process_defaults():
     assert launcher.frontend_command(args, "h:2")[3:] == ["--engine", "h:2"]
     assert launcher.executor_command(args, "/m", 0, 5001, 5999)[3:] == [
         "--model", "/m", "--port", "5001", "--rank", "0", "--world-size", "1"]
+
+
+def test_the_executors_profile_the_step_limits_the_scheduler_is_given():
+    """The executor's memory profile runs the largest step the scheduler may plan: `serve` passes its
+    one --max-num-batched-tokens / --max-num-seqs to both, and a standalone executor's defaults are
+    the scheduler's."""
+    parser = _serve_parser()
+    args = parser.parse_args(["--max-num-batched-tokens", "4096", "--max-num-seqs", "64"])
+    assert [a.dest for a in parser._actions].count("max_num_seqs") == 1  # one flag, passed to both
+    executor_argv = launcher.executor_command(args, "/m", 0, 5001, 5999)
+    assert executor_argv[3:] == ["--model", "/m", "--max-num-batched-tokens", "4096", "--max-num-seqs", "64",
+                                 "--port", "5001", "--rank", "0", "--world-size", "1"]
+    executor_parser = argparse.ArgumentParser()
+    executor_main.add_arguments(executor_parser)
+    worker = from_args(ExecutorOptions, executor_parser.parse_args(executor_argv[3:])).worker
+    assert (worker.cache_config.max_num_batched_tokens, worker.cache_config.max_num_seqs) == (4096, 64)
+    scheduler = scheduler_main.parse_args(launcher.scheduler_command(args, "/m", ["h:1"])[3:])
+    assert (scheduler.max_num_batched_tokens, scheduler.max_num_seqs) == (4096, 64)
+
+    standalone = from_args(ExecutorOptions, executor_parser.parse_args(["--model", "/m"])).worker.cache_config
+    defaults = SchedulerConfig()
+    assert (standalone.max_num_batched_tokens, standalone.max_num_seqs) == (
+        defaults.max_num_batched_tokens, defaults.max_num_seqs)
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        WorkerConfig(model_dir="/m", max_num_seqs=0)
 
 
 def test_serve_flags_are_the_union_of_the_process_flags():

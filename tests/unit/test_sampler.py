@@ -166,3 +166,28 @@ def test_skipping_the_filter_sort_changes_nothing_when_no_row_filters():
     meta = make_meta(50, output_positions=list(range(50)), temperature=0.7)
     fast = sample(logits, dataclasses.replace(meta, any_top_k_top_p=False))
     assert torch.equal(fast.token_ids, sample(logits, meta).token_ids)
+
+
+def test_the_sampler_draws_the_same_bits_as_ever_and_leaves_its_input_alone():
+    """Pinned values (the sampler before its temporaries were updated in place): a seeded request's
+    tokens must not change across versions."""
+    from executor_svc.runner.sampler import mix32
+
+    keys = torch.tensor([0, 1, 2**32 - 1, 0x9E3779B9])
+    assert mix32(keys).tolist() == [0, 824515495, 539527247, 3108667723]
+    assert keys.tolist() == [0, 1, 2**32 - 1, 0x9E3779B9]  # hashed in a copy
+    u = uniform_noise(torch.tensor([1, 2**62 + 5]), torch.tensor([0, 3]), torch.tensor([10, 0]), 6)
+    assert (u * 2**23 - 0.5).long().tolist() == [
+        [7255446, 1901602, 485597, 935979, 7013147, 6617582],
+        [6400566, 5635306, 7005204, 4200972, 7639140, 3459134],
+    ]
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(11)) * 2
+    before = logits.clone()
+    meta = make_meta(8, temperature=[0.0, 0.3, 0.8, 1.0, 1.5, 0.8, 0.8, 2.0], top_k=[0, 0, 5, 0, 10, 0, 3, 0],
+                     top_p=[1.0, 0.9, 1.0, 0.5, 0.95, 1.0, 0.8, 1.0], seeds=[1, 2, 3, 4, 5, 6, 7, 2**62 + 9],
+                     output_positions=list(range(8)), num_logprobs=3)
+    out = sample(logits, meta)
+    assert out.token_ids.tolist() == [44, 28, 63, 22, 46, 27, 5, 52]
+    assert torch.equal(logits, before)
+    assert out.beam_token_ids.shape == (8, 0) and out.beam_token_ids.dtype == torch.int64
+    assert out.beam_logprobs.shape == (8, 0) and out.beam_logprobs.dtype == torch.float32
