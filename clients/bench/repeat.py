@@ -13,7 +13,7 @@ in a thread of this process: the executors are this process's children), then:
             set, the scheduler recomputes what was in flight       prefill, where A decoded them)
     seeded  one sampled request (temperature 0.8, top_p 0.95,      its tokens vs the first batch
             seed 1234) alone and among 6, 63, 255 other sampled    size's: batch invariance
-            requests (--batch-sizes 1,7,64,256)
+            requests (--batch-sizes 1,7,64,256), sent after them
 
 --kill-after-s defaults to half of B's wall time (B's, not A's: A may carry a fresh server's first-use
 costs, such as kernel compiles, that C does not). Restarts are counted as the rank-0 executor pids
@@ -21,6 +21,18 @@ seen. A request's agreement is its common prefix with A's tokens over the longer
 only while requests are in flight; one whose time comes after run C ended is not sent, and the
 report says so. Prefix caching is off, as in every bench mode, so B and C compute their prompts
 afresh. The servers' own output shares this process's stdout and stderr; --out holds the JSON alone.
+
+Across servers: `--save-tokens FILE` keeps run A's tokens and the seeded target's per batch size
+(clients/bench/repeat_tokens.py), and `--compare-tokens FILE` on another server (the same request
+set) compares its own with them, e.g. a server whose small KV cache forces preemption and whose small
+steps chunk the prompts against one with room for everything:
+
+    pagedserve bench repeat --deterministic --save-tokens big.json
+    pagedserve bench repeat --deterministic --num-gpu-blocks 64 --preemption swap \\
+        --max-num-batched-tokens 256 --compare-tokens big.json
+
+The report lists the KV cache and step options and each run's preemptions and swapped-out blocks;
+differences from the file are results, not failures (the exit status counts lost requests only).
 """
 
 from __future__ import annotations
@@ -33,7 +45,6 @@ import os
 import pathlib
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -44,6 +55,18 @@ from dataclasses import dataclass, field
 import grpc
 
 from clients.bench.load import Progress
+from clients.bench.repeat_tokens import (
+    Generation,
+    RequestSet,
+    TokensFileError,
+    agreement,
+    common_prefix,
+    compare_with_saved,
+    describe_seeded_vs_reference,
+    load_tokens,
+    same_tokens,
+    save_tokens,
+)
 from clients.cli import serve as launcher
 from clients.cli.supervise import executor_credential, pids_of
 from clients.client import AsyncClient
@@ -69,6 +92,12 @@ def add_repeat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="1,7,64,256",
                         help="the seeded check: the target request among this many requests in all; each "
                              "size's target tokens are compared with the first size's")
+    parser.add_argument("--save-tokens", default=None, metavar="FILE",
+                        help="write the request set, run A's tokens and the seeded target's tokens per "
+                             "batch size to this JSON file (for --compare-tokens on another server)")
+    parser.add_argument("--compare-tokens", default=None, metavar="FILE",
+                        help="compare run A and the seeded target with a --save-tokens file of the same "
+                             "request set (e.g. one made without preemption or chunking)")
 
 
 # ---- the servers: `pagedserve serve`'s supervisor in a thread ---------------------------------------
@@ -141,18 +170,12 @@ def _wait_serving(servers: Supervision, timeout_s: float) -> None:
 
 
 @dataclass(slots=True)
-class Generation:
-    tokens: list[int] = field(default_factory=list)
-    finished: bool = False
-    error: str | None = None
-
-
-@dataclass(slots=True)
 class SetRun:
     label: str
     generations: list[Generation]
     wall_s: float
-    preemptions: int | None
+    preemptions: int | None  # during the run, from the server's stats (None: not read)
+    swapped_out_blocks: int | None
     kill: dict | None = None
 
     def summary(self) -> dict:
@@ -160,7 +183,7 @@ class SetRun:
         return {
             "label": self.label, "num_requests": len(self.generations), "wall_s": round(self.wall_s, 3),
             "num_failed": len(failed), "output_tokens": sum(len(g.tokens) for g in self.generations),
-            "preemptions": self.preemptions,
+            "preemptions": self.preemptions, "swapped_out_blocks": self.swapped_out_blocks,
             "errors": sorted({g.error or "timed out" for g in failed})[:5],
         }
 
@@ -197,11 +220,13 @@ async def _kill_rank0(after_s: float, progress: Progress, start: float) -> dict:
     return kill | {"sent": True, "landed_mid_run": in_flight > 0}
 
 
-async def _num_preemptions(client: AsyncClient) -> int | None:
+async def _kv_counters(client: AsyncClient) -> tuple[int, int] | None:
+    """The server's preemptions and swapped-out blocks so far, or None."""
     try:
-        return (await client.stats()).num_preemptions
+        stats = await client.stats()
     except grpc.RpcError:
         return None
+    return stats.num_preemptions, stats.num_swapped_out_blocks
 
 
 async def run_set(
@@ -214,7 +239,7 @@ async def run_set(
     generations = [Generation() for _ in prompts]
     progress = Progress(label, len(prompts), len(prompts) * max_tokens, show_progress)
     async with AsyncClient(target) as client:
-        before = await _num_preemptions(client)
+        before = await _kv_counters(client)
         start = time.perf_counter()
         killer = None
         if kill_after_s is not None:
@@ -233,41 +258,10 @@ async def run_set(
                 killer.cancel()
                 kill = {"planned_after_s": round(kill_after_s or 0.0, 3), "sent": False,
                         "landed_mid_run": False, "why": f"the run ended ({wall_s:.2f} s) before its time"}
-        after = await _num_preemptions(client)
-    preemptions = None if before is None or after is None else after - before
-    return SetRun(label, generations, wall_s, preemptions, kill)
-
-
-# ---- comparisons ---------------------------------------------------------------------------------------
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def agreement(reference: list[Generation], other: list[Generation]) -> dict:
-    """How many requests of `other` repeat `reference`'s tokens exactly, the mean agreement (common
-    prefix / the longer length), and where the differing ones first differ (token positions)."""
-    pairs = list(zip(reference, other, strict=True))
-    prefixes = [common_prefix(a.tokens, b.tokens) for a, b in pairs]
-    ratios = [p / max(len(a.tokens), len(b.tokens), 1) for p, (a, b) in zip(prefixes, pairs, strict=True)]
-    differing = [p for p, (a, b) in zip(prefixes, pairs, strict=True)
-                 if a.tokens != b.tokens or not (a.finished and b.finished)]
-    first = None
-    if differing:
-        first = {"num": len(differing), "min": min(differing), "median": statistics.median(differing),
-                 "max": max(differing)}
-    return {
-        "num_requests": len(pairs),
-        "num_identical": len(pairs) - len(differing),
-        "mean_agreement": round(statistics.fmean(ratios), 6) if ratios else None,
-        "first_difference": first,
-    }
+        after = await _kv_counters(client)
+    if before is None or after is None:
+        return SetRun(label, generations, wall_s, None, None, kill)
+    return SetRun(label, generations, wall_s, after[0] - before[0], after[1] - before[1], kill)
 
 
 # ---- the command -----------------------------------------------------------------------------------------
@@ -292,6 +286,8 @@ def check_repeat_args(args: argparse.Namespace) -> str | None:
         return "--kill-after-s must be >= 0"
     if args.tls_cert_file:
         return "bench repeat talks plaintext to the servers it launches: no --tls-cert-file"
+    if args.compare_tokens and not pathlib.Path(args.compare_tokens).is_file():
+        return f"--compare-tokens {args.compare_tokens}: no such file"
     return launcher.check_options(args)
 
 
@@ -312,6 +308,15 @@ def run_repeat(args: argparse.Namespace) -> int:
         return 2
     rng = random.Random(args.seed)
     prompts = [random_prompt(rng, spec.vocab_size, max_prompt_len) for _ in range(args.requests)]
+    target = target_prompt(spec.vocab_size, max_prompt_len)
+    request_set = RequestSet.of(args.seed, args.max_tokens, spec.vocab_size, prompts, target)
+    saved = None
+    if args.compare_tokens:
+        try:
+            saved = load_tokens(args.compare_tokens, request_set)
+        except TokensFileError as err:
+            print(f"pagedserve bench: {err}", file=sys.stderr)
+            return 2
     greedy = [GREEDY] * len(prompts)
     show = not args.no_progress
     result: dict = {
@@ -330,7 +335,8 @@ def run_repeat(args: argparse.Namespace) -> int:
         timeout_s = args.startup_timeout + 10 * run_a.wall_s + 60  # a restart, then the whole set recomputed
         run_c = asyncio.run(run_set(servers.target, "C", prompts, greedy, args.max_tokens, show, timeout_s,
                                     kill_after_s))
-        seeded = seeded_check(args, servers.target, spec.vocab_size, max_prompt_len, timeout_s)
+        seeded, targets = seeded_check(args, servers.target, target, spec.vocab_size, max_prompt_len,
+                                       timeout_s)
         result["executor_restarts"] = servers.num_restarts
         result["servers_ended_early"] = not servers.thread.is_alive()
     result["runs"] = [run.summary() for run in (run_a, run_b, run_c)]
@@ -338,6 +344,11 @@ def run_repeat(args: argparse.Namespace) -> int:
     result["c_vs_a"] = agreement(run_a.generations, run_c.generations)
     result["kill"] = run_c.kill
     result["seeded"] = seeded
+    if saved is not None:
+        result["vs_reference"] = compare_with_saved(args.compare_tokens, saved, run_a.generations, targets)
+    if args.save_tokens:
+        save_tokens(args.save_tokens, result["model"], request_set, result["server"], run_a.generations,
+                    seeded["sampling"], targets)
     text = json.dumps(result, indent=2)
     if args.out:
         pathlib.Path(args.out).write_text(text + "\n")
@@ -346,34 +357,42 @@ def run_repeat(args: argparse.Namespace) -> int:
     return 1 if lost or result["servers_ended_early"] else 0
 
 
-def seeded_check(args: argparse.Namespace, target: str, vocab_size: int, max_prompt_len: int,
-                 timeout_s: float) -> dict:
-    """The target request (seed 1234, a fixed prompt) among size - 1 other sampled requests of random
-    lengths and their own seeds, per batch size; its tokens against the first size's."""
-    prompt = random_prompt(random.Random(TARGET_SEED), vocab_size, min(TARGET_PROMPT_LEN, max_prompt_len),
-                           min_len=min(TARGET_PROMPT_LEN, max_prompt_len))
+def target_prompt(vocab_size: int, max_prompt_len: int) -> list[int]:
+    """The seeded check's target prompt: fixed by its seed and the length the model leaves."""
+    length = min(TARGET_PROMPT_LEN, max_prompt_len)
+    return random_prompt(random.Random(TARGET_SEED), vocab_size, length, min_len=length)
+
+
+def seeded_check(args: argparse.Namespace, target: str, prompt: list[int], vocab_size: int,
+                 max_prompt_len: int, timeout_s: float) -> tuple[dict, list[tuple[int, Generation]]]:
+    """The target request (seed 1234, `prompt`) among size - 1 other sampled requests of random
+    lengths and their own seeds, per batch size; its tokens against the first size's. The target is
+    sent last: the youngest request, the first one a full KV cache preempts. Also returns the
+    target's generation per size."""
     target_sampling = SAMPLED | {"seed": TARGET_SEED}
     sizes = parse_batch_sizes(args.batch_sizes)
     runs = []
     for size in sizes:
         rng = random.Random(args.seed + size)
         others = [random_prompt(rng, vocab_size, max_prompt_len) for _ in range(size - 1)]
-        samplings = [target_sampling] + [SAMPLED | {"seed": i + 1} for i in range(size - 1)]
-        batch = run_set(target, f"seeded[{size}]", [prompt, *others], samplings, args.max_tokens,
+        samplings = [SAMPLED | {"seed": i + 1} for i in range(size - 1)] + [target_sampling]
+        batch = run_set(target, f"seeded[{size}]", [*others, prompt], samplings, args.max_tokens,
                         not args.no_progress, timeout_s)
         runs.append(asyncio.run(batch))
-    reference = runs[0].generations[0]
+    reference = runs[0].generations[-1]
     batches = []
     for size, run in zip(sizes, runs, strict=True):
-        tokens = run.generations[0]
+        tokens = run.generations[-1]
         batches.append({
             "batch_size": size, "num_tokens": len(tokens.tokens), "finished": tokens.finished,
-            "equal_to_first": tokens.finished and reference.finished and tokens.tokens == reference.tokens,
+            "equal_to_first": same_tokens(reference, tokens),
             "common_prefix": common_prefix(reference.tokens, tokens.tokens),
             "wall_s": round(run.wall_s, 3), "num_failed": run.summary()["num_failed"],
+            "preemptions": run.preemptions, "swapped_out_blocks": run.swapped_out_blocks,
         })
-    return {"sampling": target_sampling, "prompt_len": len(prompt), "batches": batches,
-            "num_failed": sum(b["num_failed"] for b in batches)}
+    summary = {"sampling": target_sampling, "prompt_len": len(prompt), "batches": batches,
+               "num_failed": sum(b["num_failed"] for b in batches)}
+    return summary, [(size, run.generations[-1]) for size, run in zip(sizes, runs, strict=True)]
 
 
 def server_flags(args: argparse.Namespace) -> dict:
@@ -385,6 +404,8 @@ def server_flags(args: argparse.Namespace) -> dict:
         "device_name": _cpu_name() if args.device == "cpu" else _gpu_name(),
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "num_gpu_blocks": args.num_gpu_blocks, "num_cpu_blocks": args.num_cpu_blocks,
+        "block_size": args.block_size, "preemption": args.preemption, "kv_policy": args.kv_policy,
     }
 
 
@@ -416,30 +437,52 @@ def format_repeat(result: dict) -> str:
         f"deterministic {on[s['deterministic']]}, enforce_eager {on[s['enforce_eager']]}, "
         f"TP {s['tensor_parallel_size']}, dtype {s['dtype']}; {result['requests']} greedy requests x "
         f"{result['max_tokens']} tokens",
-        f"{'run':>4} {'wall s':>8} {'failed':>6} {'preempt':>7}",
+        describe_kv(s),
+        f"{'run':>4} {'wall s':>8} {'failed':>6} {'preempt':>7} {'swap-out blocks':>15}",
     ]
     for r in result["runs"]:
-        lines.append(f"{r['label']:>4} {r['wall_s']:>8.2f} {r['num_failed']:>6} {str(r['preemptions']):>7}"
-                     + (f"  {'; '.join(r['errors'])}" if r["errors"] else ""))
-    lines.append(f"{'':>7} {'identical':>10} {'mean agreement':>15} {'first difference min/median/max':>32}")
-    for name, key in (("B vs A", "b_vs_a"), ("C vs A", "c_vs_a")):
-        c = result[key]
+        errors = f"  {'; '.join(r['errors'])}" if r["errors"] else ""
+        lines.append(f"{r['label']:>4} {r['wall_s']:>8.2f} {r['num_failed']:>6} {str(r['preemptions']):>7} "
+                     f"{str(r['swapped_out_blocks']):>15}{errors}")
+    lines.append(f"{'':>8} {'identical':>10} {'mean agreement':>15} {'first difference min/median/max':>32}")
+    reference = result.get("vs_reference")
+    rows = [("B vs A", result["b_vs_a"]), ("C vs A", result["c_vs_a"])]
+    if reference is not None:
+        rows.append(("A vs ref", reference["a_vs_reference"]))
+    for name, c in rows:
         f = c["first_difference"]
         where = "-" if f is None else f"{f['min']}/{f['median']:g}/{f['max']}"
-        lines.append(f"{name:>7} {c['num_identical']:>4}/{c['num_requests']:<5} {c['mean_agreement']:>15.2%} "
+        lines.append(f"{name:>8} {c['num_identical']:>4}/{c['num_requests']:<5} {c['mean_agreement']:>15.2%} "
                      f"{where:>32}")
     lines.append(f"kill (run C): {describe_kill(result['kill'])}; "
                  f"executor restarts: {result['executor_restarts']}")
+    if reference is not None:
+        there = reference["server"]
+        lines.append(f"ref: {reference['file']} ({reference['model']}, deterministic "
+                     f"{on[there['deterministic']]}, dtype {there['dtype']}; {describe_kv(there)})")
     seeded = result["seeded"]
     sampling = ", ".join(f"{k} {v}" for k, v in seeded["sampling"].items())
     lines.append(f"seeded ({sampling}, prompt {seeded['prompt_len']} tokens):")
     first = seeded["batches"][0]["batch_size"]
-    for b in seeded["batches"]:
+    vs_reference = [None] * len(seeded["batches"]) if reference is None else reference["seeded"]
+    for b, ref in zip(seeded["batches"], vs_reference, strict=True):
         verdict = ("equal" if b["equal_to_first"]
                    else f"differs from batch {first} at token {b['common_prefix']}")
         lines.append(f"  batch {b['batch_size']:>4}: {b['num_tokens']} tokens, {verdict}"
-                     + ("" if b["finished"] else " (did not finish)"))
+                     + ("" if b["finished"] else " (did not finish)")
+                     + ("" if ref is None else f"; {describe_seeded_vs_reference(ref)}")
+                     + f" ({b['preemptions']} preemptions)")
     return "\n".join(lines)
+
+
+def describe_kv(server: dict) -> str:
+    """The KV cache and step options that make a run preempt (swap or recompute) and chunk prompts."""
+    def blocks(n: int | None) -> str:
+        return "what fits" if n is None else f"{n} blocks"
+
+    return (f"KV cache {blocks(server['num_gpu_blocks'])} ({server['block_size']} tokens a block), "
+            f"swap space {blocks(server['num_cpu_blocks'])}, preemption {server['preemption']}, "
+            f"max batched tokens {server['max_num_batched_tokens']}, max seqs {server['max_num_seqs']}")
 
 
 def describe_kill(kill: dict | None) -> str:
