@@ -19,14 +19,14 @@ import random
 import pytest
 import torch
 
+from tests.helpers.hf_compare import hf_greedy_path, load_hf, worker_greedy
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 FAMILIES = (
     "llama", "qwen2", "qwen3", "opt", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3", "phi3",
     "granite",
 )
-# HF's sdpa path drops Gemma 2's attention soft-capping: the model's own semantics are eager's
-HF_ATTENTION = {"gemma2": "eager", "gemma3": "eager"}
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 NUM_DECODE = 32
 BLOCK_SIZE = 16
@@ -44,75 +44,20 @@ def model_dirs(tmp_path_factory):
     return {f: make_tiny_model(root / f, f, seed=1) for f in FAMILIES}
 
 
-@torch.inference_mode()
-def hf_path(model, prompt):
-    out = model(torch.tensor([prompt], device="cuda"), use_cache=True)
-    logits, tokens = [out.logits[0, -1].float()], [int(out.logits[0, -1].argmax())]
-    for _ in range(NUM_DECODE):
-        out = model(
-            torch.tensor([[tokens[-1]]], device="cuda"), past_key_values=out.past_key_values, use_cache=True
-        )
-        logits.append(out.logits[0, -1].float())
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return torch.stack(logits), tokens
-
-
-def ours_teacher_forced(model_dir, dtype, prompts, forced):
-    """All prompts in one batch (scattered blocks), fed HF's tokens; returns our logits and argmax tokens."""
-    from executor_svc.worker.worker import Worker
-    from scheduler_svc.wire.sampling_params import SamplingParams
-    from scheduler_svc.wire.step_plan import ContinuingSequence, NewSequence, StepPlan
-
-    worker = Worker(
-        str(model_dir),
-        device="cuda",
-        dtype=dtype,
-        num_gpu_blocks=128,
-        num_cpu_blocks=8,
-        block_size=BLOCK_SIZE,
-    )
-    runner = worker._ensure_cache()
-    compute, captured = runner.compute_logits, {}
-
-    def spy(batch):
-        logits = compute(batch)
-        for row, seq_id in enumerate(batch.sampled_seq_ids):
-            captured.setdefault(seq_id, []).append(logits[row].float())
-        return logits
-
-    runner.compute_logits = spy
-    free = list(range(128))
-    random.Random(0).shuffle(free)
-    tables = {
-        i: [free.pop() for _ in range(-(-(len(p) + NUM_DECODE + 1) // BLOCK_SIZE))]
-        for i, p in enumerate(prompts)
-    }
-    greedy = SamplingParams(temperature=0.0)
-    samples = {i: [] for i in range(len(prompts))}
-    plan = StepPlan(
-        0, new_seqs=[NewSequence(i, p, 0, len(p), tables[i], greedy) for i, p in enumerate(prompts)]
-    )
-    for step in range(NUM_DECODE + 1):
-        for s in worker.execute(plan).samples:
-            samples[s.seq_id].append(s.token_id)
-        plan = StepPlan(
-            step + 1, cont_seqs=[ContinuingSequence(i, 1, [forced[i][step]]) for i in range(len(prompts))]
-        )
-    return {i: torch.stack(captured[i]) for i in captured}, samples
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_matches_hf_on_gpu(family, dtype, model_dirs):
-    from transformers import AutoModelForCausalLM
+    from executor_svc.worker.worker import Worker
 
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 40, 100)]
-    hf = AutoModelForCausalLM.from_pretrained(
-        model_dirs[family], dtype=getattr(torch, dtype), attn_implementation=HF_ATTENTION.get(family, "sdpa")
-    ).cuda().eval()
-    ref = [hf_path(hf, p) for p in prompts]
-    logits, samples = ours_teacher_forced(model_dirs[family], dtype, prompts, [r[1] for r in ref])
+    hf = load_hf(model_dirs[family], family, dtype, "cuda")
+    ref = [hf_greedy_path(hf, p, NUM_DECODE) for p in prompts]
+    worker = Worker(
+        str(model_dirs[family]), device="cuda", dtype=dtype, num_gpu_blocks=128, num_cpu_blocks=8,
+        block_size=BLOCK_SIZE,
+    )
+    logits, samples = worker_greedy(worker, prompts, NUM_DECODE, forced=[r[1] for r in ref])
     for i, (ref_logits, ref_tokens) in enumerate(ref):
         diff = (logits[i] - ref_logits).abs()
         top2 = ref_logits.topk(2).values
