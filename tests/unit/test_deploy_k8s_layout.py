@@ -296,3 +296,14 @@ def test_every_engine_config_parses_with_the_servers_flags(tmp_path):
             assert isinstance(json.loads(text), dict), (name, key)
         assert set(data) == ({"scheduler.json", "executor.json", "frontend.json"} if name == "api-frontend"
                              else {"scheduler.json", "executor.json"})
+
+
+def test_executors_profile_for_the_steps_their_scheduler_sends():
+    """The executor sizes its KV cache after profiling the largest step (max_num_batched_tokens
+    tokens, max_num_seqs sampled rows): its limits must be the scheduler's, or a big step runs out of
+    GPU memory."""
+    for name in DIRECTORIES:
+        data = config_files(render(name))
+        scheduler, executor = json.loads(data["scheduler.json"]), json.loads(data["executor.json"])
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            assert executor.get(key) == scheduler.get(key), (name, key)
