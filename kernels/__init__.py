@@ -34,25 +34,32 @@ def _cuda_module(name: str):
     return importlib.import_module(f"kernels.{name}")
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+def reshape_and_cache(
+    key, value, key_cache, value_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0
+) -> None:
+    """k_scale, v_scale: an FP8 cache stores K / k_scale and V / v_scale (1.0 for any other cache)."""
+    args = (key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     if key_cache.is_cuda:
-        impl = _cuda_module("triton_cache")
-        return impl.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return _cuda_module("triton_cache").reshape_and_cache(*args)
+    return reference.reshape_and_cache(*args)
 
 
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
     sliding_window: int = 0, logit_softcap: float = 0.0, deterministic: bool = False,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """deterministic: batch-invariant rows (kernels/triton_attention.py); the CPU reference ignores it."""
+    """deterministic: batch-invariant rows (kernels/triton_attention.py); the CPU reference ignores it.
+    k_scale, v_scale: the scales the (FP8) cache was written with."""
     args = (
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         max_query_len, max_seq_len, scale, sliding_window, logit_softcap,
     )
     if query.is_cuda:
-        return _cuda_module("triton_attention").paged_attention(*args, deterministic=deterministic)
-    return reference.paged_attention(*args)
+        return _cuda_module("triton_attention").paged_attention(
+            *args, deterministic=deterministic, k_scale=k_scale, v_scale=v_scale
+        )
+    return reference.paged_attention(*args, k_scale, v_scale)
 
 
 def copy_blocks(kv_cache, block_mapping) -> None:

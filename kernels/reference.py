@@ -8,9 +8,46 @@ KV cache layout (one layer)::
 
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot = block_id * block_size + offset_in_block
+
+An FP8 cache (torch.float8_e4m3fn) holds K / k_scale and V / v_scale: reshape_and_cache multiplies
+by the float32 reciprocal of the scale, clamps to +-448 (e4m3 has no infinity; beyond 448 a cast
+gives NaN) and rounds to nearest even; paged_attention reads the e4m3 values in the compute dtype
+and folds k_scale into the softmax scale and v_scale into the output. Any other cache holds the
+values as they are, and takes only scales of 1.0.
 """
 
 import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def check_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
+    """Only an FP8 cache is scaled; any other takes scales of 1.0. Scales are positive and finite."""
+    if not is_fp8(cache_dtype):
+        if (k_scale, v_scale) != (1.0, 1.0):
+            raise ValueError(f"a {cache_dtype} KV cache is not scaled: k_scale and v_scale must be 1.0")
+    elif not (0.0 < k_scale < float("inf") and 0.0 < v_scale < float("inf")):
+        raise ValueError(f"KV scales must be positive and finite, got k {k_scale}, v {v_scale}")
+
+
+def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as the cache stores it: a cast, or for an FP8 cache x * float32(1 / scale) clamped to
+    +-448 and rounded to nearest even (the Triton kernel computes the same float32 product)."""
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    inv_scale = torch.tensor(1.0 / scale, dtype=torch.float32, device=x.device)
+    return (x.float() * inv_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
+
+
+def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor viewed as uint8: caches are indexed as bytes (not every device and torch
+    version indexes float8), and block moves copy bytes."""
+    return cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
 
 
 def reshape_and_cache(
@@ -19,14 +56,18 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, < 0 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's K/V into its slot of the paged cache; tokens with slot < 0 are skipped."""
+    """Write each token's K/V into its slot of the paged cache; tokens with slot < 0 are skipped. An
+    FP8 cache gets K / k_scale and V / v_scale (quantize_to_cache)."""
+    check_scales(key_cache.dtype, k_scale, v_scale)
     valid = slot_mapping >= 0  # [num_tokens]
     slots = slot_mapping[valid].to(torch.long)  # [num_valid]
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+    for cache, x, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
+        _as_bytes(cache)[blocks, offsets] = _as_bytes(quantize_to_cache(x[valid], cache.dtype, scale))
 
 
 def gather_context(
@@ -38,7 +79,7 @@ def gather_context(
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].to(device=cache.device, dtype=torch.long)
-    return cache[blocks].flatten(0, 1)[:seq_len]
+    return _as_bytes(cache)[blocks].flatten(0, 1)[:seq_len].view(cache.dtype)
 
 
 def attend_one_sequence(
@@ -87,9 +128,12 @@ def paged_attention(
     scale: float,
     sliding_window: int = 0,  # > 0: keys older than this many positions are masked
     logit_softcap: float = 0.0,  # > 0: scores capped by softcap * tanh(score / softcap)
+    k_scale: float = 1.0,  # an FP8 cache holds K / k_scale and V / v_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Varlen causal paged attention; see docs/interfaces.md. Returns [num_tokens, num_heads, head_dim]."""
     del max_query_len, max_seq_len  # only the kernels need the bounds
+    check_scales(key_cache.dtype, k_scale, v_scale)
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -98,8 +142,10 @@ def paged_attention(
             continue
         key = gather_context(key_cache, block_tables[i], seq_len)
         value = gather_context(value_cache, block_tables[i], seq_len)
-        attended = attend_one_sequence(query[begin:end], key, value, scale, sliding_window, logit_softcap)
-        out[begin:end] = attended.to(out.dtype)
+        attended = attend_one_sequence(
+            query[begin:end], key, value, scale * k_scale, sliding_window, logit_softcap
+        )
+        out[begin:end] = (attended * v_scale).to(out.dtype)
     return out
 
 
@@ -111,7 +157,8 @@ def copy_blocks(
     if block_mapping.numel() == 0:
         return
     mapping = block_mapping.to(device=kv_cache.device, dtype=torch.long)
-    kv_cache[:, :, mapping[:, 1]] = kv_cache[:, :, mapping[:, 0]]
+    kv_bytes = _as_bytes(kv_cache)
+    kv_bytes[:, :, mapping[:, 1]] = kv_bytes[:, :, mapping[:, 0]]
 
 
 def swap_blocks(
@@ -124,7 +171,7 @@ def swap_blocks(
         return
     src_ids = block_mapping[:, 0].to(device=src_cache.device, dtype=torch.long)
     dst_ids = block_mapping[:, 1].to(device=dst_cache.device, dtype=torch.long)
-    dst_cache[:, :, dst_ids] = src_cache[:, :, src_ids].to(dst_cache.device)
+    _as_bytes(dst_cache)[:, :, dst_ids] = _as_bytes(src_cache)[:, :, src_ids].to(dst_cache.device)
 
 
 # ---- layer ops (the model's elementwise steps; fused kernels in kernels/triton_layers.py) ----------

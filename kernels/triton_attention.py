@@ -25,6 +25,12 @@ own context evenly (whole K/V tiles, at least two), so the work is balanced what
 a CUDA graph captures the split count for the model's maximum length, and partitions of that
 maximum would leave all but the first empty for the contexts a server actually sees.
 
+FP8 KV cache (float8_e4m3fn, which holds K / k_scale and V / v_scale): K/V tiles are loaded as e4m3
+and cast to the query's dtype, exactly (e4m3 values are bf16, fp16 and fp32 values), so the dots
+run as for a cache of the model's dtype; k_scale is folded into the softmax scale on the host and
+the accumulator is multiplied by v_scale once, after the loop (SCALE_V, compiled only when
+v_scale != 1). For a cache in the query's dtype the casts are no-ops: the same code as before.
+
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
 alone, in a batch, as a row of a prefill chunk or of a recompute gets the same bits. Then:
@@ -51,6 +57,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from kernels.reference import check_scales
 
 _NO_PARTITION = 1 << 30
 _MIN_PARTITION = 256  # context positions; smaller partitions cost more in the reduce than they win
@@ -91,8 +99,9 @@ def _attend_tiles(
             block = tl.load(block_table + pos // BLOCK_SIZE).to(tl.int64)
             kv_mask = dim_valid[None, :]
         kv_offset = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot + head_offset
-        k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        # an FP8 cache's tiles in the query's dtype (exact); a no-op for a cache of that dtype
+        k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:  # cap * tanh(score / cap), in the base-2 domain: tanh(x) = 1 - 2 / (e^2x + 1)
             s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * (s / softcap_log2)) + 1.0))
@@ -161,11 +170,11 @@ def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2, num_seqs, num_search_steps, partition_size, num_heads, num_splits, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, window, softcap_log2,
+    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, window, softcap_log2, v_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DETERMINISTIC: tl.constexpr, SCALE_V: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -233,6 +242,8 @@ def _paged_attention_kernel(
             softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP,
         )
 
+    if SCALE_V:  # an FP8 cache holds V / v_scale (the split reduce is linear in acc)
+        acc = acc * v_scale
     if SPLIT:
         part_row = (row_global * num_heads + row_head) * num_splits + split  # [BLOCK_M]
         tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
@@ -311,6 +322,7 @@ def paged_attention(
     max_query_len, max_seq_len, scale, sliding_window: int = 0, logit_softcap: float = 0.0, *,
     num_splits: int | None = None,
     tile: tuple[int, int, int] | None = None, block_m: int | None = None, deterministic: bool = False,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
     the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
@@ -319,13 +331,16 @@ def paged_attention(
     those wholly before a tile's window left empty); tile forces
     (BLOCK_N, num_warps, num_stages) and block_m the rows of a prefill tile (benchmark sweeps).
     deterministic: batch-invariant rows (module docstring): the prefill tile for every step, no
-    split; it takes no num_splits > 1, tile or block_m."""
+    split; it takes no num_splits > 1, tile or block_m. k_scale, v_scale: an FP8 cache holds K / k_scale
+    and V / v_scale; its tiles are read in the query's dtype, k_scale folded into the softmax scale
+    and v_scale into the output."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert query.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
     assert key_cache.shape == value_cache.shape and block_tables.stride(1) == 1
+    check_scales(key_cache.dtype, k_scale, v_scale)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
@@ -365,17 +380,17 @@ def paged_attention(
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         out, part_acc, part_max, part_sum,
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale * math.log2(math.e), num_seqs, max(0, (num_seqs - 1).bit_length()), partition_size,
+        scale * k_scale * math.log2(math.e), num_seqs, max(0, (num_seqs - 1).bit_length()), partition_size,
         num_heads, num_splits, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        max(sliding_window, 0), logit_softcap * math.log2(math.e),
+        max(sliding_window, 0), logit_softcap * math.log2(math.e), v_scale,
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, D_PAD=d_pad, IS_DECODE=is_decode, SPLIT=split,
         EVEN_SPLITS=even_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0, DETERMINISTIC=deterministic,
-        num_warps=num_warps, num_stages=num_stages,
+        SCALE_V=v_scale != 1.0, num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -3,7 +3,9 @@
 Signatures as in kernels/reference.py (docs/interfaces.md).
 
 * reshape_and_cache: one program per (token, group of KV heads) copies that token's K and V rows
-  into its slot; K and V in the same launch; slots < 0 are skipped.
+  into its slot; K and V in the same launch; slots < 0 are skipped. Into an FP8 (e4m3) cache it
+  writes value * float32(1 / scale), clamped to +-448, rounded to nearest even (the reference's
+  numbers: the float32 product is exact-rounded on both, and so is the cast).
 * copy_blocks and swap_blocks share one block-copy kernel. In the layout
   [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] one (layer, K-or-V, block) is a
   contiguous run of block_size * num_kv_heads * head_dim elements, so a program copies one chunk of
@@ -12,6 +14,7 @@ Signatures as in kernels/reference.py (docs/interfaces.md).
   into the GPU's address space (unified addressing), so the GPU reads (swap in) or writes (swap
   out) the host blocks in place over PCIe. No staging buffer, no per-block cudaMemcpyAsync, one
   launch. A pageable (unpinned) CPU cache falls back to the torch reference (gather, copy, scatter).
+  Block moves copy bytes: an FP8 cache goes through the kernel viewed as uint8.
 """
 
 import torch
@@ -19,6 +22,9 @@ import triton
 import triton.language as tl
 
 from kernels import reference
+from kernels.reference import FP8_E4M3_MAX, check_scales, is_fp8
+
+FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
@@ -26,8 +32,8 @@ def _reshape_and_cache_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_c_slot, stride_c_head,  # key and value caches share strides
-    num_kv_heads, head_dim,
-    HEADS: tl.constexpr, D_PAD: tl.constexpr,
+    num_kv_heads, head_dim, k_inv_scale, v_inv_scale,
+    HEADS: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -39,12 +45,16 @@ def _reshape_and_cache_kernel(
     tok = token.to(tl.int64)
     k = tl.load(key_ptr + tok * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask)
     v = tl.load(value_ptr + tok * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask)
+    if FP8:  # e4m3 has no infinity: clamp before the cast
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
     dst = slot * stride_c_slot + heads[:, None] * stride_c_head + dims[None, :]
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+    check_scales(key_cache.dtype, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -58,8 +68,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(1), key_cache.stride(2),
-        num_kv_heads, head_dim,
-        HEADS=heads, D_PAD=d_pad, num_warps=4,
+        num_kv_heads, head_dim, 1.0 / k_scale, 1.0 / v_scale,
+        HEADS=heads, D_PAD=d_pad, FP8=is_fp8(key_cache.dtype), num_warps=4,
     )
 
 
@@ -86,6 +96,8 @@ def _launch_block_copy(src_cache, dst_cache, block_mapping, chunk=8192) -> None:
     assert src_cache.is_contiguous() and dst_cache.is_contiguous()
     assert dst_cache.shape[:2] == (num_layers, two) and list(dst_cache.shape[3:]) == block_shape
     assert src_cache.dtype == dst_cache.dtype
+    if is_fp8(src_cache.dtype):
+        src_cache, dst_cache = src_cache.view(torch.uint8), dst_cache.view(torch.uint8)
     block_numel = src_cache[0, 0, 0].numel()
     chunk = min(chunk, triton.next_power_of_2(block_numel))
     grid = (block_mapping.shape[0], num_layers * two, triton.cdiv(block_numel, chunk))
