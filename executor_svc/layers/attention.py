@@ -6,6 +6,10 @@ The metadata describes one forward pass (flat tokens of several sequences, no pa
     query_start_loc  0                 3           4                  8
     seq_lens[i]   = tokens of context of seq i INCLUDING this step's (their K/V are written first)
     slot_mapping  = block_tables[i][pos // block_size] * block_size + pos % block_size per token
+
+An FP8 KV cache holds K / k_scale and V / v_scale: each layer's scales, 1.0 until the worker
+calibrates them (executor_svc/runner/kv_calibration.py), before the cache is made and decode graphs
+are captured (a graph keeps the scales it was captured with).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window  # > 0: keys this many positions back or more are masked
         self.logit_softcap = logit_softcap  # > 0: scores softcap * tanh(score / softcap) (Gemma 2)
+        self.k_scale = 1.0  # an FP8 cache holds K / k_scale and V / v_scale; 1.0 for any other cache
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -50,7 +56,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KV, D], kv_cache: [2, num_blocks, block_size, KV, D] -> [T, H * D]."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = kernels.paged_attention(
             q,
             key_cache,
@@ -64,5 +70,7 @@ class PagedAttention(nn.Module):
             self.sliding_window,
             self.logit_softcap,
             deterministic=determinism.deterministic(),
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )  # [T, H, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -5,6 +5,11 @@
 
 Layer l attends through the view kv_cache[l] ([2, num_blocks, block_size, KV, D]). Block moves go
 through `kernels`: swap_blocks between device and (pinned) CPU memory, copy_blocks for copy-on-write.
+
+The cache's dtype is the model's (`--kv-cache-dtype auto`) or float8_e4m3fn (`fp8`: one byte an
+element, so a block takes half the bytes of a bf16 one, and twice the blocks fit). An FP8 cache
+holds K / k_scale and V / v_scale, per layer (executor_svc/layers/attention.py); block moves copy
+its bytes unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +21,23 @@ from executor_svc.runner.errors import PlanError
 from executor_svc.runner.host_to_device import to_device
 
 GIB = 1 << 30
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The cache dtype of `--kv-cache-dtype`: auto = the model's; fp8 = float8_e4m3fn, which the
+    CPU path (torch casts) takes anywhere and the Triton kernels on CUDA devices of compute
+    capability 8.9 or newer (Ada, Hopper: the e4m3 conversions)."""
+    if name == "auto":
+        return model_dtype
+    if name != "fp8":
+        raise ValueError(f"kv_cache_dtype must be auto or fp8, got {name!r}")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for the "
+            f"e4m3 casts of the Triton kernels; {torch.cuda.get_device_name(device)} is {major}.{minor}"
+        )
+    return torch.float8_e4m3fn
 
 
 def bytes_per_block(

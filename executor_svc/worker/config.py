@@ -8,6 +8,7 @@ from executor_svc.runner.cache_config import DTYPE_NAMES, CacheConfig
 from scheduler_svc.wire.options import option
 
 _CACHE_DEFAULTS = CacheConfig()
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,9 @@ class WorkerConfig:
     # auto: the checkpoint's dtype (fp32 -> bf16 on CUDA)
     dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: the checkpoint's)")
     load_format: str = option("auto", "weights from the folder, or random (dummy)", choices=("auto", "dummy"))
+    # fp8: e4m3 with per-layer scales calibrated at startup (executor_svc/runner/kv_calibration.py)
+    kv_cache_dtype: str = option("auto", "KV cache dtype: auto (the model's) | fp8 (e4m3, twice the blocks)",
+                                 choices=KV_CACHE_DTYPE_NAMES)
     block_size: int = option(_CACHE_DEFAULTS.block_size, "tokens per KV cache block")
     num_gpu_blocks: int | None = option(_CACHE_DEFAULTS.num_gpu_blocks, cli=False)  # the scheduler sets it
     num_cpu_blocks: int | None = option(_CACHE_DEFAULTS.num_cpu_blocks, cli=False)
@@ -46,6 +50,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         self.cache_config  # noqa: B018 - validates the cache fields now, not at first use

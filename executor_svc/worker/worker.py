@@ -18,6 +18,7 @@ after either, the scheduler resets the worker. Finished ids the worker does not 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import replace
 
 import torch
@@ -27,7 +28,8 @@ from executor_svc.models.config import DTYPES, ModelConfig
 from executor_svc.models.loader import load_model
 from executor_svc.runner.errors import PlanError, StepOrderError
 from executor_svc.runner.inputs import SequenceState
-from executor_svc.runner.kv_cache import KVCache, bytes_per_block
+from executor_svc.runner.kv_cache import KVCache, bytes_per_block, kv_cache_dtype
+from executor_svc.runner.kv_calibration import MAX_CALIBRATION_TOKENS, calibrate_kv_scales, measure_kv_amax
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.worker.config import WorkerConfig
 from executor_svc.worker.launched_step import LaunchedStep
@@ -44,6 +46,8 @@ from scheduler_svc.wire.step_plan import StepPlan, StepResult
 from scheduler_svc.wire.worker_description import WorkerDescription
 
 __all__ = ["PlanError", "StepOrderError", "Worker", "WorkerConfig"]
+
+_log = logging.getLogger(__name__)
 
 
 def _on_device(method):
@@ -90,12 +94,13 @@ class Worker:
             config.seed,
         )
         self.num_kv_heads_per_rank = max(1, self.model_config.num_kv_heads // config.world_size)
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_bytes = bytes_per_block(
             self.model_config.num_layers,
             self.cache_config.block_size,
             self.num_kv_heads_per_rank,
             self.model_config.head_dim,
-            self.dtype,
+            self.kv_cache_dtype,
         )
         # What fits (profiled once) is the ceiling of every init_cache, kept apart from the size the
         # cache has now: a small InitCache never lowers what a later one may ask for.
@@ -103,6 +108,8 @@ class Worker:
             self.cache_config, self.device, self.block_bytes, self._profile_gpu_blocks
         )
         self.num_gpu_blocks, self.num_cpu_blocks = self.capacity_gpu_blocks, self.capacity_cpu_blocks
+        # (k_scale, v_scale) per attention layer: an FP8 cache's, set before any cache or graph exists
+        self.kv_scales = self._calibrate_kv_scales() if config.kv_cache_dtype == "fp8" else []
         self.runner: ModelRunner | None = None
         # Decode steps replay CUDA graphs on the GPU unless config.enforce_eager. At TP > 1 each
         # rank's graphs hold its NCCL collectives: every rank captures the same buckets in the same
@@ -240,7 +247,7 @@ class Worker:
                 cc.block_size,
                 self.num_gpu_blocks,
                 self.num_cpu_blocks,
-                self.dtype,
+                self.kv_cache_dtype,
                 self.device,
             )
             self.runner = ModelRunner(self.model, cache)
@@ -256,10 +263,37 @@ class Worker:
             mc.num_layers,
             self.num_kv_heads_per_rank,
             mc.head_dim,
-            self.dtype,
+            self.kv_cache_dtype,
             self.device,
             self.block_bytes,
         )
+
+    def _calibrate_kv_scales(self) -> list[tuple[float, float]]:
+        """Measures each layer's K and V amax over a few random prompts and sets the FP8 cache's
+        scales from them (executor_svc/runner/kv_calibration.py)."""
+        mc, cc = self.model_config, self.cache_config
+        kv_amax = measure_kv_amax(
+            self.model,
+            mc.num_layers,
+            self.num_kv_heads_per_rank,
+            mc.head_dim,
+            cc.block_size,
+            self.dtype,
+            self.device,
+            mc.vocab_size,
+            min(MAX_CALIBRATION_TOKENS, cc.max_num_batched_tokens, mc.max_model_len * 4),
+            mc.bos_token_id,
+        )
+        scales = calibrate_kv_scales(self.model, kv_amax)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the calibration's cache and activations
+        k_scales, v_scales = [k for k, _ in scales], [v for _, v in scales]
+        _log.info(
+            "rank %d: FP8 KV cache (e4m3), %d layers, k_scale %g..%g, v_scale %g..%g (K amax up to %.3g, "
+            "V amax up to %.3g)", self.config.rank, len(scales), min(k_scales), max(k_scales),
+            min(v_scales), max(v_scales), max(k for k, _ in kv_amax), max(v for _, v in kv_amax),
+        )
+        return scales
 
 
 def _resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:

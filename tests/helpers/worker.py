@@ -25,8 +25,10 @@ def run(
     mode="recompute",
     ahead=False,
     device="cpu",
+    **worker_options,
 ):
-    """requests: {request_id: (prompt, params)} -> (tokens per request and sample index, beams, scheduler)."""
+    """requests: {request_id: (prompt, params)} -> (tokens per request and sample index, beams, scheduler).
+    worker_options: more WorkerConfig fields (kv_cache_dtype, ...)."""
     sched = Scheduler(
         SchedulerConfig(
             block_size=BS,
@@ -47,6 +49,7 @@ def run(
         num_gpu_blocks=num_gpu_blocks,
         num_cpu_blocks=num_cpu_blocks,
         block_size=BS,
+        **worker_options,
     )
     for i, (request_id, (prompt, params)) in enumerate(requests.items()):
         sched.add_request(sched.new_group(request_id, prompt, params, arrival_time=float(i)))
