@@ -65,7 +65,8 @@ def test_reshape_and_cache_fp8_is_the_references_bit_for_bit(seed, scale):
     gen = torch.Generator("cuda").manual_seed(seed)
     kvh, d, bs = LLAMA3_8B["num_kv_heads"], LLAMA3_8B["head_dim"], LLAMA3_8B["block_size"]
     num_blocks, num_tokens = 300, 2000
-    qkv = torch.randn(num_tokens, 6 * kvh, d, generator=gen, device="cuda") * 100 * scale  # K: ~15 beyond 448 s
+    # K: ~15 values beyond 448 s
+    qkv = torch.randn(num_tokens, 6 * kvh, d, generator=gen, device="cuda") * 100 * scale
     qkv = qkv.bfloat16()
     key, value = qkv[:, 4 * kvh : 5 * kvh], qkv[:, 5 * kvh :]  # strided, like a fused QKV output
     cpu_gen = torch.Generator().manual_seed(seed)
