@@ -37,6 +37,17 @@ from executor_svc.runner.kv_cache import KVCache
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16), *range(288, 513, 32))
 
 
+def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> tuple[int, ...]:
+    """The buckets a server whose steps hold at most `max_batch` sequences can use: those up to the
+    first one that holds max_batch (all of them when none does). Capturing more only costs start-up
+    time and graph memory (40 buckets up to 512 by default; 4 for max_num_seqs = 8)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    ordered = tuple(sorted(buckets))
+    cover = next((b for b in ordered if b >= max_batch), ordered[-1])
+    return tuple(b for b in ordered if b <= cover)
+
+
 class DecodeGraphs:
     def __init__(
         self,

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from executor_svc.layers.attention import AttentionMetadata
-from executor_svc.runner.cuda_graphs import DecodeGraphs
+from executor_svc.runner.cuda_graphs import DecodeGraphs, buckets_up_to
 from executor_svc.runner.inputs import ModelInput
 from executor_svc.runner.kv_cache import KVCache
 from executor_svc.runner.sampler import SamplerOutput, SamplingMetadata, sample
@@ -19,9 +19,10 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.decode_graphs: DecodeGraphs | None = None
 
-    def capture_decode_graphs(self, max_model_len: int) -> None:
-        """From now on decode batches of up to DECODE_BUCKETS[-1] sequences replay CUDA graphs."""
-        graphs = DecodeGraphs(self.model, self.kv_cache, max_model_len)
+    def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        """From now on decode batches of up to max_num_seqs sequences (at most DECODE_BUCKETS[-1])
+        replay CUDA graphs; only the buckets those batches can use are captured."""
+        graphs = DecodeGraphs(self.model, self.kv_cache, max_model_len, buckets_up_to(max_num_seqs))
         graphs.capture()
         self.decode_graphs = graphs
 

@@ -252,7 +252,7 @@ class Worker:
             )
             self.runner = ModelRunner(self.model, cache)
             if self.use_cuda_graphs:
-                self.runner.capture_decode_graphs(mc.max_model_len)
+                self.runner.capture_decode_graphs(mc.max_model_len, cc.max_num_seqs)
         return self.runner
 
     def _profile_gpu_blocks(self) -> int:

@@ -105,6 +105,7 @@ def _worker(model_dir: str, device: str, rank: int, world_size: int, graphs: boo
             rank=rank,
             world_size=world_size,
             enforce_eager=not graphs,  # TP=1: eager; TP=2: eager, or its decode steps as CUDA graphs
+            max_num_seqs=len(PROMPT_LENS),  # the graphs of 1..8 sequences only: a short capture
         )
     )
 

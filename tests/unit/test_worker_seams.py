@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from executor_svc.server.main import add_arguments
 from executor_svc.worker.protocol import MemoryUsage, OneStepAtATime
 from executor_svc.worker.step_trace import open_step_trace
@@ -62,3 +64,21 @@ def test_a_one_step_at_a_time_worker_launches_by_executing():
     step = worker.launch(StepPlan(3))
     worker.wait(step)
     assert not worker.launches_ahead and worker.finish(step) == StepResult(3, [SampledToken(7, 1, -0.5)])
+
+
+def test_only_the_graph_buckets_a_step_can_use_are_captured(tiny_llama_dir, monkeypatch):
+    from executor_svc.runner.cuda_graphs import DECODE_BUCKETS, buckets_up_to
+    from executor_svc.runner.model_runner import ModelRunner
+
+    assert buckets_up_to(8) == (1, 2, 4, 8)
+    assert buckets_up_to(9) == (1, 2, 4, 8, 16)
+    assert buckets_up_to(256)[-1] == 256 and buckets_up_to(257)[-1] == 288
+    assert buckets_up_to(10_000) == DECODE_BUCKETS  # beyond the last bucket: all, larger steps run eagerly
+    with pytest.raises(ValueError, match="max_batch"):
+        buckets_up_to(0)
+    captured = []
+    monkeypatch.setattr(ModelRunner, "capture_decode_graphs", lambda self, *args: captured.append(args))
+    worker = make_worker(tiny_llama_dir, max_num_seqs=24)
+    worker.use_cuda_graphs = True  # as on a GPU: the worker hands its limits to the capture
+    worker._ensure_cache()
+    assert captured == [(worker.model_config.max_model_len, 24)]
