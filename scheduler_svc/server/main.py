@@ -45,6 +45,7 @@ from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.grpc_serving import (
     EXECUTOR_TOKEN_ENV,
     MAX_MESSAGE_BYTES,
+    MAX_REQUEST_BYTES,
     ApiServerOptions,
     ExecutorCredentialOptions,
     Health,
@@ -304,8 +305,11 @@ async def start_scheduler_server(
     credentials: grpc.ServerCredentials | None = None,
     auth_token: str | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> SchedulerServer:
-    """Serve the Generation API (TLS with `credentials`; a bearer-token check with `auth_token`)."""
+    """Serve the Generation API (TLS with `credentials`; a bearer-token check with `auth_token`).
+    A message in is at most `max_request_bytes`: a client's request, or a front-end's link message
+    (the front-end refuses a request that would make one larger: EngineLink.open)."""
     def add_servicers(server: grpc.aio.Server) -> None:
         servicer = GenerationServicer(engine, model_info_pb(engine))
         register_decoding(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, server)
@@ -313,7 +317,7 @@ async def start_scheduler_server(
         frontend_pb2_grpc.add_FrontendLinkServicer_to_server(link, server)
 
     server, bound, health = await start_grpc_server(
-        SERVICE_NAME, add_servicers, host, port, max_message_bytes, credentials, auth_token
+        SERVICE_NAME, add_servicers, host, port, max_message_bytes, credentials, auth_token, max_request_bytes
     )
     running = SchedulerServer(engine, server, bound, health)
     if engine.metrics is not None:
@@ -360,7 +364,8 @@ async def serve(opts: ServeOptions) -> None:
     engine = await build_engine(opts)
     credentials = server_credentials(opts.tls_cert_file, opts.tls_key_file)
     running = await start_scheduler_server(
-        engine, opts.host, opts.port, credentials, opts.auth_token, opts.max_message_bytes
+        engine, opts.host, opts.port, credentials, opts.auth_token, opts.max_message_bytes,
+        opts.max_request_bytes,
     )
     freeze_startup_heap()
     print(f"pagedserve scheduler listening on {opts.host}:{running.port}", flush=True)

@@ -124,14 +124,20 @@ async def start_grpc_server(
     max_message_bytes: int,
     credentials: grpc.ServerCredentials | None = None,
     auth_token: str | None = None,
+    max_request_bytes: int | None = None,
 ) -> tuple[grpc.aio.Server, int, Health]:
     """A started server with the services `add_servicers` registers, message size limits, health
     (alive and SERVING for `service_name`) and reflection; TLS with `credentials`, the bearer-token
     check with `auth_token`. Returns (server, bound port, health). The port is this server's alone
     (no SO_REUSEPORT): a port another server holds is an OSError naming it, not a second server
-    silently sharing its connections."""
+    silently sharing its connections. Messages out are bounded by `max_message_bytes`, messages in
+    by request_limit(max_message_bytes, max_request_bytes): a public server's clients get the
+    smaller `max_request_bytes` (grpc refuses a larger message, RESOURCE_EXHAUSTED, before reading
+    it whole); without it (the executor link) both ways are bounded by `max_message_bytes`."""
     interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
-    server_options = [*message_size_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+    receive_bytes = request_limit(max_message_bytes, max_request_bytes)
+    server_options = [("grpc.max_send_message_length", max_message_bytes),
+                      ("grpc.max_receive_message_length", receive_bytes), ("grpc.so_reuseport", 0)]
     server = grpc.aio.server(interceptors=interceptors, options=server_options)
     add_servicers(server)
     health = Health(server, [service_name])
@@ -155,6 +161,18 @@ async def start_grpc_server(
 
 
 MAX_MESSAGE_BYTES = 256 << 20  # both ways, on every channel and server of the project
+
+
+# A client's Generate request: a prompt of max_model_len tokens takes at most 5 bytes a token as ids
+# (varints) and about 4 as typical text, so even 128k tokens is under 1 MiB; stop strings and the
+# other fields are capped far lower by validation. 16 MiB (the HTTP API's body cap too) leaves 16x.
+MAX_REQUEST_BYTES = 16 << 20  # what a public server reads of one client message
+
+
+def request_limit(max_message_bytes: int, max_request_bytes: int | None) -> int:
+    """The largest message a server reads: `max_request_bytes` where given (a public server), never
+    more than `max_message_bytes`."""
+    return max_message_bytes if max_request_bytes is None else min(max_message_bytes, max_request_bytes)
 
 
 def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -252,6 +270,9 @@ class ApiServerOptions:
     auth_token_file: str | None = option(None, "require `authorization: Bearer <token>` with the token "
                                                f"in this file (default: ${AUTH_TOKEN_ENV} if set)")
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, "largest gRPC message, both ways")
+    max_request_bytes: int = option(
+        MAX_REQUEST_BYTES, "largest gRPC message a client may send (bigger: RESOURCE_EXHAUSTED before it "
+        "is read whole); a 128k-token prompt is under 1 MiB as ids (<= 5 bytes a token) or typical text")
 
     def __post_init__(self) -> None:
         if self.drain_grace_period_s < 0 or self.connect_timeout_s < 0:
@@ -260,3 +281,5 @@ class ApiServerOptions:
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
         if self.max_message_bytes < 1 << 16:
             raise ValueError("max_message_bytes must be >= 65536")
+        if self.max_request_bytes < 1 << 16:
+            raise ValueError("max_request_bytes must be >= 65536")

@@ -319,10 +319,10 @@ def test_hostile_client_soak(stack):
 
 # -- defect 3: the front-end link ---------------------------------------------------------------------------
 def test_through_the_front_end_a_huge_request_id_is_refused_and_a_dead_link_frees_every_request(stack):
-    """A 20 MiB request_id is INVALID_ARGUMENT for its caller alone (before: the scheduler's batch
-    passed the message limit and every stream on the link ended UNAVAILABLE); streams keep their
-    request id although the link sends it once; when the link dies every request it opened is
-    aborted (before: 7 of 8 ran on as orphans holding blocks)."""
+    """An 8 MiB request_id (under --max-request-bytes) is INVALID_ARGUMENT for its caller alone
+    (before: the scheduler's batch passed the message limit and every stream on the link ended
+    UNAVAILABLE); streams keep their request id although the link sends it once; when the link dies
+    every request it opened is aborted (before: 7 of 8 ran on as orphans holding blocks)."""
     from scheduler_svc.frontend.main import start_frontend
 
     server, port, _, link_task = stack.run(start_frontend(stack.target))
@@ -332,9 +332,9 @@ def test_through_the_front_end_a_huge_request_id_is_refused_and_a_dead_link_free
             streams = [client.stream([3, 4, i], max_tokens=1000, ignore_eos=True, temperature=0.0,
                                      request_id=f"linked-{i}") for i in range(PER_CLIENT)]
             firsts = [next(s) for s in streams]
-            code, details = _code(lambda: client.generate([1, 2], max_tokens=2, request_id="r" * (20 << 20)))
+            code, details = _code(lambda: client.generate([1, 2], max_tokens=2, request_id="r" * (8 << 20)))
             assert code is grpc.StatusCode.INVALID_ARGUMENT
-            assert details == f"request_id: {20 << 20} characters; at most 256"
+            assert details == f"request_id: {8 << 20} characters; at most 256"
             seconds = [next(s) for s in streams]  # the other streams are untouched
             assert [d.request_id for d in firsts + seconds] == [f"linked-{i}" for i in range(PER_CLIENT)] * 2
             assert stack.engine.stats().num_running == PER_CLIENT

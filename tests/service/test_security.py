@@ -1,5 +1,5 @@
 """Security options of the public API: TLS (a self-signed certificate made here with the openssl
-binary; skipped without it), the bearer-token check (health stays open), the message size limit,
+binary; skipped without it), the bearer-token check (health stays open), the message size limits,
 and `--config FILE` for both servers."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import sys
 import grpc
 import pytest
 
-from clients.client import Client
+from clients.client import Client, build_request
+from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.wire.grpc_serving import health_status, server_credentials
 from tests.helpers.stack import Stack
 
@@ -93,6 +94,65 @@ def test_a_message_over_the_size_limit_is_refused(tiny_llama_dir):
             client.generate("x" * (1 << 17), max_tokens=1)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert len(client.generate([5, 6], max_tokens=2).outputs[0].token_ids) == 2
+
+
+LIMIT = 1 << 16  # --max-request-bytes of the tests below
+
+
+def _request_of(num_bytes: int) -> generation_pb2.GenerateRequest:
+    """A request of exactly `num_bytes` serialized: a short prompt and one long stop string."""
+    request = build_request([5, 6], max_tokens=1, stop=[""])
+    request.sampling.stop[0] = "s" * (num_bytes - request.ByteSize())
+    while (short := num_bytes - request.ByteSize()) != 0:  # the string's length prefix grew
+        request.sampling.stop[0] = "s" * (len(request.sampling.stop[0]) + short)
+    return request
+
+
+def _code_of(target: str, request: generation_pb2.GenerateRequest) -> grpc.StatusCode:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30))
+        except grpc.RpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_a_request_over_max_request_bytes_is_refused_and_the_server_serves_on(tiny_llama_dir):
+    """The public port reads at most --max-request-bytes of a client message (grpc refuses more,
+    before it is read whole), although its send limit stays --max-message-bytes."""
+    with Stack(tiny_llama_dir, num_gpu_blocks=32, serve_kwargs={"max_request_bytes": LIMIT}) as stack, \
+            Client(stack.target) as client:
+        assert _code_of(stack.target, _request_of(LIMIT + 1)) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        # one byte less is read, and refused by validation (a stop string is at most 256 characters)
+        assert _code_of(stack.target, _request_of(LIMIT)) is grpc.StatusCode.INVALID_ARGUMENT
+        assert len(client.generate([5, 6], max_tokens=2).outputs[0].token_ids) == 2
+
+
+def test_through_the_front_end_an_oversized_request_is_refused_and_the_link_serves_on(tiny_llama_dir):
+    """The front-end reads at most --max-request-bytes too, and refuses a request its link envelope
+    would carry over the scheduler's limit (a link message the scheduler refused would end the link
+    and every stream on it)."""
+    from scheduler_svc.frontend.main import start_frontend
+
+    with Stack(tiny_llama_dir, num_gpu_blocks=32, serve_kwargs={"max_request_bytes": LIMIT}) as stack:
+        server, port, _, link_task = stack.run(start_frontend(stack.target, max_request_bytes=LIMIT))
+        target = f"127.0.0.1:{port}"
+        try:
+            with Client(target) as client:
+                stream = client.stream([3, 4], max_tokens=200, ignore_eos=True, temperature=0.0)
+                num_tokens = len(next(stream).outputs[0].token_ids)
+                assert _code_of(target, _request_of(LIMIT + 1)) is grpc.StatusCode.RESOURCE_EXHAUSTED
+                with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as info:
+                    list(generation_pb2_grpc.GenerationStub(channel).Generate(_request_of(LIMIT), timeout=30))
+                assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "--max-request-bytes" in info.value.details()
+                num_tokens += sum(len(delta.outputs[0].token_ids) for delta in stream)
+                assert num_tokens == 200  # the link, and the stream on it, lived on
+                assert len(client.generate([5, 6], max_tokens=2).outputs[0].token_ids) == 2
+                assert not link_task.done()
+        finally:
+            stack.run(server.stop(0.5))
+            link_task.cancel()
 
 
 # ---- --config FILE -----------------------------------------------------------------------------

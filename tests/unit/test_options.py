@@ -122,8 +122,8 @@ SERVE_ARGV = [
     "--max-num-batched-tokens", "512", "--max-model-len", "256", "--no-prefix-caching",
     "--no-async-scheduling", "--max-n", "4", "--max-beam-width", "2", "--metrics-port", "9400",
     "--drain-grace-period-s", "7", "--recovery-timeout-s", "9", "--step-timeout-s", "none",
-    "--connect-timeout-s", "11", "--max-message-bytes", "1048576", "--dtype", "float32",
-    "--load-format", "dummy", "--block-size", "32", "--gpu-memory-utilization", "0.5",
+    "--connect-timeout-s", "11", "--max-message-bytes", "1048576", "--max-request-bytes", "131072",
+    "--dtype", "float32", "--load-format", "dummy", "--block-size", "32", "--gpu-memory-utilization", "0.5",
     "--swap-space-gib", "1", "--cpu-kv-gib", "0.5", "--enforce-eager", "--executor-metrics-port", "9500",
 ]
 
@@ -142,7 +142,7 @@ def test_every_process_parses_what_the_launcher_passes_it(tmp_path):
         num_gpu_blocks=64, num_cpu_blocks=16, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256,
         enable_prefix_caching=False, async_scheduling=False, max_n=4, max_beam_width=2, metrics_port=9400,
         drain_grace_period_s=7, recovery_timeout_s=9, step_timeout_s=None, connect_timeout_s=11,
-        max_message_bytes=1 << 20, tls_cert_file=str(tmp_path / "cert.pem"),
+        max_message_bytes=1 << 20, max_request_bytes=1 << 17, tls_cert_file=str(tmp_path / "cert.pem"),
         tls_key_file=str(tmp_path / "key.pem"), auth_token_file=str(tmp_path / "token"),
         auth_token="t0ken",  # read from the file; never on a command line
     )
@@ -221,3 +221,41 @@ def test_simulate_flags_keep_their_names():
     assert config == SimConfig(num_requests=5, rate_per_s=2.0, enable_prefix_caching=False,
                                preemption_mode="swap", max_num_seqs=4, verify_kv=True)
     assert args.json
+
+
+class _Started(Exception):
+    """Raised by a stand-in server start: serve() got as far as starting its server."""
+
+
+def test_max_request_bytes_reaches_both_public_servers(monkeypatch):
+    """--max-request-bytes is what each public server is started with; --max-message-bytes stays the
+    send limit (and the executor link's)."""
+    import asyncio
+
+    started = {}
+
+    async def build_engine(opts):
+        return object()
+
+    def start(name):
+        async def stand_in(*args, **kwargs):
+            started[name] = (args, kwargs)
+            raise _Started
+        return stand_in
+
+    monkeypatch.setattr(scheduler_main, "build_engine", build_engine)
+    monkeypatch.setattr(scheduler_main, "start_scheduler_server", start("scheduler"))
+    monkeypatch.setattr(frontend_main, "start_frontend", start("frontend"))
+    flags = ["--max-request-bytes", "131072", "--max-message-bytes", "1048576"]
+    with pytest.raises(_Started):
+        asyncio.run(scheduler_main.serve(scheduler_main.parse_args(["--model", "/m", "--executors", "h:1",
+                                                                    *flags])))
+    with pytest.raises(_Started):
+        asyncio.run(frontend_main.serve(frontend_main.parse_args(["--engine", "h:1", *flags])))
+    args, kwargs = started["scheduler"]
+    assert args[5:] == (1 << 20, 1 << 17)  # max_message_bytes, max_request_bytes
+    args, kwargs = started["frontend"]
+    assert args[5] == 1 << 20 and kwargs["max_request_bytes"] == 1 << 17
+    assert ServeOptions(model="/m", executors=("h:1",)).max_request_bytes == 16 << 20
+    with pytest.raises(ValueError, match="max_request_bytes must be >= 65536"):
+        FrontendOptions(engine="h:1", max_request_bytes=1024)
