@@ -33,6 +33,7 @@ from scheduler_svc.request.sequence import FinishReason
 from scheduler_svc.sched.interface import SchedulerInterface
 from scheduler_svc.sched.output_processor import RequestOutput
 from scheduler_svc.sched.validation import RequestValidator
+from scheduler_svc.wire.client_identity import APIS, DEFAULT_API
 from scheduler_svc.wire.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import StepPlan
@@ -81,13 +82,17 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
     async def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str = "", client: str = ""
+        self, prompt: str | list[int], params: SamplingParams, request_id: str = "", client: str = "",
+        api: str = DEFAULT_API,
     ) -> RequestStream:
-        """Validate (self.validator), admit (`client`'s share: self.admission) and queue a request;
-        raises InvalidRequestError naming the field for bad input, ResourceExhaustedError over an
-        admission limit, ServiceUnavailableError / RequestFailedError when not serving. A long text
+        """Validate (self.validator), admit (`client`'s share: self.admission) and queue a request
+        that came through `api` (one of APIS: its metrics' label); raises InvalidRequestError naming
+        the field for bad input (`api` included), ResourceExhaustedError over an admission limit,
+        ServiceUnavailableError / RequestFailedError when not serving. A long text
         prompt is tokenized on a worker thread, so the streams of other requests keep flowing."""
         self._check_serving()
+        if api not in APIS:
+            raise InvalidRequestError("api", f"must be one of {', '.join(APIS)}")
         self.validator.check_fields(request_id, params.stop)
         self.validator.check_prompt(prompt)
         self.admission.admit(client, self.scheduler.stats().num_waiting)
@@ -111,7 +116,7 @@ class Engine:
         except BaseException:
             self.admission.release(client)
             raise
-        request = RequestState(request_id, prompt_ids, params, self.tokenizer, group, client)
+        request = RequestState(request_id, prompt_ids, params, self.tokenizer, group, client, api)
         self._requests[request_id] = request
         self._wakeup.set()
         return RequestStream(request, self.abort)
@@ -138,7 +143,7 @@ class Engine:
         if request is not None:
             request.deliver(request.abort_delta())
             if self.metrics is not None:
-                self.metrics.inc("requests_finished", reason="abort")
+                self.metrics.inc("requests_finished", api=request.api, reason="abort")
         self._wakeup.set()
         return found or request is not None
 
@@ -159,7 +164,7 @@ class Engine:
             error = f"internal error while processing this request: {type(err).__name__}: {err}"
             request.deliver(RequestDelta(request_id, len(request.prompt_ids), finished=True, error=error))
             if self.metrics is not None:
-                self.metrics.inc("requests_finished", reason="abort")
+                self.metrics.inc("requests_finished", api=request.api, reason="abort")
 
     def stats(self) -> EngineStats:
         return engine_stats(
@@ -303,7 +308,7 @@ class Engine:
             self.scheduler.abort(request_id)
             self.admission.release(request.client)
             if self.metrics is not None:
-                self.metrics.inc("requests_finished", reason="abort")
+                self.metrics.inc("requests_finished", api=request.api, reason="abort")
         self._requests.clear()
 
     def _set_healthy(self, healthy: bool) -> None:

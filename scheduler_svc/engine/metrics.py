@@ -3,8 +3,9 @@
 Every name is `pagedserve_<what>[_<unit>]` (no colons: those are for recording rules, and
 prometheus-client >= 0.23 rewrites them under OpenMetrics, so the text format and OpenMetrics would
 disagree), in base units (seconds, bytes; blocks, tokens and requests are counts), `_total` only on
-counters. Every series carries `model_name`; the request-level ones also carry `api` (the door the
-request came through: "grpc" for the Generation API and the API front-end, the only door today).
+counters. Every series carries `model_name`; the request-level ones also carry `api` (the API the
+request came through, one of client_identity.APIS: "grpc" for the Generation API, direct or through
+the API front-end, "openai" for the front-end's HTTP API).
 The process's CPU seconds and memory come from prometheus-client's ProcessCollector
 (`process_cpu_seconds_total`, `process_resident_memory_bytes`, ...: the standard names, no prefix).
 
@@ -20,10 +21,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from scheduler_svc.wire.client_identity import APIS, DEFAULT_API
 from scheduler_svc.wire.metrics_http import HealthState, MetricsHttpServer
 
 PREFIX = "pagedserve_"
-DEFAULT_API = "grpc"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -101,7 +102,8 @@ class SchedulerMetrics:
         self._fixed = {"model_name": model_name, "api": DEFAULT_API}
         self._labels: dict[str, tuple[str, ...]] = {}
         self._families: dict[str, Gauge | Counter | Histogram] = {}
-        self._children: dict[str, Gauge | Counter | Histogram] = {}  # no labels but the fixed ones
+        # (name, api) -> the series with no labels but model_name (and api, where the family has it)
+        self._children: dict[tuple[str, str], Gauge | Counter | Histogram] = {}
         for n, (h, labels) in GAUGES.items():
             self._add(n, labels, Gauge(PREFIX + n, h, ("model_name", *labels), registry=self.registry))
         for n, (h, labels) in COUNTERS.items():
@@ -119,20 +121,27 @@ class SchedulerMetrics:
         self._families[name] = family
         self._labels[name] = ("model_name", *labels)
         if set(labels) <= {"api"}:
-            self._children[name] = family.labels(**{k: self._fixed[k] for k in self._labels[name]})
+            self._children[name, DEFAULT_API] = self._child(name, {})
 
     def _child(self, name: str, labels: dict[str, str]) -> Gauge | Counter | Histogram:
         """The series of `name` with `labels` (model_name and, unless given, api filled in)."""
         values = {k: labels[k] if k in labels else self._fixed[k] for k in self._labels[name]}
         return self._families[name].labels(**values)
 
-    def set(self, name: str, value: float) -> None:
-        self._children[name].set(value)  # type: ignore[union-attr]  # a gauge's name
+    def _series(self, name: str, api: str) -> Gauge | Counter | Histogram:
+        """The series of `name` labelled only with model_name and `api` (cached: the hot path)."""
+        child = self._children.get((name, api))
+        if child is None:
+            child = self._children[name, api] = self._child(name, {"api": api})
+        return child
 
-    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+    def set(self, name: str, value: float) -> None:
+        self._children[name, DEFAULT_API].set(value)  # type: ignore[union-attr]  # a gauge's name
+
+    def inc(self, name: str, amount: float = 1.0, api: str = DEFAULT_API, **labels: str) -> None:
         if amount <= 0:
             return
-        counter = self._child(name, labels) if labels else self._children[name]
+        counter = self._child(name, {"api": api, **labels}) if labels else self._series(name, api)
         counter.inc(amount)  # type: ignore[union-attr]  # a counter's name
 
     def set_total(self, name: str, total: float, **labels: str) -> None:
@@ -143,12 +152,13 @@ class SchedulerMetrics:
             self.inc(name, total - previous, **labels)
             self._totals[key] = total
 
-    def observe(self, name: str, value: float) -> None:
-        self._children[name].observe(value)  # type: ignore[union-attr]  # a histogram's name
+    def observe(self, name: str, value: float, api: str = DEFAULT_API) -> None:
+        self._series(name, api).observe(value)  # type: ignore[union-attr]  # a histogram's name
 
     def count_rejected(self, code: str, api: str = DEFAULT_API) -> None:
-        """A request answered with the gRPC status `code` (its name, e.g. "INVALID_ARGUMENT")."""
-        self.inc("requests_rejected", code=code, api=api)
+        """A request answered with the gRPC status `code` (its name, e.g. "INVALID_ARGUMENT"). An `api`
+        outside APIS (a refused request's own claim) counts as DEFAULT_API: no new label values."""
+        self.inc("requests_rejected", code=code, api=api if api in APIS else DEFAULT_API)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ from scheduler_svc.engine.detokenizer import Decoder, IncrementalDetokenizer, Ou
 from scheduler_svc.request.beam import BeamHypothesis
 from scheduler_svc.request.sequence import SequenceGroup
 from scheduler_svc.sched.output_processor import SampleDelta
+from scheduler_svc.wire.client_identity import DEFAULT_API
 from scheduler_svc.wire.errors import RequestFailedError, ServiceUnavailableError
 from scheduler_svc.wire.sampling_params import SamplingParams
 
@@ -61,9 +62,11 @@ class RequestState:
         tokenizer: Decoder,
         group: SequenceGroup | None = None,
         client: str = "",
+        api: str = DEFAULT_API,
     ):
         self.request_id = request_id
         self.client = client  # who created it (admission limits; only its creator may abort it)
+        self.api = api  # the API it came through (client_identity.APIS): its metrics' `api` label
         self.prompt_ids = prompt_ids
         self.params = params
         self.tokenizer = tokenizer
@@ -156,6 +159,7 @@ class RequestStream:
         self._request = request
         self.request_id = request.request_id
         self.prompt_len = len(request.prompt_ids)
+        self.api = request.api
 
     async def next_delta(self) -> RequestDelta:
         """The next delta (a coroutine, not an async generator: one hop less per streamed message);

@@ -83,7 +83,7 @@ def record_output(
     """Generated tokens, time to first token, queue time, inter-token latency (per output), and at
     the end the end-to-end latency and finish reason. Beam search streams its hypotheses whole at the
     end: their tokens (every returned beam's) count then, and no inter-token latency is observed."""
-    m, now = metrics, time.monotonic()
+    m, now, api = metrics, time.monotonic(), request.api
     num_tokens = 0
     for out in delta.outputs:
         if is_beam:
@@ -94,16 +94,16 @@ def record_output(
         num_tokens += len(out.token_ids)
         last = request.last_token_s.get(out.index)
         if last is not None:
-            m.observe("inter_token_latency_seconds", (now - last) / len(out.token_ids))
+            m.observe("inter_token_latency_seconds", (now - last) / len(out.token_ids), api)
         request.last_token_s[out.index] = now
     if request.first_token_s is None and (num_tokens or delta.outputs and is_beam):
         request.first_token_s = now
-        m.observe("time_to_first_token_seconds", now - request.arrival_s)
+        m.observe("time_to_first_token_seconds", now - request.arrival_s, api)
         group = request.group
         if group is not None and group.first_scheduled_time is not None:
-            m.observe("request_queue_time_seconds", group.first_scheduled_time - group.arrival_time)
-    m.inc("generation_tokens", num_tokens)
+            m.observe("request_queue_time_seconds", group.first_scheduled_time - group.arrival_time, api)
+    m.inc("generation_tokens", num_tokens, api)
     if delta.finished:
-        m.observe("e2e_request_latency_seconds", now - request.arrival_s)
+        m.observe("e2e_request_latency_seconds", now - request.arrival_s, api)
         reason = delta.outputs[0].finish_reason if delta.outputs else "abort"
-        m.inc("requests_finished", reason=reason or "abort")
+        m.inc("requests_finished", api=api, reason=reason or "abort")

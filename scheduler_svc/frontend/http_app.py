@@ -50,7 +50,7 @@ from scheduler_svc.wire.errors import ApiError
 
 MAX_BODY_BYTES = 16 << 20
 _log = logging.getLogger(__name__)
-# The front-end's own series (the scheduler's request metrics count what reaches it, as api="grpc").
+# The front-end's own series (the scheduler's request metrics count what reaches it, as api="openai").
 REQUESTS = Counter("pagedserve_http_requests", "HTTP API requests answered, by endpoint and status",
                    ["model_name", "api", "endpoint", "status"])
 

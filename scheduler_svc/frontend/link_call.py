@@ -1,4 +1,5 @@
-"""One Generate call over the front-end's link to the scheduler, as the HTTP API reads it: the
+"""One Generate call over the front-end's link to the scheduler, as the HTTP API makes it (labelled
+api="openai" in the scheduler's metrics) and reads it: the
 GenerateResponses of one stream, then the end; the scheduler's status for the stream raised as the
 API error it names (RelayedError: INVALID_ARGUMENT with the field, UNAVAILABLE while draining, ...)."""
 
@@ -10,6 +11,7 @@ from typing import Any, Protocol
 import grpc
 
 from protos.pagedserve.v1 import generation_pb2
+from scheduler_svc.wire.client_identity import OPENAI_API
 from scheduler_svc.wire.errors import RelayedError, ServiceUnavailableError
 
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
@@ -18,9 +20,10 @@ STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 class StreamLink(Protocol):
     """What a call needs of the link (scheduler_svc/frontend/main.py EngineLink)."""
 
-    def open(self, request: generation_pb2.GenerateRequest) -> tuple[int, asyncio.Queue]:
-        """Sends the request; returns its stream id and the queue its events arrive on (None: the link
-        broke). Raises ServiceUnavailableError while the link is down."""
+    def open(self, request: generation_pb2.GenerateRequest, *, api: str) -> tuple[int, asyncio.Queue]:
+        """Sends the request, which came through `api` (client_identity.APIS); returns its stream id
+        and the queue its events arrive on (None: the link broke). Raises ServiceUnavailableError
+        while the link is down."""
         ...
 
     def close(self, stream_id: int, cancel: bool) -> None:
@@ -33,7 +36,7 @@ class LinkCall:
 
     def __init__(self, link: StreamLink, request: generation_pb2.GenerateRequest):
         self._link = link
-        self._stream_id, self._queue = link.open(request)
+        self._stream_id, self._queue = link.open(request, api=OPENAI_API)
         self.done = False
         self._closed = False
 

@@ -33,15 +33,17 @@ from typing import Any
 import grpc
 
 from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
-from scheduler_svc.wire.client_identity import CLIENT_KEY
+from scheduler_svc.wire.client_identity import CLIENT_KEY, DEFAULT_API
 from scheduler_svc.wire.convert import maps_errors
-from scheduler_svc.wire.errors import RelayedError, ServiceUnavailableError
+from scheduler_svc.wire.errors import RelayedError, ResourceExhaustedError, ServiceUnavailableError
 from scheduler_svc.wire.grpc_serving import (
     MAX_MESSAGE_BYTES,
+    MAX_REQUEST_BYTES,
     ApiServerOptions,
     Health,
     message_size_options,
     read_auth_token,
+    request_limit,
     server_credentials,
     start_grpc_server,
 )
@@ -56,9 +58,13 @@ _log = logging.getLogger(__name__)
 
 
 class EngineLink:
-    """The front-end's side of the link: opens streams, routes each batch's events to them."""
+    """The front-end's side of the link: opens streams, routes each batch's events to them. A link
+    message is at most `max_request_bytes` (the scheduler's receive limit, when both take the same
+    --max-request-bytes): a larger one would end the link, and every stream on it, RESOURCE_EXHAUSTED."""
 
-    def __init__(self, target: str, max_message_bytes: int, auth_token: str | None = None):
+    def __init__(self, target: str, max_message_bytes: int, auth_token: str | None = None,
+                 max_request_bytes: int = MAX_REQUEST_BYTES):
+        self.max_open_bytes = request_limit(max_message_bytes, max_request_bytes)
         self.channel = grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes))
         self.generation = generation_pb2_grpc.GenerationStub(self.channel)
         self._link_stub = frontend_pb2_grpc.FrontendLinkStub(self.channel)
@@ -128,15 +134,21 @@ class EngineLink:
         while True:
             await call.write(await outbox.get())
 
-    def open(self, request, client: str = "") -> tuple[int, asyncio.Queue]:
-        """Opens a stream for `client` (its peer: the scheduler's admission limits and Abort scope)."""
+    def open(self, request, client: str = "", api: str = DEFAULT_API) -> tuple[int, asyncio.Queue]:
+        """Opens a stream for `client` (its peer: the scheduler's admission limits and Abort scope),
+        whose request came through `api` (client_identity.APIS: the scheduler's metrics label)."""
         if not self.connected.is_set():
             raise ServiceUnavailableError("the scheduler is not reachable")
         stream_id = next(self._ids)
+        opened = frontend_pb2.LinkRequest(
+            open=frontend_pb2.OpenStream(stream_id=stream_id, request=request, client=client, api=api))
+        num_bytes = opened.ByteSize()  # the request's size (the gRPC server let in) plus a few dozen
+        if num_bytes > self.max_open_bytes:
+            raise ResourceExhaustedError(f"the request is {num_bytes} bytes with its link envelope; at most "
+                                         f"{self.max_open_bytes} (--max-request-bytes)")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[stream_id] = queue
-        opened = frontend_pb2.OpenStream(stream_id=stream_id, request=request, client=client)
-        self._outbox.put_nowait(frontend_pb2.LinkRequest(open=opened))
+        self._outbox.put_nowait(opened)
         return stream_id, queue
 
     def close(self, stream_id: int, cancel: bool) -> None:
@@ -238,10 +250,12 @@ async def start_frontend(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     connect_timeout_s: float = 60.0,
     on_link: Callable[[EngineLink], object] | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> tuple[grpc.aio.Server, int, Health, asyncio.Future]:
     """Serves the front-end once the link is up; returns (server, port, health, link task).
-    `on_link` is given the link (the HTTP API serves through it too)."""
-    link = EngineLink(engine_target, max_message_bytes, auth_token)
+    `on_link` is given the link (the HTTP API serves through it too). A client message is at most
+    `max_request_bytes`; so is a link message (EngineLink.open)."""
+    link = EngineLink(engine_target, max_message_bytes, auth_token, max_request_bytes)
     if on_link is not None:
         on_link(link)
     link_task = asyncio.ensure_future(link.run(connect_timeout_s))
@@ -257,7 +271,7 @@ async def start_frontend(
         lambda server: register_decoding(
             generation_pb2_grpc.add_GenerationServicer_to_server, FrontendServicer(link), server
         ),
-        host, port, max_message_bytes, credentials, auth_token,
+        host, port, max_message_bytes, credentials, auth_token, max_request_bytes,
     )
     loop = asyncio.get_running_loop()
     link.on_change = lambda up: loop.create_task(health.set_serving(up))
@@ -271,6 +285,7 @@ async def serve(a: FrontendOptions) -> None:
     server, port, health, link_task = await start_frontend(
         a.engine, a.host, a.port, server_credentials(a.tls_cert_file, a.tls_key_file),
         read_auth_token(a.auth_token_file), a.max_message_bytes, a.connect_timeout_s, on_link=links.append,
+        max_request_bytes=a.max_request_bytes,
     )
     http = None
     if a.http_port is not None:

@@ -21,7 +21,7 @@ from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc
 from scheduler_svc.engine.engine import Engine, RequestStream
 from scheduler_svc.engine.outputs import RequestDelta
 from scheduler_svc.server.servicer import add_request_from_pb, request_delta_to_pb
-from scheduler_svc.wire.client_identity import client_of, relayed_client
+from scheduler_svc.wire.client_identity import DEFAULT_API, client_of, relayed_client
 from scheduler_svc.wire.convert import error_status, maps_errors
 from scheduler_svc.wire.errors import RequestFailedError, ServiceUnavailableError
 from scheduler_svc.wire.grpc_serving import MAX_MESSAGE_BYTES
@@ -81,7 +81,7 @@ class _Link:
             if request.WhichOneof("kind") == "open":
                 opened = request.open
                 client = relayed_client(opened.client) if opened.client else self._peer
-                await self._open(opened.stream_id, opened.request, client)
+                await self._open(opened.stream_id, opened.request, client, opened.api or DEFAULT_API)
             else:
                 self._cancel(request.cancel)
 
@@ -111,19 +111,20 @@ class _Link:
         for stream in streams.values():
             stream.abort()
 
-    async def _open(self, stream_id: int, request, client: str) -> None:
-        """Queues the request; a text prompt long enough to be tokenized on a thread is finished
-        in a task, so the link keeps reading (a cancel meanwhile is honoured when it is queued)."""
-        opening = asyncio.ensure_future(add_request_from_pb(self._engine, request, client))
+    async def _open(self, stream_id: int, request, client: str, api: str) -> None:
+        """Queues the request (`api` is checked with it: one outside APIS ends the stream with
+        INVALID_ARGUMENT); a text prompt long enough to be tokenized on a thread is finished in a
+        task, so the link keeps reading (a cancel meanwhile is honoured when it is queued)."""
+        opening = asyncio.ensure_future(add_request_from_pb(self._engine, request, client, api))
         self._opening[stream_id] = opening
         if not opening.done():
             await asyncio.sleep(0)  # one turn: a request with no tokenizer thread is queued by then
         if opening.done():
-            self._opened(stream_id, opening)
+            self._opened(stream_id, opening, api)
         else:
-            opening.add_done_callback(lambda task: self._opened(stream_id, task))
+            opening.add_done_callback(lambda task: self._opened(stream_id, task, api))
 
-    def _opened(self, stream_id: int, opening: asyncio.Future) -> None:
+    def _opened(self, stream_id: int, opening: asyncio.Future, api: str) -> None:
         if self._opening.get(stream_id) is not opening:  # cancelled, or the link ended meanwhile
             _drop(opening)
             return
@@ -132,7 +133,7 @@ class _Link:
             return
         exc = opening.exception()
         if exc is not None:  # sent to the front-end as the stream's status
-            self._end(stream_id, *error_status(exc))
+            self._end(stream_id, *error_status(exc), api)
             return
         stream = opening.result()
         self._streams[stream_id] = stream
@@ -149,10 +150,10 @@ class _Link:
 
     def _on_delta(self, stream_id: int, delta: RequestDelta) -> None:
         if delta.error is not None:
-            self._streams.pop(stream_id, None)
+            stream = self._streams.pop(stream_id, None)
             self._unnamed.discard(stream_id)
             error = (ServiceUnavailableError if delta.unavailable else RequestFailedError)(delta.error)
-            self._end(stream_id, *error_status(error))
+            self._end(stream_id, *error_status(error), stream.api if stream is not None else DEFAULT_API)
             return
         first = stream_id in self._unnamed  # the request id goes out once, in the stream's first event
         size = approx_delta_bytes(delta) + (len(delta.request_id) * 4 if first else 0)
@@ -168,9 +169,9 @@ class _Link:
             self._streams.pop(stream_id, None)
         self._ready.set()
 
-    def _end(self, stream_id: int, code: grpc.StatusCode, message: str) -> None:
+    def _end(self, stream_id: int, code: grpc.StatusCode, message: str, api: str) -> None:
         if self._engine.metrics is not None:  # the request's error status, as the servicer's count_error
-            self._engine.metrics.count_rejected(code.name)
+            self._engine.metrics.count_rejected(code.name, api)
         self._batch.events.add(stream_id=stream_id, end=True, code=code.value[0], message=message)
         self._ready.set()
 

@@ -12,7 +12,7 @@ import grpc
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine.engine import Engine, RequestStream
 from scheduler_svc.engine.outputs import OutputDelta, RequestDelta
-from scheduler_svc.wire.client_identity import client_of
+from scheduler_svc.wire.client_identity import DEFAULT_API, client_of
 from scheduler_svc.wire.convert import maps_errors, sampling_params_from_pb
 from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.request_decoding import check_decoded
@@ -68,13 +68,13 @@ def prompt_from_pb(request: generation_pb2.GenerateRequest) -> str | list[int]:
 
 
 async def add_request_from_pb(
-    engine: Engine, request: generation_pb2.GenerateRequest, client: str
+    engine: Engine, request: generation_pb2.GenerateRequest, client: str, api: str = DEFAULT_API
 ) -> RequestStream:
-    """Queues a GenerateRequest for `client` (its creator: admission limits, Abort scoping); the
-    engine validates it; raises the API's errors (wire/errors.py)."""
+    """Queues a GenerateRequest for `client` (its creator: admission limits, Abort scoping) that came
+    through `api`; the engine validates both; raises the API's errors (wire/errors.py)."""
     engine.validator.check_fields(request.request_id, request.sampling.stop)  # before converting them
     params = sampling_params_from_pb(request.sampling, engine.limits.default_sampling)
-    return await engine.add_request(prompt_from_pb(request), params, request.request_id, client)
+    return await engine.add_request(prompt_from_pb(request), params, request.request_id, client, api)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

@@ -17,7 +17,13 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients.client import Client
-from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from protos.pagedserve.v1 import (
+    executor_pb2,
+    executor_pb2_grpc,
+    frontend_pb2,
+    frontend_pb2_grpc,
+    generation_pb2,
+)
 from scheduler_svc.engine.metrics import PREFIX, exported_metric_names
 from tests.helpers.stack import Stack
 from tests.helpers.wait import wait_until
@@ -251,3 +257,70 @@ def fetch_error(port: int, path: str) -> str:
         return fetch(port, path=path)
     except urllib.error.HTTPError as err:
         return err.read().decode()
+
+
+class HttpFrontendStack(Stack):
+    """A Stack behind an API front-end: gRPC on `target`, the OpenAI HTTP API on `http.port`, the
+    scheduler itself (its FrontendLink) on `scheduler_target`."""
+
+    async def _start(self) -> None:
+        from scheduler_svc.frontend.http_app import start_http_api
+        from scheduler_svc.frontend.main import start_frontend
+
+        await super()._start()
+        self.scheduler_target, links = self.target, []
+        self.frontend, port, _, self.link_task = await start_frontend(self.target, on_link=links.append)
+        self.http = await start_http_api(links[0], "127.0.0.1", 0, self.model_dir, None, None, None, None)
+        self.target = f"127.0.0.1:{port}"
+
+    async def _stop(self) -> None:
+        await self.http.stop(0.5)
+        await self.frontend.stop(0.5)
+        self.link_task.cancel()
+        await super()._stop()
+
+
+def open_on_link(target: str, api: str) -> frontend_pb2.StreamEvent:
+    """Opens one stream over a FrontendLink of its own, claiming `api`; its first event."""
+    answered = threading.Event()
+
+    def requests():
+        request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1, 2, 3]))
+        yield frontend_pb2.LinkRequest(open=frontend_pb2.OpenStream(stream_id=1, request=request, api=api))
+        answered.wait(10)  # the link stays open until the answer came
+
+    with grpc.insecure_channel(target) as channel:
+        batches = frontend_pb2_grpc.FrontendLinkStub(channel).Streams(requests(), timeout=10)
+        event = next(iter(batches)).events[0]
+        answered.set()
+        return event
+
+
+def test_request_metrics_tell_the_grpc_api_from_the_openai_one(tiny_llama_dir):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    with HttpFrontendStack(tiny_llama_dir, num_gpu_blocks=12, num_cpu_blocks=0, metrics_port=0) as stack:
+        with Client(stack.target) as client:
+            client.generate([1, 2, 3], max_tokens=3)
+        body = {"model": stack.engine.limits.model_name, "prompt": [1, 2, 3], "max_tokens": 3}
+        reply = httpx.post(f"http://127.0.0.1:{stack.http.port}/v1/completions", json=body, timeout=30)
+        assert reply.status_code == 200
+        # a link client claiming another api is refused; its refusal counts as grpc
+        hostile = open_on_link(stack.scheduler_target, api="hostile")
+        assert hostile.end and hostile.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "api" in hostile.message
+        families = list(text_string_to_metric_families(fetch(stack.engine.metrics.port)))
+
+    samples = [s for f in families for s in f.samples if "api" in s.labels]
+    assert {s.labels["api"] for s in samples} == {"grpc", "openai"}
+
+    def total(name: str, api: str, **labels: str) -> float:
+        return sum(s.value for s in samples if s.name == PREFIX + name and s.labels["api"] == api
+                   and labels.items() <= s.labels.items())
+
+    for api in ("grpc", "openai"):
+        assert total("requests_finished_total", api) == 1, api
+        assert total("generation_tokens_total", api) == 3, api
+        assert total("e2e_request_latency_seconds_count", api) == 1, api
+    assert total("requests_rejected_total", "grpc", code="INVALID_ARGUMENT") == 1
+    assert total("requests_rejected_total", "openai") == 0

@@ -34,14 +34,16 @@ class ScriptedLink:
     def __init__(self, script):
         self.script, self.up = script, True
         self.requests: list = []
+        self.apis: list[str] = []  # the api each stream was opened with
         self.open_streams: set[int] = set()
         self.cancelled: list[int] = []
 
-    def open(self, request):
+    def open(self, request, api):
         if not self.up:
             raise ServiceUnavailableError("the scheduler is not reachable")
         stream_id = len(self.requests)
         self.requests.append(request)
+        self.apis.append(api)
         queue: asyncio.Queue = asyncio.Queue()
         for event in self.script(request):
             queue.put_nowait(event)
@@ -130,6 +132,7 @@ def test_several_prompts_stream_as_one_with_their_own_indices_and_usage():
     whole = call(api, "POST", "/v1/completions", {**COMPLETION, "prompt": [[1, 2], [3]]}).json()
     assert [c["text"] for c in whole["choices"]] == ["ids-a-b", "ids-a-b"]
     assert list(link.requests[-1].token_ids.ids) == [3]
+    assert link.apis == ["openai"] * 4  # the scheduler's metrics label each prompt's request api="openai"
 
 
 def test_unknown_fields_are_ignored_and_unsupported_ones_refused():
@@ -195,8 +198,8 @@ class PacedLink(ScriptedLink):
         super().__init__(lambda request: [])
         self.tokens, self.period_s = tokens, period_s
 
-    def open(self, request):
-        stream_id, queue = super().open(request)
+    def open(self, request, api):
+        stream_id, queue = super().open(request, api)
 
         async def feed():
             for i in range(self.tokens):

@@ -152,7 +152,7 @@ def _link_with_streams(num_streams: int, max_batch_bytes: int = 1 << 20) -> tupl
         future: concurrent.futures.Future = concurrent.futures.Future()  # a queued request
         future.set_result(stream)
         link._opening[i] = future
-        link._opened(i, future)
+        link._opened(i, future, "grpc")
     return link, streams
 
 

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenStream(_message.Message):
-    __slots__ = ("stream_id", "request", "client")
+    __slots__ = ("stream_id", "request", "client", "api")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     request: _generation_pb2.GenerateRequest
     client: str
-    def __init__(self, stream_id: _Optional[int] = ..., request: _Optional[_Union[_generation_pb2.GenerateRequest, _Mapping]] = ..., client: _Optional[str] = ...) -> None: ...
+    api: str
+    def __init__(self, stream_id: _Optional[int] = ..., request: _Optional[_Union[_generation_pb2.GenerateRequest, _Mapping]] = ..., client: _Optional[str] = ..., api: _Optional[str] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
     __slots__ = ("open", "cancel")
