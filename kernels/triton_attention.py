@@ -330,10 +330,10 @@ def paged_attention(
     (1 = none; > 1: partitions of max_seq_len / num_splits positions, the same for every sequence,
     those wholly before a tile's window left empty); tile forces
     (BLOCK_N, num_warps, num_stages) and block_m the rows of a prefill tile (benchmark sweeps).
-    deterministic: batch-invariant rows (module docstring): the prefill tile for every step, no
-    split; it takes no num_splits > 1, tile or block_m. k_scale, v_scale: an FP8 cache holds K / k_scale
-    and V / v_scale; its tiles are read in the query's dtype, k_scale folded into the softmax scale
-    and v_scale into the output."""
+    deterministic: batch-invariant rows (module docstring): one tile shape (max(16, G_PAD) rows) for
+    every step, no split; it takes no num_splits > 1, tile or block_m. k_scale, v_scale: an FP8
+    cache holds K / k_scale and V / v_scale; its tiles are read in the query's dtype, k_scale
+    folded into the softmax scale and v_scale into the output."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -350,7 +350,7 @@ def paged_attention(
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if deterministic and ((num_splits or 1) > 1 or tile is not None or block_m is not None):
         raise ValueError("deterministic attention has one tile shape and no split")
-    is_decode = max_query_len == 1 and not deterministic  # deterministic: a decode row in a prefill tile
+    is_decode = max_query_len == 1 and not deterministic  # deterministic: decode rows in the varlen tile
     if is_decode:
         block_q, block_m, block_n, num_warps, num_stages = 1, max(16, g_pad), 64, 4, 3
         num_tiles = num_seqs

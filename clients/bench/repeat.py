@@ -268,7 +268,10 @@ async def run_set(
 
 
 def parse_batch_sizes(text: str) -> list[int]:
-    sizes = [int(s) for s in text.split(",") if s.strip()]
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
     if not sizes or min(sizes) < 1:
         raise ValueError(f"--batch-sizes: positive integers, comma-separated, got {text!r}")
     return sizes

@@ -155,3 +155,23 @@ def test_differences_from_the_saved_tokens_are_reported_where_they_start():
         "equal to the reference", "differs from the reference at token 2", "not in the reference"]
     unfinished = compare_with_saved("ref.json", saved, [here_a[0], Generation([5, 6, 7, 8], False)], [])
     assert unfinished["a_vs_reference"]["num_identical"] == 1  # an unfinished request is never identical
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--batch-sizes", "x"), "--batch-sizes: positive integers"),
+        (("--batch-sizes", "0,3"), "--batch-sizes: positive integers"),
+        (("--batch-sizes", ""), "--batch-sizes: positive integers"),
+        (("--kill-after-s", "-1"), "--kill-after-s must be >= 0"),
+        (("--kill-after-s", "nan"), "--kill-after-s must be >= 0"),
+        (("--requests", "0"), "--requests and --max-tokens must be >= 1"),
+        (("--max-tokens", "-5"), "--requests and --max-tokens must be >= 1"),
+        (("--compare-tokens", "/nonexistent/tokens.json"), "no such file"),
+    ],
+)
+def test_careless_flags_are_refused_before_any_server_starts(flags, message, capsys):
+    args = _args("--model", "tiny-random", "--device", "cpu", *flags)
+    assert bench.run(args) == 2
+    assert message in capsys.readouterr().err
+    assert pids_of(EXECUTOR, parent=os.getpid()) == []
