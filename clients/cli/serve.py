@@ -105,10 +105,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_arguments(parser, ExecutorOptions, exclude=LAUNCHER_SETS["executor"])
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free TCP port on 127.0.0.1 that this process has not handed out before: the OS may offer a
+    port again once its probe socket is closed, and two of one launch's servers (an executor and the
+    HTTP API, say) would then race for it."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 def ensure_tiny_model(model_dir: pathlib.Path = TINY_MODEL_DIR) -> pathlib.Path:

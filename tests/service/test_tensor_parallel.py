@@ -9,7 +9,6 @@ import asyncio
 import functools
 import pathlib
 import threading
-import time
 from dataclasses import replace
 
 import pytest
@@ -185,13 +184,21 @@ def test_a_dead_rank_takes_down_its_set_and_the_scheduler_reports_it(tiny_llama_
 
     with TensorParallelStack(tiny_llama_dir, tmp_path) as two:
         outcome: list[object] = []
+        decoding = threading.Event()
 
         def long_generation() -> None:
             with Client(two.target, timeout_s=8) as client:
                 try:
-                    outcome.append(client.generate([5, 6], max_tokens=1000, temperature=0.0, ignore_eos=True))
+                    received = 0
+                    for delta in client.stream([5, 6], max_tokens=1000, temperature=0.0, ignore_eos=True):
+                        received += len(delta.outputs[0].token_ids)
+                        if received >= 8:
+                            decoding.set()  # the set is in its step loop: the kill lands mid-run
+                    outcome.append(received)
                 except Exception as err:  # noqa: BLE001 - the outcome is asserted below
                     outcome.append(err)
+                finally:
+                    decoding.set()
 
         with Client(two.target) as client:
             assert client.generate([5, 6, 7], max_tokens=3, temperature=0.0).outputs[0].token_ids
@@ -200,7 +207,9 @@ def test_a_dead_rank_takes_down_its_set_and_the_scheduler_reports_it(tiny_llama_
                 asyncio.run(_describe(wrong))
         thread = threading.Thread(target=long_generation)
         thread.start()
-        time.sleep(1.0)
+        # Killed between steps, the survivor would wait idle (the scheduler no longer sends a set
+        # with a dead rank anything, not even InitCache); killed mid-run, its collective fails.
+        assert decoding.wait(60) and not outcome, outcome
         two.procs[1].kill()
         # rank 0's collective fails when its peer's connection closes: it exits with status 1
         assert two.procs[0].wait(timeout=30) == 1
