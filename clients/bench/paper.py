@@ -54,8 +54,10 @@ def parse_policies(text: str) -> list[str]:
     return policies
 
 
-def kv_cache_blocks(spec: ModelSpec, kv_cache_gib: float, block_size: int) -> int:
-    num_blocks = spec.num_gpu_blocks(kv_cache_gib * GIB, block_size)
+def kv_cache_blocks(spec: ModelSpec, kv_cache_gib: float, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """The blocks --kv-cache-gib holds: of the model's 2-byte dtype, or of 1-byte e4m3 with
+    --kv-cache-dtype fp8 (twice as many: the paper's experiment at the same memory)."""
+    num_blocks = spec.num_gpu_blocks(kv_cache_gib * GIB, block_size, 1 if kv_cache_dtype == "fp8" else 2)
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-gib {kv_cache_gib} holds no block of this model")
     return num_blocks
@@ -164,7 +166,9 @@ def run_paper(args: argparse.Namespace, model: str, spec: ModelSpec, result: dic
     try:
         policies = parse_policies(args.policies)
         if args.kv_cache_gib is not None:
-            args.num_gpu_blocks = kv_cache_blocks(spec, args.kv_cache_gib, args.block_size)
+            args.num_gpu_blocks = kv_cache_blocks(
+                spec, args.kv_cache_gib, args.block_size, getattr(args, "kv_cache_dtype", "auto")
+            )
     except ValueError as err:
         print(f"pagedserve bench: {err}", file=sys.stderr)
         return 2

@@ -120,6 +120,8 @@ def test_compare_picks_the_highest_rate_within_the_latency_factor(tmp_path):
     assert out["crossing_ratios"] == {"paged/reserve-oracle": round(2.5 / 1.5, 3)}
     assert out["normalized_latency_s_per_token"]["paged"] == {"1": 0.1, "2": 0.14, "3": 0.16}
     assert kv_cache_blocks(MODELS["llama2-13b"], 12, 16) == 12 * 2**30 // (819200 * 16)
+    # an FP8 cache: one byte an element, twice the blocks in the same 12 GiB
+    assert kv_cache_blocks(MODELS["llama2-13b"], 12, 16, "fp8") == 12 * 2**30 // (409600 * 16)
     plot_paper(out["normalized_latency_s_per_token"], str(tmp_path / "paper.png"))
     assert (tmp_path / "paper.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
