@@ -151,6 +151,7 @@ def bench_decode(batch: int, context: int, copy_bw: float, sweep: bool, gen) -> 
             batch * LLAMA3_8B["num_kv_heads"], context, _decode_slots()
         ),
     )
+    row.update(_fp8_decode(args, out, ours_ms))
     if sweep:
         row["sweep_splits_ms"] = {
             str(s): time_ms(lambda s=s: triton_attention.paged_attention(*args, num_splits=s))
@@ -161,6 +162,24 @@ def bench_decode(batch: int, context: int, copy_bw: float, sweep: bool, gen) -> 
             for t in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (32, 4, 4), (64, 8, 3))
         }
     return row
+
+
+FP8_SCALE = 1 / 16  # the cache holds K / scale: N(0, 1) data spans ~+-80 of e4m3's +-448
+
+
+def _fp8_decode(args: tuple, bf16_out: torch.Tensor, bf16_ms: float) -> dict:
+    """The same decode over an e4m3 copy of the cache (`--kv-cache-dtype fp8`): time, time relative to
+    the bf16 cache's, and the error from the e4m3 rounding (relative to the bf16 cache's output)."""
+    if not hasattr(torch, "float8_e4m3fn") or torch.cuda.get_device_capability() < (8, 9):
+        return {}
+    fp8 = list(args)
+    fp8[1] = (args[1].float() / FP8_SCALE).to(torch.float8_e4m3fn)
+    fp8[2] = (args[2].float() / FP8_SCALE).to(torch.float8_e4m3fn)
+    scales = dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)
+    out = triton_attention.paged_attention(*fp8, **scales)
+    fp8_ms = time_ms(lambda: triton_attention.paged_attention(*fp8, **scales))
+    return dict(fp8_ms=fp8_ms, fp8_time_vs_bf16=fp8_ms / bf16_ms,
+                fp8_rel_error_vs_bf16_cache=relative_error(out, bf16_out))
 
 
 def bench_prefill(batch: int, prompt: int, gen, sweep: bool) -> dict:
@@ -260,13 +279,15 @@ def _table(results: dict) -> str:
         "",
         "paged decode, llama3-8b heads (32 q / 8 kv, d=128, bf16), block 16",
         f"{'batch':>5} {'ctx':>6} {'splits':>6} {'ours us':>8} {'sdpa us':>8} {'sdpa/ours':>9} "
-        f"{'ours %bw':>8} {'sdpa %bw':>8}  sdpa form",
+        f"{'ours %bw':>8} {'sdpa %bw':>8}  sdpa form   fp8 cache: us, time / bf16's, rel. error",
     ]
     for r in results["decode"]:
         lines.append(
             f"{r['batch']:>5} {r['context']:>6} {r['num_splits']:>6} {r['ours_ms'] * 1e3:>8.1f} "
             f"{r['sdpa_ms'] * 1e3:>8.1f} {r['speed_vs_sdpa']:>9.2f} {100 * r['ours_bw_fraction']:>7.1f}% "
             f"{100 * r['sdpa_bw_fraction']:>7.1f}%  {r['sdpa_form']}"
+            + (f"   {r['fp8_ms'] * 1e3:.1f} {r['fp8_time_vs_bf16']:.2f} {r['fp8_rel_error_vs_bf16_cache']:.3f}"
+               if "fp8_ms" in r else "")
         )
     p = results["prefill"]
     lines += [
