@@ -74,6 +74,7 @@ def summarize(run: LoadRun) -> dict:
         "itl_ms": {"p50": _ms(percentile(itl, 50)), "p99": _ms(percentile(itl, 99))},
         "normalized_latency_s_per_token": round(sum(normalized) / max(1, len(normalized)), 5),
         "avg_running_seqs": round(sum(s.num_running_seqs for s in during) / max(1, len(during)), 2),
+        "num_gpu_blocks": run.num_gpu_blocks,  # the server's KV cache (twice as many with an FP8 cache)
         "kv_usage": {
             "mean": round(sum(kv_used) / max(1, len(kv_used)), 4),
             "max": round(max(kv_used, default=0), 4),

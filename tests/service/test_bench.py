@@ -90,7 +90,7 @@ def test_summarize_latencies_and_counts():
     assert s["tpot_ms"]["p50"] == pytest.approx(150.0)  # (0.3 s / 2, 0 s / 1)
     assert s["itl_ms"]["p50"] == pytest.approx(300.0)  # gaps 0.2, 0.4; tokens of one message: none
     assert s["normalized_latency_s_per_token"] == pytest.approx((1.1 / 3 + 1.0 / 2) / 2, abs=1e-5)
-    assert s["avg_running_seqs"] == 2 and s["kv_usage"]["max"] == 0.4
+    assert s["avg_running_seqs"] == 2 and s["kv_usage"]["max"] == 0.4 and s["num_gpu_blocks"] == 100
     assert s["preemptions"] == 2 and s["steps"] == 13
 
 
