@@ -151,7 +151,7 @@ def bench_decode(batch: int, context: int, copy_bw: float, sweep: bool, gen) -> 
             batch * LLAMA3_8B["num_kv_heads"], context, _decode_slots()
         ),
     )
-    row.update(_fp8_decode(args, out, ours_ms))
+    row.update(_fp8_decode(args, out, ours_ms, sweep))
     if sweep:
         row["sweep_splits_ms"] = {
             str(s): time_ms(lambda s=s: triton_attention.paged_attention(*args, num_splits=s))
@@ -167,9 +167,13 @@ def bench_decode(batch: int, context: int, copy_bw: float, sweep: bool, gen) -> 
 FP8_SCALE = 1 / 16  # the cache holds K / scale: N(0, 1) data spans ~+-80 of e4m3's +-448
 
 
-def _fp8_decode(args: tuple, bf16_out: torch.Tensor, bf16_ms: float) -> dict:
+FP8_DECODE_TILES = ((64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 4, 4), (256, 8, 3), (64, 4, 5), (128, 8, 4))
+
+
+def _fp8_decode(args: tuple, bf16_out: torch.Tensor, bf16_ms: float, sweep: bool = False) -> dict:
     """The same decode over an e4m3 copy of the cache (`--kv-cache-dtype fp8`): time, time relative to
-    the bf16 cache's, and the error from the e4m3 rounding (relative to the bf16 cache's output)."""
+    the bf16 cache's, and the error from the e4m3 rounding (relative to the bf16 cache's output);
+    with `sweep`, the time of each (BLOCK_N, warps, stages) of FP8_DECODE_TILES."""
     if not hasattr(torch, "float8_e4m3fn") or torch.cuda.get_device_capability() < (8, 9):
         return {}
     fp8 = list(args)
@@ -178,8 +182,14 @@ def _fp8_decode(args: tuple, bf16_out: torch.Tensor, bf16_ms: float) -> dict:
     scales = dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)
     out = triton_attention.paged_attention(*fp8, **scales)
     fp8_ms = time_ms(lambda: triton_attention.paged_attention(*fp8, **scales))
-    return dict(fp8_ms=fp8_ms, fp8_time_vs_bf16=fp8_ms / bf16_ms,
-                fp8_rel_error_vs_bf16_cache=relative_error(out, bf16_out))
+    row = dict(fp8_ms=fp8_ms, fp8_time_vs_bf16=fp8_ms / bf16_ms,
+               fp8_rel_error_vs_bf16_cache=relative_error(out, bf16_out))
+    if sweep:
+        row["fp8_sweep_tile_ms"] = {
+            str(t): time_ms(lambda t=t: triton_attention.paged_attention(*fp8, **scales, tile=t))
+            for t in FP8_DECODE_TILES
+        }
+    return row
 
 
 def bench_prefill(batch: int, prompt: int, gen, sweep: bool) -> dict:
