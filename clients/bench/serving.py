@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -96,21 +97,52 @@ def run_ours(args, target: str, requests, label: str, trace_path: str, endpoint:
     return summary
 
 
+DEFAULT_RATES = "1,2,4"
+
+
+def parse_rates(text: str, flag: str = "--rates") -> list[float]:
+    """Comma-separated request rates, each a positive finite number (ValueError naming `flag`)."""
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        rates = []
+    if not rates or not all(math.isfinite(r) and r > 0 for r in rates):
+        raise ValueError(f"{flag}: positive request rates per second, comma-separated, got {text!r}")
+    return rates
+
+
+def search_bounds(text: str) -> tuple[float, float]:
+    """LO,HI of --goodput-search: two rates, LO < HI."""
+    rates = parse_rates(text, "--goodput-search")
+    if len(rates) != 2 or rates[0] >= rates[1]:
+        raise ValueError(f"--goodput-search: two rates LO,HI with LO < HI, got {text!r}")
+    return rates[0], rates[1]
+
+
+def run_rate(
+    args, target: str, vocab_size: int, trace_path: str, rate: float, endpoint: str = "grpc"
+) -> dict:
+    """One `run_ours` of the workload with Poisson arrivals at `rate`, at most --max-duration-s of
+    arrivals (min(--requests, rate x that) requests). Every rate draws the same request sequence (the
+    same seed) and takes its first requests, their arrival gaps scaled by 1 / rate."""
+    num = args.requests
+    if args.max_duration_s is not None:
+        num = max(1, min(num, round(rate * args.max_duration_s)))
+    reqs = make_workload(args.workload, num, vocab_size=vocab_size, seed=args.seed, rate_per_s=rate)
+    label = f"rate {rate}" + ("" if endpoint == "grpc" else f" {endpoint}")
+    return {"rate_per_s": rate, **run_ours(args, target, reqs, label, trace_path, endpoint)}
+
+
 def sweep_rates(
     args, target: str, vocab_size: int, trace_path: str, stop_factor: float | None = None,
     endpoint: str = "grpc",
 ):
-    """One `run_ours` per rate of --rates (Poisson arrivals), at most --max-duration-s of arrivals
-    each; with `stop_factor`, the rates after one whose normalized latency exceeds stop_factor x the
-    first rate's are skipped (past the knee: they would only take long)."""
+    """One `run_rate` per rate of --rates, in their order; with `stop_factor`, the rates after one
+    whose normalized latency exceeds stop_factor x the first rate's are skipped (past the knee: they
+    would only take long)."""
     runs: list[dict] = []
-    for rate in [float(r) for r in args.rates.split(",") if r]:
-        num = args.requests
-        if args.max_duration_s is not None:
-            num = max(1, min(num, round(rate * args.max_duration_s)))
-        reqs = make_workload(args.workload, num, vocab_size=vocab_size, seed=args.seed, rate_per_s=rate)
-        label = f"rate {rate}" + ("" if endpoint == "grpc" else f" {endpoint}")
-        runs.append({"rate_per_s": rate, **run_ours(args, target, reqs, label, trace_path, endpoint)})
+    for rate in parse_rates(DEFAULT_RATES if args.rates is None else args.rates):
+        runs.append(run_rate(args, target, vocab_size, trace_path, rate, endpoint))
         latency = [r["normalized_latency_s_per_token"] for r in runs]
         if stop_factor is not None and latency[-1] > stop_factor * latency[0]:
             break

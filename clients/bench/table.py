@@ -16,20 +16,21 @@ def format_table(result: dict) -> str:
         f"{'run':>12} {'reqs':>5} {'out tok/s':>10} {'req/s':>7} {'TTFT p50/p99 ms':>17} "
         f"{'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'norm lat s/tok':>14} {'avg batch':>9} "
         f"{'KV max':>6} {'shared':>6} {'preempt':>7} {'GPU idle':>8} {'ideal':>6}"
-    )
+    ) + ("  SLO" if "slo" in result else "")
     lines.append(head)
     for r in result["runs"]:
         label = r["label"] if "rate_per_s" not in r else f"{r['rate_per_s']:g}/s"
         idle = r.get("gpu_idle", {}).get("idle_fraction", float("nan"))
         ideal = r.get("ideal", {}).get("measured_over_ideal", float("nan"))
         ttft, tpot, itl = r["ttft_ms"], r["tpot_ms"], r["itl_ms"]
+        slo = f"  {_verdict(r['slo'])}" if "slo" in r else ""
         lines.append(
             f"{label:>12} {r['num_requests']:>5} {r['output_tok_s']:>10.1f} {r['request_per_s']:>7.2f} "
             f"{ttft['p50']:>8.1f}/{ttft['p99']:<8.1f} {tpot['p50']:>7.2f}/{tpot['p99']:<8.2f} "
             f"{itl['p50']:>6.2f}/{itl['p99']:<8.2f} {r['normalized_latency_s_per_token']:>14.4f} "
             f"{r['avg_running_seqs']:>9.1f} {r['kv_usage']['max']:>6.1%} "
             f"{r['sharing_saving']['mean']:>6.1%} {r['preemptions']:>7} "
-            f"{idle:>8.1%} {ideal:>6.2f}"
+            f"{idle:>8.1%} {ideal:>6.2f}{slo}"
         )
         full = r.get("gpu_idle", {})
         if "full_decode_idle_fraction" in full:
@@ -40,6 +41,8 @@ def format_table(result: dict) -> str:
                 f"{full['full_decode_executor_prep_ms']:.2f} ms): "
                 f"idle {full['full_decode_idle_fraction']:.1%}"
             )
+    if "goodput" in result:
+        lines += _goodput_lines(result)
     if "device_rates" in result:
         d = result["device_rates"]
         lines.append(
@@ -57,6 +60,41 @@ def format_table(result: dict) -> str:
                 f"out tok/s: {p['ratio_ours_all']:.2f}x {p['peer']}'s rate on its {p['num_requests']}"
             )
     return "\n".join(lines)
+
+
+def _verdict(slo: dict) -> str:
+    return "met" if slo["met"] else "missed " + ",".join(slo["missed"])
+
+
+def _goodput_lines(result: dict) -> list[str]:
+    """The footer: each endpoint's goodput under the SLOs, and what bounds it."""
+    slo = result["slo"]
+    lines = [f"goodput: the highest rate with p99 TPOT <= {slo['tpot_p99_ms']:g} ms and p99 TTFT <= "
+             f"{slo['ttft_p99_ms']:g} ms and no failed request, below every rate that misses them"]
+    searched = result.get("rates_from") == "search"
+    for endpoint, g in result["goodput"].items():
+        good, failing = g["goodput_req_s"], g["lowest_failing_req_s"]
+        name = f"{endpoint}: " if len(result["goodput"]) > 1 else ""
+        if good is None and failing is None:
+            lines.append(f"  {name}no run")
+        elif good is None:
+            lines.append(f"  {name}goodput none: the lowest rate run, {failing:g}/s, missed "
+                         f"{','.join(g['missed_above'])} (goodput is below it)")
+        else:
+            at = g["at_goodput"]
+            figures = (f"p99 TTFT {at['ttft_p99_ms']:.1f} ms, TPOT {at['tpot_p99_ms']:.2f} ms, "
+                       f"ITL {at['itl_p99_ms']:.2f} ms")
+            if failing is None:
+                lines.append(f"  {name}goodput >= {good:g} req/s ({figures}): every rate run met the SLOs, "
+                             f"the {'search' if searched else 'grid'} stops there")
+            else:
+                lines.append(f"  {name}goodput {good:g} req/s ({figures}); {failing:g}/s missed "
+                             f"{','.join(g['missed_above'])}: the true figure is in [{good:g}, {failing:g}), "
+                             f"bounded by the {'bisection' if searched else 'swept grid'}")
+        if g["passing_above_failure"]:
+            rates = ", ".join(f"{r:g}" for r in g["passing_above_failure"])
+            lines.append(f"  {name}met the SLOs above the first miss all the same (noise): {rates}/s")
+    return lines
 
 
 def plot_sweep(runs: list[dict], path: str) -> None:
