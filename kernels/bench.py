@@ -296,8 +296,8 @@ def _table(results: dict) -> str:
             f"{r['batch']:>5} {r['context']:>6} {r['num_splits']:>6} {r['ours_ms'] * 1e3:>8.1f} "
             f"{r['sdpa_ms'] * 1e3:>8.1f} {r['speed_vs_sdpa']:>9.2f} {100 * r['ours_bw_fraction']:>7.1f}% "
             f"{100 * r['sdpa_bw_fraction']:>7.1f}%  {r['sdpa_form']}"
-            + (f"   {r['fp8_ms'] * 1e3:.1f} {r['fp8_time_vs_bf16']:.2f} {r['fp8_rel_error_vs_bf16_cache']:.3f}"
-               if "fp8_ms" in r else "")
+            + (f"   {r['fp8_ms'] * 1e3:.1f} {r['fp8_time_vs_bf16']:.2f} "
+               f"{r['fp8_rel_error_vs_bf16_cache']:.3f}" if "fp8_ms" in r else "")
         )
     p = results["prefill"]
     lines += [

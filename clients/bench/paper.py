@@ -54,7 +54,9 @@ def parse_policies(text: str) -> list[str]:
     return policies
 
 
-def kv_cache_blocks(spec: ModelSpec, kv_cache_gib: float, block_size: int, kv_cache_dtype: str = "auto") -> int:
+def kv_cache_blocks(
+    spec: ModelSpec, kv_cache_gib: float, block_size: int, kv_cache_dtype: str = "auto"
+) -> int:
     """The blocks --kv-cache-gib holds: of the model's 2-byte dtype, or of 1-byte e4m3 with
     --kv-cache-dtype fp8 (twice as many: the paper's experiment at the same memory)."""
     num_blocks = spec.num_gpu_blocks(kv_cache_gib * GIB, block_size, 1 if kv_cache_dtype == "fp8" else 2)

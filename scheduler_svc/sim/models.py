@@ -95,7 +95,9 @@ class ModelSpec:
         touched = e * (1.0 - (1.0 - k / e) ** max(0, num_tokens))
         return self.num_params - self.num_layers * (e - touched) * self.params_per_expert
 
-    def num_gpu_blocks(self, kv_bytes: float, block_size: int, kv_bytes_per_element: int = BYTES_PER_PARAM) -> int:
+    def num_gpu_blocks(
+        self, kv_bytes: float, block_size: int, kv_bytes_per_element: int = BYTES_PER_PARAM
+    ) -> int:
         """Blocks of `block_size` tokens in kv_bytes of cache; kv_bytes_per_element 1 for an FP8 cache
         (`--kv-cache-dtype fp8`), which holds twice the blocks of the model's 2-byte dtype."""
         per_token = self.kv_bytes_per_token // BYTES_PER_PARAM * kv_bytes_per_element
