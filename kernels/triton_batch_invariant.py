@@ -22,7 +22,6 @@ row is computed the same way whatever the number of rows M or the row's place in
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -45,17 +44,73 @@ class TileConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {size}")
 
 
-SMALL_M = 64  # the M bucket boundary of tile_config: decode steps of up to 64 rows, and the rest
+# Per N class, the first whose max_n >= n (None: any n), then per M bucket, the first whose max_m >= m
+# (None: any m), the tile config. Every config of an N class has the same BLOCK_M and BLOCK_K (so the
+# same bits at every m); check_tile_table checks it at import. Only BLOCK_N, warps, stages and GROUP_M
+# may differ between the buckets of a class (tile_config says why).
+TileTable = tuple[tuple[int | None, tuple[tuple[int | None, TileConfig], ...]], ...]
+
+TILE_TABLE: TileTable = (
+    (4096, (  # o_proj, down_proj (llama3-8b)
+        (64, TileConfig(block_m=64, block_n=32, block_k=128, group_m=8, num_warps=4, num_stages=5)),
+        (None, TileConfig(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=4)),
+    )),
+    (8192, (  # qkv
+        (64, TileConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4)),
+        (None, TileConfig(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=4)),
+    )),
+    (None, (  # gate_up, LM head
+        (64, TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)),
+        (None, TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)),
+    )),
+)
 
 
-@functools.cache
-def tile_config(n: int, m: int, device: torch.device) -> TileConfig:
-    """The tile config of a weight of n rows for an x of m rows on `device`. BLOCK_K and BLOCK_M are
-    fixed per n (the reduction order of every output element); BLOCK_N, warps and stages follow the
-    M bucket (m <= SMALL_M, or more), which leaves the bits unchanged (module docstring).
+def _check_bounds(bounds: list, what: str) -> None:
+    """Ascending positive ints, the last one None (the catch-all)."""
+    if not bounds or bounds[-1] is not None:
+        raise ValueError(f"the last {what} must be None (any larger value), got {bounds}")
+    ints = bounds[:-1]
+    if any(type(b) is not int or b < 1 for b in ints) or any(
+        a >= b for a, b in zip(ints, ints[1:], strict=False)  # only reached when all are ints
+    ):
+        raise ValueError(f"{what} bounds must be ascending positive ints then None, got {bounds}")
 
-    Picked from the H100 sweep (`python -m tests.gpu.test_batch_invariant_gpu`, llama3-8b shapes,
-    time vs cuBLAS at M = 1, 64 / 256 / 4096), 2026-11-26:
+
+def check_tile_table(table: TileTable) -> None:
+    """Raises ValueError unless `table` is well formed and each N class keeps one BLOCK_M and BLOCK_K
+    in all its M buckets (a bucket that changed either would change a row's bits with the batch size)."""
+    _check_bounds([max_n for max_n, _ in table], "max_n")
+    for max_n, buckets in table:
+        _check_bounds([max_m for max_m, _ in buckets], f"max_m of the n <= {max_n} class"
+                      if max_n is not None else "max_m of the last N class")
+        configs = [config for _, config in buckets]
+        if not all(isinstance(config, TileConfig) for config in configs):
+            raise ValueError(f"n <= {max_n}: every bucket needs a TileConfig, got {configs}")
+        for name in ("block_m", "block_k"):
+            sizes = sorted({getattr(config, name) for config in configs})
+            if len(sizes) > 1:
+                raise ValueError(
+                    f"n <= {max_n}: the M buckets must share {name.upper()} (it fixes the bits), got {sizes}"
+                )
+
+
+check_tile_table(TILE_TABLE)
+
+
+def tile_config(n: int, m: int, device: torch.device, table: TileTable = TILE_TABLE) -> TileConfig:
+    """The tile config of a weight of n rows for an x of m rows on `device`: the first N class of
+    `table` that holds n, then its first M bucket that holds m. BLOCK_K and BLOCK_M are fixed per N
+    class: BLOCK_K sets the reduction order of every output element, and BLOCK_M is kept too (it shapes
+    how a tile is split into tensor-core instructions; not shown to be bit-neutral). BLOCK_N, warps,
+    stages and GROUP_M only change which program computes a tile, how wide it is along N and how its
+    loads are pipelined; each output element is still one float32 accumulator summed over the same K
+    tiles, in the same order, with the same tl.dot, so they may follow the M bucket without changing
+    the bits (module docstring). The GEMM sweep (`python -m tests.gpu.test_batch_invariant_gpu
+    --configs`) checks the bits of every candidate against today's config on the GPU.
+
+    TILE_TABLE as picked from the H100 sweep (llama3-8b shapes, time vs cuBLAS at M = 1, 64 / 256 /
+    4096), 2026-11-26:
       n <= 8192 (qkv, o_proj, down_proj): BLOCK_K 128, BLOCK_M 64; m <= 64: BLOCK_N 32 (n <= 4096,
         5 stages) or 64: 1.00-1.09x cuBLAS; more rows: BLOCK_N 128: o_proj 1.04x, down 1.18x,
         qkv 1.57x at M = 256; ~1.9x at M = 4096 (prefill);
@@ -63,16 +118,12 @@ def tile_config(n: int, m: int, device: torch.device) -> TileConfig:
         more: BLOCK_N 256, 3 stages (1.28x at M = 256, 1.37x at 4096)."""
     if device.type != "cuda":  # the interpreter (tests)
         return TileConfig()
-    small = m <= SMALL_M
-    if n <= 8192:
-        if small:
-            narrow = n <= 4096
-            return TileConfig(block_m=64, block_n=32 if narrow else 64, block_k=128, num_warps=4,
-                              num_stages=5 if narrow else 4)
-        return TileConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
-    if small:
-        return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
-    return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    for max_n, buckets in table:
+        if max_n is None or n <= max_n:
+            for max_m, config in buckets:
+                if max_m is None or m <= max_m:
+                    return config
+    raise ValueError(f"no tile config for n = {n}, m = {m}: the table's last bounds must be None")
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M (no M == 1 or M % 16 variants)
@@ -141,7 +192,7 @@ def matmul(
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)  # [M, N]
     if num_rows == 0 or n == 0:
         return y
-    cfg = config or tile_config(n, min(num_rows, SMALL_M + 1), x.device)
+    cfg = config or tile_config(n, num_rows, x.device)
     grid = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if x.is_cuda else {}
     # the interpreter's tl.dot multiplies bf16 tiles as their raw uint16 bits (triton 3.6)
