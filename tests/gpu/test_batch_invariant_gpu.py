@@ -4,6 +4,8 @@ batch, and match torch within bf16 rounding. Skipped without CUDA.
 
 `python -m tests.gpu.test_batch_invariant_gpu` prints a micro-benchmark instead: the kernel's time
 against F.linear (cuBLAS) at decode and prefill sizes, and a sweep of tile configs (not a test).
+With `--configs [--out PATH]` it sweeps the M-bucket configs of tile_config instead, checking every
+candidate's bits against today's config and printing a TILE_TABLE to paste (tests/gpu/gemm_sweep.py).
 """
 
 from __future__ import annotations
@@ -176,5 +178,15 @@ def bench() -> None:
                   f"{'the same bits' if equal else 'DIFFERENT bits'}")
 
 
+def main(argv: list[str] | None = None) -> None:
+    from tests.gpu import gemm_sweep
+
+    opts = gemm_sweep.parse_args(argv, description=__doc__)
+    if opts.configs:
+        gemm_sweep.run(opts)
+    else:
+        bench()
+
+
 if __name__ == "__main__":
-    bench()
+    main()
