@@ -50,18 +50,19 @@ class TileConfig:
 # may differ between the buckets of a class (tile_config says why).
 TileTable = tuple[tuple[int | None, tuple[tuple[int | None, TileConfig], ...]], ...]
 
-TILE_TABLE: TileTable = (
+TILE_TABLE: TileTable = (  # the H100 sweep of 2026-11-26 (tile_config's docstring); no candidate changed bits
     (4096, (  # o_proj, down_proj (llama3-8b)
-        (64, TileConfig(block_m=64, block_n=32, block_k=128, group_m=8, num_warps=4, num_stages=5)),
-        (None, TileConfig(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=4)),
+        (64, TileConfig(block_m=64, block_n=32, block_k=128, group_m=8, num_warps=8, num_stages=5)),
+        (128, TileConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=5)),
+        (1024, TileConfig(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)),
+        (None, TileConfig(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)),
     )),
     (8192, (  # qkv
-        (64, TileConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4)),
-        (None, TileConfig(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=4)),
+        (64, TileConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=5)),
+        (None, TileConfig(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)),
     )),
     (None, (  # gate_up, LM head
-        (64, TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)),
-        (None, TileConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)),
+        (None, TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)),
     )),
 )
 
@@ -109,13 +110,16 @@ def tile_config(n: int, m: int, device: torch.device, table: TileTable = TILE_TA
     the bits (module docstring). The GEMM sweep (`python -m tests.gpu.test_batch_invariant_gpu
     --configs`) checks the bits of every candidate against today's config on the GPU.
 
-    TILE_TABLE as picked from the H100 sweep (llama3-8b shapes, time vs cuBLAS at M = 1, 64 / 256 /
-    4096), 2026-11-26:
-      n <= 8192 (qkv, o_proj, down_proj): BLOCK_K 128, BLOCK_M 64; m <= 64: BLOCK_N 32 (n <= 4096,
-        5 stages) or 64: 1.00-1.09x cuBLAS; more rows: BLOCK_N 128: o_proj 1.04x, down 1.18x,
-        qkv 1.57x at M = 256; ~1.9x at M = 4096 (prefill);
-      n > 8192 (gate_up, LM head): BLOCK_K 64, BLOCK_M 128, 8 warps; m <= 64: BLOCK_N 128 (1.07x);
-        more: BLOCK_N 256, 3 stages (1.28x at M = 256, 1.37x at 4096)."""
+    TILE_TABLE as picked by the H100 sweep of BLOCK_N / warps / stages with BLOCK_M and BLOCK_K held
+    (`--configs`, llama3-8b shapes, M = 16 ... 4096, every candidate bit-equal to the previous table's
+    output, 2026-11-26), time over cuBLAS's, previous table in brackets:
+      n <= 4096 (o_proj, down): m <= 64 1.00-1.03x; m <= 128 1.02x (1.29x); m <= 1024: 1.13x at 256
+        (1.16x), 1.61x at 512 (1.69x); 1.89x at 4096;
+      n <= 8192 (qkv): m <= 64 1.02-1.03x; more: 1.51x at 256 (1.55x), 1.62x at 512, 1.87x at 4096;
+      n > 8192 (gate_up, LM head), one config: 1.01-1.02x up to 128 rows, 1.24x at 256 (1.33x), 1.35x
+        at 512 (1.57x), 1.35x at 4096 (1.47x).
+    Where the rest goes: with BLOCK_K fixed and no split-K, a 64-row tile streams the whole K of its
+    weight slice, and at 192-1024 rows the tile count falls between waves of the 132 SMs."""
     if device.type != "cuda":  # the interpreter (tests)
         return TileConfig()
     for max_n, buckets in table:
