@@ -167,7 +167,7 @@ def bench_decode(batch: int, context: int, copy_bw: float, sweep: bool, gen) -> 
 FP8_SCALE = 1 / 16  # the cache holds K / scale: N(0, 1) data spans ~+-80 of e4m3's +-448
 
 
-FP8_DECODE_TILES = ((64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 4, 4), (256, 8, 3), (64, 4, 5), (128, 8, 4))
+FP8_DECODE_TILES = ((64, 4, 3), (64, 4, 5), (64, 4, 6), (64, 4, 7), (128, 4, 4), (128, 4, 5), (32, 4, 6))
 
 
 def _fp8_decode(args: tuple, bf16_out: torch.Tensor, bf16_ms: float, sweep: bool = False) -> dict:
