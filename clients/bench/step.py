@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     folder, _ = resolve_model(args)
     batches = [int(b) for b in args.batch.split(",")]
     num_blocks = max(batches) * -(-(args.context + 64) // 16) + 16
-    worker = Worker(folder, load_format=args.load_format, num_gpu_blocks=num_blocks, num_cpu_blocks=0)
+    # decode steps only: no mixed-step graphs, which would otherwise run the "eager" decode batches
+    worker = Worker(folder, load_format=args.load_format, num_gpu_blocks=num_blocks, num_cpu_blocks=0,
+                    eager_mixed_steps=True)
     worker.init_cache(num_blocks, 0)
     worker.kv_cache.device_cache.normal_()  # random K/V, never timed on uninitialized memory
     runner, graphs = worker.runner, worker.runner.decode_graphs

@@ -1,31 +1,57 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed instead of launching the
-forward pass kernel by kernel (a decode step of an 8B model is ~450 launches; on a slow host CPU the
-launches alone take milliseconds). Prefill and mixed steps stay eager.
+"""CUDA graphs for every step: one graph per bucket, replayed instead of launching the forward pass
+kernel by kernel (a step of an 8B model is ~450 launches: eager, a step took ~40 ms whatever its
+size on the H100 machine of docs/benchmarks.md). Two sets, each with its own memory pool:
 
-Every captured graph reads its inputs from the same static buffers, sliced to its bucket `b`:
+    DecodeGraphs   decode steps (one token per sequence), bucket b = sequences = tokens; the graph
+                   computes the logits [b, V] float32 too
+    MixedGraphs    any other step (prefills, chunks, prefills beside decodes), bucket T = tokens
+                   (MIXED_BUCKETS: x1.5 or x2 apart), S(T) = min(T, max_num_seqs) sequences (a step
+                   of T tokens holds at most T); the graph computes the final hidden states [T, D],
+                   the logits of the sampled rows are computed eagerly from them (no vocabulary-wide
+                   rows for padding; at TP > 1 the logits all-gather runs eagerly)
 
-    input_ids, positions, slot_mapping   [B_max]          rows n..b of a batch of n are padding:
-    block_tables                         [B_max, M_max]   slot -1 (no KV write), seq_len 1
-    seq_lens                             [B_max]          (reads one position of a stale block)
-    query_start_loc                      [B_max + 1]      arange: one query token per sequence
+A step that fits no bucket (more tokens than the largest, more sequences than S(T), a wider block
+table) runs eagerly. Every graph of a set reads its inputs from the same static buffers
+(`StaticInputs`), sliced to its bucket; a step of R tokens in n sequences is padded to (T, S):
 
-The attention metadata is captured with max_seq_len = the model's max length, so the decode kernel's
-split-K count (chosen on the host from max_seq_len and the grid) is fixed per bucket; partitions past
-a sequence's end exit at once and weigh zero in the reduction. In deterministic mode
-(executor_svc/layers/determinism.py) the kernel splits nothing and runs its prefill tile whatever
-max_query_len says, so a replayed decode row has the bits of the same row run eagerly, in a batch of
-any size, or in a prefill. The logits of the padded batch
-`[b, V]` float32 come out of a static buffer too; the sampler runs eagerly on the real rows.
+    input_ids, positions, slot_mapping   [T_max]          tokens R..T belong to no sequence:
+                                                          id 0, position 0, slot -1 (no KV write)
+    block_tables                         [S_max, M_max]   rows n..S stale (never read)
+    seq_lens                             [S_max]          sequences n..S: 0, with query length 0:
+    query_start_loc                      [S_max + 1]      query_start_loc[n..S] = R
 
-At TP > 1 the tensor-parallel all-reduces and the logits all-gather are captured inside each rank's
-graphs (NCCL supports stream capture): replaying bucket b on every rank replays the same collectives
-in the same order, so the ranks stay matched. The warm-up passes before each capture run the
-collectives for real, which also creates the NCCL communicator before any capture.
+The attention kernel's tiles of an empty query exit before reading anything (seq_len included),
+so padding reads no K/V; the rows of the orphan tokens R..T are never written by it and hold
+garbage (even NaN). That cannot reach a real row: every other op of every family is row-wise
+(linear layers, norms, rotary, activations, the TP all-reduce and all-gather); the MoE kernel
+(kernels/triton_moe.py) sorts all rows by expert, but its shapes depend only on T and each row's
+sums only on that row, so a NaN row only routes itself somewhere (torch.topk returns valid ids).
+tests/unit/test_mixed_graphs.py fills the orphan rows with NaN and checks every family's real rows.
+
+Each graph is captured with max_seq_len = the model's max length, so the attention's split-K count
+(chosen on the host from max_seq_len and the grid, tiles = T // BLOCK_Q + S, fixed per bucket) is
+fixed; partitions past a sequence's end exit at once and weigh zero in the reduction. A mixed
+bucket passes max_query_len = T (> 1: the varlen kernel). In deterministic mode
+(executor_svc/layers/determinism.py) the kernel splits nothing and has one tile shape, and the
+batch-invariant GEMMs do not depend on M, so a replayed row has the bits of the same row run
+eagerly, in a batch of any size, decode or prefill.
+
+Memory: each set's graphs share one pool, captured largest bucket first, so the smaller ones reuse
+its activations; the largest bucket's output is the set's static output, which the smaller ones
+copy their result into (one output, not one per bucket). The mixed pool thus keeps about one
+forward pass of T_max tokens for the server's life; the memory profile reserves it
+(executor_svc/worker/memory_profile.py).
+
+At TP > 1 the tensor-parallel all-reduces (and the decode logits all-gather) are captured inside each
+rank's graphs (NCCL supports stream capture): replaying bucket b on every rank replays the same
+collectives in the same order, so the ranks stay matched. The warm-up passes before each capture run
+the collectives for real, which also creates the NCCL communicator before any capture.
 """
 
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,12 +61,14 @@ from executor_svc.runner.inputs import ModelInput
 from executor_svc.runner.kv_cache import KVCache
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16), *range(288, 513, 32))
+# 16, 32, 64, then 128, 192, 256, 384, ...: a step pads at most 1/3 of its tokens from 128 on
+MIXED_BUCKETS = (16, 32, 64, *(size for k in range(7, 21) for size in (1 << k, 3 << (k - 1))))
 
 
 def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> tuple[int, ...]:
-    """The buckets a server whose steps hold at most `max_batch` sequences can use: those up to the
-    first one that holds max_batch (all of them when none does). Capturing more only costs start-up
-    time and graph memory (40 buckets up to 512 by default; 4 for max_num_seqs = 8)."""
+    """The buckets a server whose steps hold at most `max_batch` sequences (decode) or tokens (mixed)
+    can use: those up to the first one that holds max_batch (all of them when none does). Capturing
+    more only costs start-up time and graph memory (40 decode buckets up to 512; 4 for 8)."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     ordered = tuple(sorted(buckets))
@@ -48,7 +76,161 @@ def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> 
     return tuple(b for b in ordered if b <= cover)
 
 
-class DecodeGraphs:
+@dataclass(frozen=True, slots=True)
+class StaticInputs:
+    """The inputs every graph of a set reads, sized for its largest bucket (layout and padding: the
+    module docstring). Works on any device: the CPU tests run the padded forward pass eagerly."""
+
+    input_ids: torch.Tensor  # [T_max] int64
+    positions: torch.Tensor  # [T_max] int64
+    slot_mapping: torch.Tensor  # [T_max] int64
+    block_tables: torch.Tensor  # [S_max, M_max] int32
+    seq_lens: torch.Tensor  # [S_max] int32
+    query_start_loc: torch.Tensor  # [S_max + 1] int32
+
+    @classmethod
+    def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> StaticInputs:
+        """All sequences empty, every token an orphan."""
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        return cls(
+            input_ids=torch.zeros(max_tokens, **i64),
+            positions=torch.zeros(max_tokens, **i64),
+            slot_mapping=torch.full((max_tokens,), -1, **i64),
+            block_tables=torch.zeros(max_seqs, max_blocks, **i32),
+            seq_lens=torch.zeros(max_seqs, **i32),
+            query_start_loc=torch.zeros(max_seqs + 1, **i32),
+        )
+
+    @property
+    def max_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def fits(self, batch: ModelInput, num_tokens: int, num_seqs: int) -> bool:
+        """Whether `batch` pads to (num_tokens, num_seqs) within these buffers."""
+        attn = batch.attn
+        return (
+            batch.num_tokens <= num_tokens <= self.max_tokens
+            and attn.seq_lens.shape[0] <= num_seqs <= self.max_seqs
+            and attn.block_tables.shape[1] <= self.block_tables.shape[1]
+        )
+
+    def load(self, batch: ModelInput, num_tokens: int, num_seqs: int) -> None:
+        """Writes `batch` into the first num_tokens / num_seqs rows, padded (module docstring)."""
+        if not self.fits(batch, num_tokens, num_seqs):
+            raise ValueError(
+                f"a step of {batch.num_tokens} tokens, {batch.attn.block_tables.shape} block tables does "
+                f"not pad to {num_tokens} tokens, {num_seqs} sequences within {self.max_tokens} x "
+                f"{tuple(self.block_tables.shape)}"
+            )
+        attn = batch.attn
+        real_tokens = batch.num_tokens
+        n, width = attn.block_tables.shape
+        self.input_ids[:real_tokens].copy_(batch.input_ids)
+        self.input_ids[real_tokens:num_tokens].zero_()
+        self.positions[:real_tokens].copy_(batch.positions)
+        self.positions[real_tokens:num_tokens].zero_()
+        self.slot_mapping[:real_tokens].copy_(attn.slot_mapping)
+        self.slot_mapping[real_tokens:num_tokens].fill_(-1)
+        self.block_tables[:n, :width].copy_(attn.block_tables)
+        self.seq_lens[:n].copy_(attn.seq_lens)
+        self.seq_lens[n:num_seqs].zero_()
+        self.query_start_loc[: n + 1].copy_(attn.query_start_loc)
+        self.query_start_loc[n + 1 : num_seqs + 1].fill_(real_tokens)
+
+    def clear(self) -> None:
+        """Every sequence empty, no KV write (the state captures run in)."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+        self.query_start_loc.zero_()
+
+    def metadata(
+        self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
+    ) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            block_tables=self.block_tables[:num_seqs],
+            seq_lens=self.seq_lens[:num_seqs],
+            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
+
+
+class _BucketGraphs:
+    """One CUDA graph per bucket over shared static inputs and one memory pool. Subclasses give a
+    bucket's shape (`bucket_shape`) and what its graph makes of the hidden states (`_output`)."""
+
+    def __init__(
+        self, model: nn.Module, kv_cache: KVCache, max_model_len: int, buckets: tuple[int, ...], max_seqs: int
+    ):
+        if not buckets:
+            raise ValueError("no bucket to capture")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.buckets = tuple(sorted(buckets))
+        max_tokens, _, _ = self.bucket_shape(self.buckets[-1])
+        max_blocks = -(-max_model_len // kv_cache.block_size)
+        self.inputs = StaticInputs.allocate(max_tokens, max_seqs, max_blocks, kv_cache.device_cache.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.output: torch.Tensor | None = None  # the largest bucket's output; bucket b's: its first rows
+
+    def bucket_shape(self, bucket: int) -> tuple[int, int, int]:
+        """(num_tokens, num_seqs, max_query_len) of the bucket's padded step."""
+        raise NotImplementedError
+
+    def _output(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, bucket: int) -> torch.Tensor:
+        """What the bucket's graph captures, over the static inputs: [num_tokens, ...]."""
+        num_tokens, num_seqs, max_query_len = self.bucket_shape(bucket)
+        meta = self.inputs.metadata(num_tokens, num_seqs, max_query_len, self.max_model_len)
+        ids, positions = self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens]
+        return self._output(self.model(ids, positions, self.kv_cache.device_cache, meta))  # hidden [T, D]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every bucket, largest first, all sharing one memory pool. The warm-up passes
+        write no KV and attend nothing (every sequence empty)."""
+        if self.kv_cache.device_cache.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.inputs.clear()
+        pool = None
+        for bucket in reversed(self.buckets):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile the kernels, settle the allocator
+                    self.forward(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.forward(bucket)
+                if self.output is None:
+                    self.output = out
+                else:
+                    self.output[: out.shape[0]].copy_(out)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+
+    def _replay(self, batch: ModelInput, bucket: int) -> torch.Tensor:
+        """The bucket's output for `batch` ([num_tokens, ...], a view of the static output, valid
+        until the next replay)."""
+        num_tokens, num_seqs, _ = self.bucket_shape(bucket)
+        self.inputs.load(batch, num_tokens, num_seqs)
+        self.graphs[bucket].replay()
+        return self.output[:num_tokens]
+
+
+class DecodeGraphs(_BucketGraphs):
     def __init__(
         self,
         model: nn.Module,
@@ -56,65 +238,17 @@ class DecodeGraphs:
         max_model_len: int,
         buckets: tuple[int, ...] = DECODE_BUCKETS,
     ):
-        device = kv_cache.device_cache.device
-        if device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
-        self.model = model
-        self.kv_cache = kv_cache
-        self.max_model_len = max_model_len
-        self.buckets = tuple(sorted(buckets))
-        max_batch = self.buckets[-1]
-        max_blocks = -(-max_model_len // kv_cache.block_size)
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(max_batch, **i64)  # [B]
-        self.positions = torch.zeros(max_batch, **i64)  # [B]
-        self.slot_mapping = torch.full((max_batch,), -1, **i64)  # [B]
-        self.block_tables = torch.zeros(max_batch, max_blocks, **i32)  # [B, M]
-        self.seq_lens = torch.ones(max_batch, **i32)  # [B]
-        self.query_start_loc = torch.arange(max_batch + 1, **i32)  # [B + 1]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> [b, V] float32
+        super().__init__(model, kv_cache, max_model_len, buckets, max(buckets))
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def _metadata(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b],
-            block_tables=self.block_tables[:b],
-            seq_lens=self.seq_lens[:b],
-            query_start_loc=self.query_start_loc[: b + 1],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-        )
+    def bucket_shape(self, bucket: int) -> tuple[int, int, int]:
+        return bucket, bucket, 1
 
-    def _forward(self, b: int) -> torch.Tensor:
-        hidden = self.model(
-            self.input_ids[:b], self.positions[:b], self.kv_cache.device_cache, self._metadata(b)
-        )  # [b, D]
+    def _output(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).float()  # [b, V]
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Captures every bucket, largest first, all sharing one memory pool. The warm-up passes
-        write no KV (every slot is -1 while capturing)."""
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(1)
-        pool = None
-        for b in reversed(self.buckets):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compile the kernels, settle the allocator
-                    self._forward(b)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self._forward(b)
-            pool = graph.pool()
-            self.graphs[b] = graph
-        torch.cuda.synchronize()
 
     def bucket_for(self, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.buckets, num_seqs)
@@ -122,26 +256,57 @@ class DecodeGraphs:
 
     def can_run(self, batch: ModelInput) -> bool:
         num_seqs = batch.attn.seq_lens.shape[0]
+        bucket = self.bucket_for(num_seqs)
         return (
             batch.attn.max_query_len == 1
             and batch.num_tokens == num_seqs
-            and self.bucket_for(num_seqs) in self.graphs
-            and batch.attn.block_tables.shape[1] <= self.block_tables.shape[1]
+            and bucket in self.graphs
+            and self.inputs.fits(batch, bucket, bucket)
         )
 
     @torch.inference_mode()
     def run(self, batch: ModelInput) -> torch.Tensor:
         """Logits [S, V] float32 of the rows named by `batch.logits_indices` (a decode batch that
         `can_run`). The result is a fresh tensor: the static output is overwritten by the next replay."""
-        attn = batch.attn
-        n, width = attn.block_tables.shape
-        b = self.bucket_for(n)
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.slot_mapping[:n].copy_(attn.slot_mapping)
-        self.slot_mapping[n:b].fill_(-1)
-        self.block_tables[:n, :width].copy_(attn.block_tables)
-        self.seq_lens[:n].copy_(attn.seq_lens)
-        self.seq_lens[n:b].fill_(1)
-        self.graphs[b].replay()
-        return self.logits[b][batch.logits_indices]
+        bucket = self.bucket_for(batch.attn.seq_lens.shape[0])
+        return self._replay(batch, bucket)[batch.logits_indices]
+
+
+class MixedGraphs(_BucketGraphs):
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: KVCache,
+        max_model_len: int,
+        buckets: tuple[int, ...],
+        max_num_seqs: int,
+    ):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs
+        super().__init__(model, kv_cache, max_model_len, buckets, min(max(buckets), max_num_seqs))
+
+    def bucket_shape(self, bucket: int) -> tuple[int, int, int]:
+        return bucket, min(bucket, self.max_num_seqs), bucket
+
+    def _output(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden  # [T, D]
+
+    def bucket_for(self, batch: ModelInput) -> int | None:
+        """The bucket `batch` pads to: the smallest that holds its tokens, if it also holds its
+        sequences and block tables; None: the step runs eagerly."""
+        i = bisect.bisect_left(self.buckets, batch.num_tokens)
+        if batch.num_tokens < 1 or i == len(self.buckets):
+            return None
+        num_tokens, num_seqs, _ = self.bucket_shape(self.buckets[i])
+        return self.buckets[i] if self.inputs.fits(batch, num_tokens, num_seqs) else None
+
+    def can_run(self, batch: ModelInput) -> bool:
+        return self.bucket_for(batch) in self.graphs
+
+    @torch.inference_mode()
+    def run(self, batch: ModelInput) -> torch.Tensor:
+        """Logits [S, V] float32 of the rows named by `batch.logits_indices` (a step that `can_run`):
+        the graph's hidden states, then the LM head eagerly on those rows."""
+        hidden = self._replay(batch, self.bucket_for(batch))  # [T, D]
+        return self.model.compute_logits(hidden[batch.logits_indices]).float()

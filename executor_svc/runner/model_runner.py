@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from executor_svc.layers.attention import AttentionMetadata
-from executor_svc.runner.cuda_graphs import DecodeGraphs, buckets_up_to
+from executor_svc.runner.cuda_graphs import MIXED_BUCKETS, DecodeGraphs, MixedGraphs, buckets_up_to
 from executor_svc.runner.inputs import ModelInput
 from executor_svc.runner.kv_cache import KVCache
 from executor_svc.runner.sampler import SamplerOutput, SamplingMetadata, sample
@@ -18,6 +18,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.decode_graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
 
     def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """From now on decode batches of up to max_num_seqs sequences (at most DECODE_BUCKETS[-1])
@@ -26,13 +27,26 @@ class ModelRunner:
         graphs.capture()
         self.decode_graphs = graphs
 
+    def capture_mixed_graphs(
+        self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> None:
+        """From now on the other steps of up to max_num_batched_tokens tokens (prefills, chunks, mixed)
+        replay CUDA graphs too, one per MIXED_BUCKETS size up to the first that holds
+        max_num_batched_tokens (the largest is what the memory profile reserves)."""
+        buckets = buckets_up_to(max_num_batched_tokens, MIXED_BUCKETS)
+        graphs = MixedGraphs(self.model, self.kv_cache, max_model_len, buckets, max_num_seqs)
+        graphs.capture()
+        self.mixed_graphs = graphs
+
     @torch.inference_mode()
     def compute_logits(self, batch: ModelInput) -> torch.Tensor:
         """Runs the forward pass (writing this step's K/V) and returns the logits [S, V] (float32) of the
-        rows named by `logits_indices` (S may be 0: a step of prefill chunks only). A decode batch
-        replays a captured CUDA graph when there is one for its size."""
+        rows named by `logits_indices` (S may be 0: a step of prefill chunks only). A step replays a
+        captured CUDA graph when one fits it: a decode graph, else a mixed-step graph; else eager."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs.run(batch)
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
+            return self.mixed_graphs.run(batch)
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.device_cache, batch.attn
         )  # [T, D]
@@ -46,10 +60,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_num_seqs: int) -> None:
-        """The largest step, for the memory profile: a forward pass over `num_tokens` tokens (split
-        into up to `max_num_seqs` prefills) that writes no KV (all slots -1) and reads only block 0,
-        then the sampler over one row per prefill (a step samples at most one row per sequence, and
-        each sampled sequence computes a token) at its costliest (`worst_case_sampling`)."""
+        """The largest step, for the memory profile: `profile_forward`, then the sampler over one row
+        per prefill (a step samples at most one row per sequence, and each sampled sequence computes
+        a token) at its costliest (`worst_case_sampling`)."""
+        device = self.kv_cache.device_cache.device
+        hidden, last_rows = self.profile_forward(num_tokens, max_num_seqs)
+        logits = self.model.compute_logits(hidden[last_rows]).float()
+        del hidden
+        logits.normal_()  # [B, V] spread out like real logits (the zero prompts' rows are all equal)
+        sample(logits, worst_case_sampling(last_rows.shape[0], logits.shape[-1], max_num_seqs, device))
+
+    @torch.inference_mode()
+    def profile_forward(
+        self, num_tokens: int, max_num_seqs: int, max_seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A forward pass over `num_tokens` tokens split into up to `max_num_seqs` prefills (the
+        sequences of a mixed-step graph of num_tokens), writing no KV (all slots -1), reading only
+        block 0. max_seq_len: the attention's bound, which sets its split-K count (default: the
+        longest prefill, as an eager step; a graph passes the model's maximum). Returns the hidden
+        states [T, D] and the row of each prefill's last token [B]."""
         device = self.kv_cache.device_cache.device
         num_seqs = max(1, min(max_num_seqs, num_tokens))
         q_lens = torch.full((num_seqs,), num_tokens // num_seqs, dtype=torch.int32)  # [B]
@@ -64,7 +93,7 @@ class ModelRunner:
             seq_lens=q_lens.to(device),
             query_start_loc=query_start_loc.to(device),
             max_query_len=max_len,
-            max_seq_len=max_len,
+            max_seq_len=max(max_len, max_seq_len or 0),
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)  # [T]
         positions = torch.arange(num_tokens, dtype=torch.int32) - query_start_loc[:-1].repeat_interleave(
@@ -72,11 +101,8 @@ class ModelRunner:
         )
         hidden = self.model(
             input_ids, positions.to(device=device, dtype=torch.int64), self.kv_cache.device_cache, meta
-        )
-        logits = self.model.compute_logits(hidden[query_start_loc[1:].to(device, torch.int64) - 1]).float()
-        del hidden
-        logits.normal_()  # [B, V] spread out like real logits (the zero prompts' rows are all equal)
-        sample(logits, worst_case_sampling(num_seqs, logits.shape[-1], max_num_seqs, device))
+        )  # [T, D]
+        return hidden, query_start_loc[1:].to(device, torch.int64) - 1
 
 
 def worst_case_sampling(

@@ -41,7 +41,11 @@ class WorkerConfig:
     rank: int = option(0, cli=False)  # from the process group (worker/distributed.py)
     world_size: int = option(1, cli=False)
     seed: int = option(0, "sampling seed of this rank")
-    enforce_eager: bool = option(False, "no CUDA graphs: decode steps run eagerly too")
+    enforce_eager: bool = option(False, "no CUDA graphs: every step runs eagerly")
+    eager_mixed_steps: bool = option(
+        False, "CUDA graphs for decode steps only: prefill and mixed steps run eagerly (no graph pool "
+        "reserved in the memory profile)"
+    )
     deterministic: bool = option(
         False, "batch-invariant kernels: a request's tokens do not depend on what shares its steps (slower)"
     )

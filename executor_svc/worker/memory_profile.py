@@ -7,9 +7,24 @@ followed by the sampler over max_num_seqs rows, with every sampling option on (t
 sort, seeds, the most logprobs and beam candidates): the sampler's [rows, vocab] temporaries are
 GiBs at a large vocabulary. The swap space gets `swap_space_gib`, never more blocks than the device
 cache.
+
+Mixed-step CUDA graphs (executor_svc/runner/cuda_graphs.py, MixedGraphs) break the profile's premise
+that activations are transient: their memory pool keeps one forward pass's activations of the
+largest bucket (T_max >= max_num_batched_tokens tokens) for the server's life, beside the eager
+peak that sampling still reaches. So when they will be captured the profile first runs that forward
+pass alone, as the graph does (T_max tokens in min(T_max, max_num_seqs) prefills, max_seq_len = the
+model's maximum, which sets the attention's split-K buffers), and reserves its peak above what was
+allocated before it once more. The smaller buckets' graphs reuse that memory and write their outputs
+into the largest's, so the pool should stay within the reserve (plus the allocator's rounding):
+the worker logs both, and tests/gpu/test_mixed_graphs_gpu.py checks it. The whole step is then
+profiled over T_max tokens rather than max_num_batched_tokens, since capturing runs that forward
+pass eagerly too (the warm-up passes), after the cache is allocated. The decode graphs' pool, which
+the profile does not reserve, is small against the (1 - gpu_memory_utilization) left free.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -18,6 +33,8 @@ from executor_svc.runner.errors import CacheAllocationError
 from executor_svc.runner.kv_cache import GIB, KVCache, blocks_from_profile
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.worker.protocol import MemoryUsage
+
+_log = logging.getLogger(__name__)
 
 
 def blocks_that_fit(
@@ -46,11 +63,13 @@ def profile_gpu_blocks(
     dtype: torch.dtype,
     device: torch.device,
     block_bytes: int,
+    graph_tokens: int = 0,
+    graph_max_seq_len: int = 0,
 ) -> int:
     """Runs the largest step (ModelRunner.profile_run: forward and sampler) with a one-block cache
-    and measures its peak."""
+    and measures its peak. graph_tokens > 0: mixed-step graphs of up to that many tokens, captured
+    with graph_max_seq_len, will hold one forward pass's activations: reserved too (module docstring)."""
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
     probe = KVCache(
         num_layers,
         num_kv_heads_per_rank,
@@ -61,16 +80,40 @@ def profile_gpu_blocks(
         dtype,
         device,
     )
-    ModelRunner(model, probe).profile_run(cc.max_num_batched_tokens, cc.max_num_seqs)
+    runner = ModelRunner(model, probe)
+    graph_bytes = 0
+    if graph_tokens > 0:
+        graph_bytes = forward_activation_bytes(
+            runner, graph_tokens, cc.max_num_seqs, graph_max_seq_len, device
+        )
+        _log.info("memory profile: %.3f GiB reserved for the mixed-step CUDA graphs (a forward pass of %d "
+                  "tokens)", graph_bytes / GIB, graph_tokens)
+    torch.cuda.reset_peak_memory_stats(device)
+    # with graphs, capturing the largest also runs its forward pass eagerly (the warm-up passes)
+    runner.profile_run(max(cc.max_num_batched_tokens, graph_tokens), cc.max_num_seqs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)
     non_torch = (total - free) - torch.cuda.memory_reserved(device)
-    del probe
+    del probe, runner
     torch.cuda.empty_cache()
     return blocks_from_profile(
-        total, cc.gpu_memory_utilization, peak + max(0, non_torch), block_bytes
+        total, cc.gpu_memory_utilization, peak + max(0, non_torch) + graph_bytes, block_bytes
     )
+
+
+def forward_activation_bytes(
+    runner: ModelRunner, num_tokens: int, max_num_seqs: int, max_seq_len: int, device: torch.device
+) -> int:
+    """The peak a forward pass over num_tokens tokens (ModelRunner.profile_forward) allocates above
+    what was allocated before it, its output included: what a mixed-step graph of that many tokens
+    keeps in its pool."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.profile_forward(num_tokens, max_num_seqs, max_seq_len)
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - before)
 
 
 def free_device_bytes(device: torch.device) -> int | None:

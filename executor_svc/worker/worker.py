@@ -26,9 +26,10 @@ import torch
 from executor_svc.layers import determinism
 from executor_svc.models.config import DTYPES, ModelConfig
 from executor_svc.models.loader import load_model
+from executor_svc.runner.cuda_graphs import MIXED_BUCKETS, buckets_up_to
 from executor_svc.runner.errors import PlanError, StepOrderError
 from executor_svc.runner.inputs import SequenceState
-from executor_svc.runner.kv_cache import KVCache, bytes_per_block, kv_cache_dtype
+from executor_svc.runner.kv_cache import GIB, KVCache, bytes_per_block, kv_cache_dtype
 from executor_svc.runner.kv_calibration import MAX_CALIBRATION_TOKENS, calibrate_kv_scales, measure_kv_amax
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.worker.config import WorkerConfig
@@ -102,6 +103,14 @@ class Worker:
             self.model_config.head_dim,
             self.kv_cache_dtype,
         )
+        # Steps replay CUDA graphs on the GPU unless config.enforce_eager: decode steps, and the others
+        # (prefills, mixed) unless config.eager_mixed_steps; the memory profile reserves the mixed
+        # graphs' pool. At TP > 1 each rank's graphs hold its NCCL collectives: every rank captures
+        # the same buckets in the same order (the warm-up passes run real collectives, matched across
+        # ranks) and replays the same bucket for a step, since the choice depends only on the plan,
+        # which every rank gets.
+        self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.use_mixed_graphs = self.use_cuda_graphs and not config.eager_mixed_steps
         # What fits (profiled once) is the ceiling of every init_cache, kept apart from the size the
         # cache has now: a small InitCache never lowers what a later one may ask for.
         self.capacity_gpu_blocks, self.capacity_cpu_blocks = blocks_that_fit(
@@ -111,11 +120,6 @@ class Worker:
         # (k_scale, v_scale) per attention layer: an FP8 cache's, set before any cache or graph exists
         self.kv_scales = self._calibrate_kv_scales() if config.kv_cache_dtype == "fp8" else []
         self.runner: ModelRunner | None = None
-        # Decode steps replay CUDA graphs on the GPU unless config.enforce_eager. At TP > 1 each
-        # rank's graphs hold its NCCL collectives: every rank captures the same buckets in the same
-        # order (the warm-up passes run real collectives, matched across ranks) and replays the same
-        # bucket for a step, since the choice depends only on the plan, which every rank gets.
-        self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
         self._plan = PlanApplier(
             self.device,
             self.cache_config.block_size,
@@ -253,19 +257,35 @@ class Worker:
             self.runner = ModelRunner(self.model, cache)
             if self.use_cuda_graphs:
                 self.runner.capture_decode_graphs(mc.max_model_len, cc.max_num_seqs)
+            if self.use_mixed_graphs:
+                torch.cuda.empty_cache()  # what the device holds before, less free cached blocks
+                reserved_before = torch.cuda.memory_reserved(self.device)
+                self.runner.capture_mixed_graphs(mc.max_model_len, cc.max_num_batched_tokens, cc.max_num_seqs)
+                torch.cuda.empty_cache()  # the warm-up passes' blocks: the graphs' pool stays
+                _log.info(
+                    "rank %d: mixed-step CUDA graphs (steps of up to %d tokens) hold %.3f GiB (the memory "
+                    "profile's reserve for them is logged above)", self.config.rank,
+                    cc.max_num_batched_tokens,
+                    (torch.cuda.memory_reserved(self.device) - reserved_before) / GIB,
+                )
         return self.runner
 
     def _profile_gpu_blocks(self) -> int:
-        mc = self.model_config
+        mc, cc = self.model_config, self.cache_config
+        graph_tokens = 0  # the largest mixed-step graph, whose pool the profile reserves
+        if self.use_mixed_graphs:
+            graph_tokens = buckets_up_to(cc.max_num_batched_tokens, MIXED_BUCKETS)[-1]
         return profile_gpu_blocks(
             self.model,
-            self.cache_config,
+            cc,
             mc.num_layers,
             self.num_kv_heads_per_rank,
             mc.head_dim,
             self.kv_cache_dtype,
             self.device,
             self.block_bytes,
+            graph_tokens=graph_tokens,
+            graph_max_seq_len=mc.max_model_len,
         )
 
     def _calibrate_kv_scales(self) -> list[tuple[float, float]]:

@@ -55,7 +55,11 @@ def _decode_batch(worker, num_seqs: int, seed: int):
 def test_graph_replay_equals_eager(model_dir, dtype):
     from executor_svc.worker.worker import Worker
 
-    worker = Worker(str(model_dir), device="cuda", dtype=dtype, num_gpu_blocks=2048, num_cpu_blocks=0)
+    # decode graphs only: with mixed-step graphs the "eager" decode run below would replay one of them
+    worker = Worker(
+        str(model_dir), device="cuda", dtype=dtype, num_gpu_blocks=2048, num_cpu_blocks=0,
+        eager_mixed_steps=True,
+    )
     worker.init_cache(2048, 0)
     runner = worker.runner
     graphs = runner.decode_graphs

@@ -1,0 +1,336 @@
+"""Mixed-step CUDA graphs (executor_svc/runner/cuda_graphs.py, MixedGraphs) without a GPU: what a
+bucket's graph captures, run eagerly over the padded static inputs, gives the real rows of the
+unpadded eager step; the bucket choice; the memory profile's reserve; the attention kernel (Triton
+interpreter) and its reference with empty padding sequences and orphan padding tokens.
+
+The step padded here mixes two decodes, the second chunk of a prompt (not sampled) and a prompt
+whose first two blocks are another sequence's cached prefix: 19 tokens in 4 sequences, a 32-token
+bucket with up to 8 sequences (13 orphan tokens, 4 empty sequences), or 16 tokens (an exact fit).
+The padded pass fills the attention output of the orphan rows with NaN, the worst garbage the
+kernel may leave there: no real row may see it, in any model family.
+
+Equality: in deterministic mode a row's result does not depend on the number of rows (one
+matrix-vector product per row on the CPU, per-sequence reference attention, row-wise norms), so the
+real rows are compared with torch.equal. In the default mode the BLAS may pick its GEMM blocking by
+M (with the tiny models here it happens not to, but a 512-wide model differs by ~1e-5 at some M),
+so the real rows only agree to float32 rounding: within 1e-5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import random
+
+import pytest
+import torch
+
+import kernels
+from executor_svc.layers import determinism
+from executor_svc.runner.cuda_graphs import MIXED_BUCKETS, MixedGraphs, StaticInputs, buckets_up_to
+from executor_svc.runner.inputs import ScheduledSequence, SequenceState, build_model_input
+from executor_svc.runner.model_runner import ModelRunner
+from executor_svc.worker.worker import Worker
+from scheduler_svc.wire.sampling_params import SamplingParams
+
+BS = 4
+GREEDY = SamplingParams(temperature=0.0)
+FAMILIES = ("llama", "mixtral", "gemma2", "opt")  # dense, MoE, sliding window + softcap, learned positions
+
+
+@pytest.fixture(autouse=True)
+def default_mode():
+    yield
+    determinism.set_deterministic(False)  # a deterministic Worker sets the process-wide switch
+
+
+def make_worker(model_dir, **kwargs) -> Worker:
+    worker = Worker(
+        str(model_dir), device="cpu", dtype="float32", num_gpu_blocks=64, num_cpu_blocks=0, block_size=BS,
+        **kwargs,
+    )
+    worker.init_cache(64, 0)
+    return worker
+
+
+def mixed_step(worker: Worker, chunk_len: int, seed: int = 0):
+    """Prefills (eagerly) the contexts, then builds the mixed step: decodes of A (13 tokens of
+    context) and B (6), C's chunk of `chunk_len` tokens from 8 (of a 20-token prompt: not sampled),
+    D's 10 tokens after an 8-token prefix cached in A's first two blocks (sampled)."""
+    rng = random.Random(seed)
+    vocab = worker.model_config.vocab_size
+    blocks = list(range(worker.num_gpu_blocks))
+    rng.shuffle(blocks)
+
+    def state(tokens: list[int], num_blocks: int, prefix: list[int] = ()) -> SequenceState:
+        table = [*prefix, *(blocks.pop() for _ in range(num_blocks - len(prefix)))]
+        return SequenceState(tokens, 0, table, GREEDY, 0, len(tokens))
+
+    a = state([rng.randrange(3, vocab) for _ in range(13)], 4)
+    b = state([rng.randrange(3, vocab) for _ in range(6)], 2)
+    c = state([rng.randrange(3, vocab) for _ in range(20)], 5)
+    d = state(a.token_ids[:8] + [rng.randrange(3, vocab) for _ in range(10)], 5, prefix=a.block_table[:2])
+    gen = torch.Generator().manual_seed(seed)
+    first = [ScheduledSequence(0, a, 13), ScheduledSequence(1, b, 6), ScheduledSequence(2, c, 8)]
+    worker.runner.compute_logits(build_model_input(first, BS, worker.device, gen))
+    for s, n in ((a, 13), (b, 6), (c, 8)):
+        s.num_computed_tokens = n
+    a.token_ids.append(rng.randrange(3, vocab))
+    b.token_ids.append(rng.randrange(3, vocab))
+    d.num_computed_tokens = 8  # the prefix cache hit
+    step = [ScheduledSequence(0, a, 1), ScheduledSequence(1, b, 1), ScheduledSequence(2, c, chunk_len),
+            ScheduledSequence(3, d, 10)]
+    return build_model_input(step, BS, worker.device, gen)
+
+
+def poison_orphan_rows(monkeypatch) -> None:
+    """The attention output of every token past query_start_loc[-1] becomes NaN."""
+    attend = kernels.paged_attention
+
+    def poisoned(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *args, **kwargs):
+        out = attend(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *args, **kwargs)
+        out[int(query_start_loc[-1]) :] = float("nan")
+        return out
+
+    monkeypatch.setattr(kernels, "paged_attention", poisoned)
+
+
+def padded_and_eager(worker: Worker, batch, max_num_seqs: int, monkeypatch):
+    """(hidden [T, D] of the padded pass, its logits of the sampled rows, the eager hidden [R, D],
+    the eager logits, the bucket)."""
+    runner = worker.runner
+    model, cache = runner.model, runner.kv_cache
+    mc = worker.model_config
+    eager_logits = runner.compute_logits(batch)
+    eager_hidden = model(batch.input_ids, batch.positions, cache.device_cache, batch.attn)
+    graphs = MixedGraphs(model, cache, mc.max_model_len, buckets_up_to(64, MIXED_BUCKETS), max_num_seqs)
+    bucket = graphs.bucket_for(batch)
+    num_tokens, num_seqs, _ = graphs.bucket_shape(bucket)
+    graphs.inputs.load(batch, num_tokens, num_seqs)
+    with monkeypatch.context() as patch:
+        poison_orphan_rows(patch)
+        hidden = graphs.forward(bucket)
+    logits = model.compute_logits(hidden[batch.logits_indices]).float()
+    return hidden, logits, eager_hidden, eager_logits, bucket
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("chunk_len, max_num_seqs, bucket", [(7, 8, 32), (4, 8, 16), (4, 4, 16)])
+def test_the_padded_step_gives_the_eager_rows(tiny_model_dirs, monkeypatch, family, chunk_len, max_num_seqs,
+                                              bucket):
+    worker = make_worker(tiny_model_dirs[family])
+    batch = mixed_step(worker, chunk_len)
+    real = batch.num_tokens
+    assert real == 12 + chunk_len and batch.logits_indices.tolist() == [0, 1, real - 1]
+    hidden, logits, eager_hidden, eager_logits, chosen = padded_and_eager(
+        worker, batch, max_num_seqs, monkeypatch
+    )
+    assert chosen == bucket and hidden.shape[0] == bucket
+    assert torch.isfinite(hidden[:real]).all() and torch.isfinite(logits).all(), family
+    torch.testing.assert_close(hidden[:real], eager_hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    if bucket > real:
+        assert torch.isnan(hidden[real:]).any()  # the poison reached the orphans, only them
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "opt"])  # MoE models refuse deterministic mode
+def test_deterministic_mode_pads_bit_for_bit(tiny_model_dirs, monkeypatch, family):
+    worker = make_worker(tiny_model_dirs[family], deterministic=True)
+    assert determinism.deterministic()
+    batch = mixed_step(worker, 7, seed=5)
+    hidden, logits, eager_hidden, eager_logits, bucket = padded_and_eager(worker, batch, 8, monkeypatch)
+    assert bucket == 32
+    assert torch.equal(hidden[: batch.num_tokens], eager_hidden) and torch.equal(logits, eager_logits)
+
+
+def test_the_static_inputs_are_padded_as_documented(tiny_llama_dir):
+    worker = make_worker(tiny_llama_dir)
+    batch = mixed_step(worker, 7)
+    inputs = StaticInputs.allocate(64, 8, 512, torch.device("cpu"))
+    inputs.input_ids.fill_(9)  # stale values from an earlier step
+    inputs.positions.fill_(9)
+    inputs.slot_mapping.fill_(9)
+    inputs.seq_lens.fill_(9)
+    inputs.load(batch, 32, 8)
+    assert torch.equal(inputs.input_ids[:19], batch.input_ids) and not inputs.input_ids[19:32].any()
+    assert torch.equal(inputs.positions[:19], batch.positions) and not inputs.positions[19:32].any()
+    assert torch.equal(inputs.slot_mapping[:19], batch.attn.slot_mapping)
+    assert (inputs.slot_mapping[19:32] == -1).all()  # orphans write no KV
+    assert inputs.query_start_loc[:9].tolist() == [0, 1, 2, 9, 19, 19, 19, 19, 19]  # empty sequences
+    assert inputs.seq_lens[:8].tolist() == [14, 7, 15, 18, 0, 0, 0, 0]
+    width = batch.attn.block_tables.shape[1]
+    assert torch.equal(inputs.block_tables[:4, :width], batch.attn.block_tables)
+    meta = inputs.metadata(32, 8, 32, 2048)
+    assert (meta.slot_mapping.shape, meta.block_tables.shape, meta.query_start_loc.shape) == ((32,), (8, 512),
+                                                                                             (9,))
+    with pytest.raises(ValueError, match="does not pad to 16 tokens"):
+        inputs.load(batch, 16, 8)  # 19 tokens
+    with pytest.raises(ValueError, match="does not pad"):
+        inputs.load(batch, 32, 3)  # 4 sequences
+
+
+def test_the_bucket_ladder():
+    assert buckets_up_to(2048, MIXED_BUCKETS) == (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert buckets_up_to(2049, MIXED_BUCKETS)[-1] == 3072
+    assert buckets_up_to(1, MIXED_BUCKETS) == (16,)
+    assert buckets_up_to(8192, MIXED_BUCKETS)[-3:] == (4096, 6144, 8192)
+    ladder = [b for b in MIXED_BUCKETS if b >= 128]
+    ratios = [big / small for small, big in zip(ladder, ladder[1:], strict=False)]
+    assert all(1 < r <= 1.5 for r in ratios), "a step padded by more than 1/3"
+
+
+def test_a_step_takes_the_smallest_bucket_that_holds_it_or_runs_eagerly(tiny_llama_dir):
+    from dataclasses import replace
+
+    worker = make_worker(tiny_llama_dir)
+    runner = worker.runner
+    model, cache = runner.model, runner.kv_cache
+    graphs = MixedGraphs(model, cache, 2048, buckets_up_to(32, MIXED_BUCKETS), max_num_seqs=4)
+    assert graphs.buckets == (16, 32) and graphs.bucket_shape(16) == (16, 4, 16)
+    assert (graphs.inputs.max_tokens, graphs.inputs.max_seqs) == (32, 4)
+    over = mixed_step(worker, 7)  # 19 tokens, 4 sequences
+    assert graphs.bucket_for(over) == 32
+    exact = mixed_step(worker, 4)  # 16 tokens
+    assert graphs.bucket_for(exact) == 16
+    assert not graphs.can_run(exact)  # nothing captured (no GPU): eager
+    too_many_seqs = MixedGraphs(model, cache, 2048, (16, 32), max_num_seqs=3)
+    assert too_many_seqs.bucket_for(exact) is None  # 4 sequences > S(16) = 3
+    smaller = MixedGraphs(model, cache, 2048, (16,), max_num_seqs=8)
+    assert smaller.bucket_for(exact) == 16 and smaller.bucket_for(over) is None  # one over the top
+    narrow = MixedGraphs(model, cache, 8, (16, 32), max_num_seqs=8)  # 2-block tables
+    assert narrow.bucket_for(exact) is None  # its block tables are 5 blocks wide
+    empty = replace(exact, input_ids=exact.input_ids[:0])
+    assert graphs.bucket_for(empty) is None
+    with pytest.raises(ValueError, match="CUDA"):
+        graphs.capture()
+
+
+def test_the_worker_captures_mixed_graphs_with_its_limits_unless_told_not_to(tiny_llama_dir, monkeypatch):
+    from executor_svc.server.main import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--model", "m"]).eager_mixed_steps is False
+    assert parser.parse_args(["--model", "m", "--eager-mixed-steps"]).eager_mixed_steps is True
+    captured = []
+    for kind in ("decode", "mixed"):
+        def fake(self, *args, kind=kind):
+            captured.append((kind, args))
+
+        monkeypatch.setattr(ModelRunner, f"capture_{kind}_graphs", fake)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    for eager_mixed in (False, True):
+        worker = Worker(str(tiny_llama_dir), device="cpu", dtype="float32", num_gpu_blocks=8, max_num_seqs=24,
+                        max_num_batched_tokens=300, eager_mixed_steps=eager_mixed)
+        assert not worker.use_mixed_graphs  # on CPU
+        worker.use_cuda_graphs = True  # as on a GPU
+        worker.use_mixed_graphs = not worker.config.eager_mixed_steps
+        captured.clear()
+        worker._ensure_cache()
+        max_len = worker.model_config.max_model_len
+        want = [("decode", (max_len, 24))] + ([] if eager_mixed else [("mixed", (max_len, 300, 24))])
+        assert captured == want
+
+
+def test_the_profile_reserves_the_mixed_graphs_forward_pass(tiny_llama_dir, monkeypatch):
+    from executor_svc.runner.cache_config import CacheConfig
+    from executor_svc.worker import memory_profile
+
+    gib = 1 << 30
+    worker = make_worker(tiny_llama_dir)
+    peaks = iter([gib + gib // 2, 2 * gib])  # the graph's forward alone, then the whole step
+    forwards = []
+    profile_forward = ModelRunner.profile_forward
+
+    def spy(self, num_tokens, max_num_seqs, max_seq_len=None):
+        forwards.append((num_tokens, max_num_seqs, max_seq_len))
+        return profile_forward(self, num_tokens, max_num_seqs, max_seq_len)
+
+    monkeypatch.setattr(ModelRunner, "profile_forward", spy)
+    for name, fake in {
+        "empty_cache": lambda: None, "synchronize": lambda device=None: None,
+        "reset_peak_memory_stats": lambda device=None: None, "memory_allocated": lambda device=None: gib,
+        "max_memory_allocated": lambda device=None: next(peaks),
+        "mem_get_info": lambda device=None: (6 * gib, 10 * gib),
+        "memory_reserved": lambda device=None: 3 * gib,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    mc = worker.model_config
+    cc = CacheConfig(max_num_batched_tokens=40, max_num_seqs=8)
+    num_blocks = memory_profile.profile_gpu_blocks(
+        worker.model, cc, mc.num_layers, worker.num_kv_heads_per_rank, mc.head_dim, worker.dtype,
+        torch.device("cpu"), worker.block_bytes, graph_tokens=64, graph_max_seq_len=mc.max_model_len,
+    )
+    # the largest bucket as its graph runs it, then the whole step over as many tokens (the warm-up)
+    assert forwards == [(64, 8, mc.max_model_len), (64, 8, None)]
+    # 10 GiB * 0.9 - (2 GiB peak + 1 GiB outside torch + 0.5 GiB of graph activations)
+    assert num_blocks == (9 * gib - 3 * gib - gib // 2) // worker.block_bytes
+
+
+# ---- the attention kernel with padding (Triton interpreter) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def triton_attention():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: tests/gpu/test_mixed_graphs_gpu.py runs the compiled kernel")
+    os.environ["TRITON_INTERPRET"] = "1"
+    from kernels import triton_attention as module
+    from tests.helpers.triton_interpreter import patch_interpreter_for_numpy
+
+    if type(module._paged_attention_kernel).__name__ != "InterpretedFunction":  # imported earlier
+        module = importlib.reload(module)
+    patch_interpreter_for_numpy()
+    return module
+
+
+def pad_case(case, num_tokens: int, num_seqs: int):
+    """The case's arguments padded: orphan query rows of NaN, empty sequences (seq_len 0) with
+    random block tables."""
+    from kernels.testing import PagedCase
+
+    real, n = case.query.shape[0], case.seq_lens.shape[0]
+    query = torch.full((num_tokens, *case.query.shape[1:]), float("nan"))
+    query[:real] = case.query
+    width = case.block_tables.shape[1]
+    tables = torch.randint(0, case.key_cache.shape[0], (num_seqs, width), dtype=torch.int32)
+    tables[:n] = case.block_tables
+    seq_lens = torch.zeros(num_seqs, dtype=torch.int32)
+    seq_lens[:n] = case.seq_lens
+    query_start_loc = torch.full((num_seqs + 1,), real, dtype=torch.int32)
+    query_start_loc[: n + 1] = case.query_start_loc
+    return PagedCase(query, case.key_cache, case.value_cache, tables, seq_lens, query_start_loc,
+                     case.max_query_len, case.max_seq_len, case.scale)
+
+
+# the split reduce divides garbage by garbage in the orphan rows (never read)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("mode", ["mixed", "decode", "deterministic"])
+def test_the_kernel_ignores_empty_sequences_and_orphan_tokens(triton_attention, mode):
+    from dataclasses import replace
+
+    from kernels import reference
+    from kernels.testing import make_paged_case, relative_error
+
+    q_lens = [1, 1, 1] if mode == "decode" else [1, 5, 3]
+    case = make_paged_case([40, 23, 7], q_lens, 4, 1, 16, 16, torch.float32, "cpu", seed=11)
+    real = sum(q_lens)
+    num_tokens = 4 if mode == "decode" else 16  # one orphan token, or seven
+    padded = pad_case(case, num_tokens, num_seqs=4)  # one empty sequence
+    # a graph's bounds: the model's length, and the bucket as max_query_len (1 for decode)
+    padded = replace(padded, max_seq_len=1024, max_query_len=1 if mode == "decode" else num_tokens)
+    want = reference.paged_attention(*case.args())
+    ref_padded = reference.paged_attention(*padded.args())
+    assert torch.equal(ref_padded[:real], want)
+    deterministic = mode == "deterministic"
+    if not deterministic:  # the grid (4 decode tiles, or 16 // 16 + 4) is split: the reduce covers orphans
+        programs = 4 if mode == "decode" else 5
+        slots = triton_attention.split_slots(case.query.device)
+        assert triton_attention.choose_num_splits(programs, 1024, slots) > 1
+    got = triton_attention.paged_attention(*padded.args(), deterministic=deterministic)
+    assert got.shape == padded.query.shape
+    assert relative_error(got[:real], want) < 1e-5
+    if deterministic:  # a row's bits do not depend on the padding
+        alone = triton_attention.paged_attention(*case.args(), deterministic=True)
+        assert torch.equal(got[:real], alone)
