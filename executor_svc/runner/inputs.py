@@ -1,20 +1,22 @@
 """Per-sequence executor state and the step's tensors built from it (`ModelInput`).
 
 Everything per token is built with tensor ops; Python touches each scheduled sequence once (to
-slice its new token ids and read its block table).
+slice its new token ids and read its block table). The step's tensors, sampling parameters included,
+reach the device in one copy (`pack_to_device`).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from executor_svc.layers.attention import AttentionMetadata
 from executor_svc.runner.errors import PlanError
-from executor_svc.runner.host_to_device import to_device
+from executor_svc.runner.host_to_device import pack_to_device
 from executor_svc.runner.sampler import SamplingMetadata
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import PENDING_TOKEN
@@ -132,22 +134,37 @@ def build_model_input(
     ]
     logits_indices = query_start_loc[torch.tensor(sampled, dtype=torch.int64) + 1] - 1  # [S]
     sampling = _sampling_metadata([scheduled[i].state for i in sampled], generator)
+    sampling_tensors = _tensor_fields(sampling)
 
+    on_device = pack_to_device(
+        {
+            "input_ids": input_ids,
+            "positions": positions,
+            "slot_mapping": slot_mapping,
+            "block_tables": block_tables.to(torch.int32),
+            "seq_lens": seq_lens.to(torch.int32),
+            "query_start_loc": query_start_loc.to(torch.int32),
+            "logits_indices": logits_indices,
+            **{f"sampling.{name}": value for name, value in sampling_tensors.items()},
+        },
+        device,
+    )
     attn = AttentionMetadata(
-        slot_mapping=to_device(slot_mapping, device),
-        block_tables=to_device(block_tables.to(torch.int32), device),
-        seq_lens=to_device(seq_lens.to(torch.int32), device),
-        query_start_loc=to_device(query_start_loc.to(torch.int32), device),
+        slot_mapping=on_device["slot_mapping"],
+        block_tables=on_device["block_tables"],
+        seq_lens=on_device["seq_lens"],
+        query_start_loc=on_device["query_start_loc"],
         max_query_len=int(q_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
     )
+    sampling_on_device: dict[str, Any] = {name: on_device[f"sampling.{name}"] for name in sampling_tensors}
     holes = (input_ids == PENDING_TOKEN).nonzero().flatten()  # [P] tokens planned ahead (async)
     return ModelInput(
-        input_ids=to_device(input_ids, device),
-        positions=to_device(positions, device),
+        input_ids=on_device["input_ids"],
+        positions=on_device["positions"],
         attn=attn,
-        logits_indices=to_device(logits_indices, device),
-        sampling=_to_device(sampling, device),
+        logits_indices=on_device["logits_indices"],
+        sampling=replace(sampling, **sampling_on_device),
         sampled_seq_ids=tuple(scheduled[i].seq_id for i in sampled),
         num_logprobs=tuple(sampling.num_logprobs.tolist()) if sampling.max_num_logprobs else None,
         num_beam_candidates=(
@@ -200,9 +217,7 @@ def _sampling_metadata(states: list[SequenceState], generator: torch.Generator) 
     )
 
 
-def _to_device(meta: SamplingMetadata, device: torch.device) -> SamplingMetadata:
-    moved = {name: getattr(meta, name) for name in SamplingMetadata.__slots__}
-    for name, value in moved.items():
-        if isinstance(value, torch.Tensor):
-            moved[name] = to_device(value, device)
-    return SamplingMetadata(**moved)
+def _tensor_fields(meta: SamplingMetadata) -> dict[str, torch.Tensor]:
+    """The tensor fields of `meta` by name (the others are host values: flags and maxima)."""
+    values = {f.name: getattr(meta, f.name) for f in fields(meta)}
+    return {name: value for name, value in values.items() if isinstance(value, torch.Tensor)}
