@@ -82,10 +82,10 @@ def hf_greedy(smollm2_dir, prompts) -> list[list[int]]:
         ]
 
 
-async def _greedy(target: str, prompts: list[list[int]]) -> tuple[list[list[int]], list[str | None]]:
-    async with AsyncClient(target) as client:
-        results = await asyncio.gather(
-            *(client.generate(p, max_tokens=MAX_TOKENS, temperature=0.0) for p in prompts)
+async def _greedy(stack: Stack, prompts: list[list[int]]) -> tuple[list[list[int]], list[str | None]]:
+    async with AsyncClient(stack.target) as client:
+        results = await stack.submit_in_order(
+            [client.generate(p, max_tokens=MAX_TOKENS, temperature=0.0) for p in prompts]
         )
     return [r.outputs[0].token_ids for r in results], [r.outputs[0].finish_reason for r in results]
 
@@ -100,15 +100,15 @@ def _agreement(ours: list[list[int]], hf: list[list[int]]) -> tuple[int, int]:
     "cache",
     [
         dict(num_gpu_blocks=256),  # nothing preempted
-        dict(num_gpu_blocks=12, num_cpu_blocks=12, preemption="swap", enable_prefix_caching=True),
-        dict(num_gpu_blocks=12, num_cpu_blocks=12, preemption="recompute", enable_prefix_caching=False),
+        dict(num_gpu_blocks=10, num_cpu_blocks=10, preemption="swap", enable_prefix_caching=True),
+        dict(num_gpu_blocks=10, num_cpu_blocks=10, preemption="recompute", enable_prefix_caching=False),
     ],
     ids=["no-preemption", "swap-prefix-caching", "recompute-no-prefix-caching"],
 )
 def test_greedy_tokens_equal_transformers_on_the_real_model(smollm2_dir, prompts, hf_greedy, cache):
     with Stack(smollm2_dir, **cache) as stack:
         stack.schedule_together(len(prompts))  # all in the cache at once: the small one must preempt
-        ours, reasons = asyncio.run(_greedy(stack.target, prompts))
+        ours, reasons = asyncio.run(_greedy(stack, prompts))  # queued in this order (FCFS fixed)
         stats = stack.engine.stats()
         stack.check_integrity()
     equal, compared = _agreement(ours, hf_greedy)
