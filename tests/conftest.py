@@ -68,3 +68,17 @@ def smollm2_dir(tmp_path_factory) -> pathlib.Path:
         if os.environ.get("CI"):
             pytest.fail(f"the default model is not available: {err}")
         pytest.skip(f"the default model is not available: {err}")
+
+
+@pytest.fixture(scope="session")
+def config_only_model(tmp_path_factory) -> pathlib.Path:
+    """The tiny Llama's config.json alone: served with dummy weights and without a tokenizer (the
+    bench tests)."""
+    import json
+
+    from executor_svc.models.tiny import tiny_config
+
+    folder = tmp_path_factory.mktemp("bench") / "tiny-config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(tiny_config("llama")))
+    return folder

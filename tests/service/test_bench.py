@@ -135,17 +135,6 @@ def test_named_shapes_write_a_config_both_stacks_read(tmp_path, monkeypatch):
         assert launcher.spec_from_hf_config(hf.to_dict()) == spec
 
 
-@pytest.fixture(scope="module")
-def config_only_model(tmp_path_factory):
-    """The tiny Llama's config.json alone: served with dummy weights and without a tokenizer."""
-    from executor_svc.models.tiny import tiny_config
-
-    folder = tmp_path_factory.mktemp("bench") / "tiny-config-only"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(tiny_config("llama")))
-    return folder
-
-
 def _args(mode: str, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

@@ -15,16 +15,6 @@ CPU = ("--load-format", "dummy", "--device", "cpu", "--no-progress", "--warmup",
        "--workload", "alpaca", "--requests", "4")
 
 
-@pytest.fixture(scope="module")
-def config_only_model(tmp_path_factory):
-    from executor_svc.models.tiny import tiny_config
-
-    folder = tmp_path_factory.mktemp("bench-goodput") / "tiny-config-only"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(tiny_config("llama")))
-    return folder
-
-
 def _args(mode: str, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

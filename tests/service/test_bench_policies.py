@@ -20,16 +20,6 @@ from scheduler_svc.sim.workloads import make_workload
 CPU = ("--load-format", "dummy", "--device", "cpu", "--no-progress", "--warmup", "0")
 
 
-@pytest.fixture(scope="module")
-def config_only_model(tmp_path_factory):
-    from executor_svc.models.tiny import tiny_config
-
-    folder = tmp_path_factory.mktemp("bench-policies") / "tiny-config-only"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(tiny_config("llama")))
-    return folder
-
-
 def _args(mode: str, model, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
