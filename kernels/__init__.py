@@ -88,9 +88,11 @@ def silu_and_mul(x) -> torch.Tensor:
     return (_cuda_module("triton_layers") if x.is_cuda else reference).silu_and_mul(x)
 
 
-def fused_moe(hidden, w13, w2, router_logits, top_k, renormalize) -> torch.Tensor:
+def fused_moe(
+    hidden, w13, w2, router_logits, top_k, renormalize, deterministic: bool = False
+) -> torch.Tensor:
     impl = _cuda_module("triton_moe") if hidden.is_cuda else reference
-    return impl.fused_moe(hidden, w13, w2, router_logits, top_k, renormalize)
+    return impl.fused_moe(hidden, w13, w2, router_logits, top_k, renormalize, deterministic)
 
 
 # ---- deterministic mode (kernels/triton_batch_invariant.py): each row computed alike in any batch ----

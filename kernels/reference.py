@@ -239,20 +239,28 @@ def fused_moe(
     router_logits: torch.Tensor,  # [T, E]
     top_k: int,
     renormalize: bool,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Mixture-of-experts feed-forward: sum over each token's top_k experts e of
     weight_e * w2[e] @ (silu(gate_e) * up_e), [gate_e | up_e] = w13[e] @ x. Computes in float32
-    (float64 for float64 inputs), one Python iteration per expert, never per token. -> [T, H]"""
+    (float64 for float64 inputs), one Python iteration per expert, never per token; the experts'
+    contributions are added in expert order. deterministic: the expert matmuls row by row
+    (`batch_invariant_matmul`), so a token's output does not depend on which other tokens chose
+    its experts (a BLAS GEMM blocks by the number of rows). -> [T, H]"""
     weights, ids = moe_routing(router_logits, top_k, renormalize)
     acc = torch.promote_types(hidden.dtype, torch.float32)
     x = hidden.to(acc)
     out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)  # [T, H]
+
+    def matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return batch_invariant_matmul(rows, weight) if deterministic else rows @ weight.t()
+
     for expert in range(w13.shape[0]):
         token_index, slot = torch.where(ids == expert)  # [n], [n]
         if token_index.numel() == 0:
             continue
-        gate_up = x[token_index] @ w13[expert].to(acc).t()  # [n, 2 I]
-        y = silu_and_mul(gate_up) @ w2[expert].to(acc).t()  # [n, H]
+        gate_up = matmul(x[token_index], w13[expert].to(acc))  # [n, 2 I]
+        y = matmul(silu_and_mul(gate_up), w2[expert].to(acc))  # [n, H]
         out.index_add_(0, token_index, y * weights[token_index, slot, None].to(acc))
     return out.to(hidden.dtype)
 

@@ -126,7 +126,11 @@ def _block_k(size: int) -> int:
     return 64 if size >= 64 else max(16, triton.next_power_of_2(size))
 
 
-def fused_moe(hidden, w13, w2, router_logits, top_k, renormalize):
+def fused_moe(hidden, w13, w2, router_logits, top_k, renormalize, deterministic: bool = False):
+    """deterministic (batch-invariant, executor_svc/layers/determinism.py): one row tile (BLOCK_M 16)
+    whatever the number of rows, so a row's dot products run the same instructions in any batch (the
+    default picks 16 or 64 rows by the row count), and the top_k slots are summed one after the
+    other in float32 instead of by a torch reduction, whose blocking may follow the tensor's shape."""
     assert hidden.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
@@ -135,7 +139,7 @@ def fused_moe(hidden, w13, w2, router_logits, top_k, renormalize):
         return torch.empty_like(hidden)
     weights, ids = moe_routing(router_logits, top_k, renormalize)  # [T, k] float32, int64
     num_rows = num_tokens * top_k
-    block_m = 16 if num_rows <= 4 * num_experts * 16 else 64
+    block_m = 16 if deterministic or num_rows <= 4 * num_experts * 16 else 64
     sorted_rows, block_experts = align_rows_by_expert(ids, num_experts, block_m)
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     act = torch.empty((num_rows, inter), dtype=hidden.dtype, device=hidden.device)  # [T * k, I]
@@ -155,4 +159,10 @@ def fused_moe(hidden, w13, w2, router_logits, top_k, renormalize):
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(inter), PRECISION=precision, **launch,
     )
-    return y.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    y = y.view(num_tokens, top_k, hidden_size)  # [T, k, H]
+    if not deterministic:
+        return y.sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    out = y[:, 0].float()  # [T, H]
+    for slot in range(1, top_k):
+        out += y[:, slot]
+    return out.to(hidden.dtype)

@@ -42,11 +42,6 @@ class FusedMoE(nn.Module):
         tp_rank: int, tp_size: int,
     ):
         super().__init__()
-        if determinism.deterministic():
-            raise ValueError(
-                "deterministic mode does not support mixture-of-experts models: the fused MoE kernel "
-                "picks its row tile by the number of tokens, so a token's expert sums depend on its batch"
-            )
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.top_k, self.renormalize = top_k, renormalize
         self.inter = _divide(intermediate_size, tp_size, "moe_intermediate_size")
@@ -75,7 +70,9 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H], router_logits: [T, E] -> the weighted sum of each token's experts [T, H]."""
         w13, w2 = self.w13_weight, self.w2_weight
-        out = kernels.fused_moe(x, w13, w2, router_logits, self.top_k, self.renormalize)
+        out = kernels.fused_moe(
+            x, w13, w2, router_logits, self.top_k, self.renormalize, deterministic=determinism.deterministic()
+        )
         return tp_all_reduce(out, self.tp_size)
 
 

@@ -56,10 +56,10 @@ def _weights(dtype, seed=0, n=N, k=K):
     return torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
 
 
-def _batches_holding(probe: torch.Tensor, seed: int):
+def _batches_holding(probe: torch.Tensor, seed: int, sizes: tuple[int, ...] = BATCH_SIZES):
     """For each batch size: (batch [M, K] of random rows with `probe` at a random place, its index)."""
     g = torch.Generator().manual_seed(seed)
-    for num_rows in BATCH_SIZES:
+    for num_rows in sizes:
         batch = torch.randn(num_rows, probe.shape[0], generator=g).to(probe.dtype)
         index = int(torch.randint(num_rows, (1,), generator=g))
         batch[index] = probe
@@ -238,11 +238,94 @@ def test_deterministic_linear_runs_the_kernel_on_any_leading_shape_and_is_batch_
     assert all(torch.equal(row, rows[0]) for row in rows[1:])
 
 
-def test_moe_refuses_deterministic_mode():
-    FusedMoE(4, K, 32, 2, True, 0, 1)  # builds in the default mode
+def _moe_weights(num_experts: int, inter: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(num_experts, 2 * inter, K, generator=g) * K**-0.5).to(dtype)  # [E, 2 I, H]
+    w2 = (torch.randn(num_experts, K, inter, generator=g) * inter**-0.5).to(dtype)  # [E, H, I]
+    return w13, w2
+
+
+# 150 tokens x top 2 = 300 rows > 4 x E x 16: the default kernel switches to 64-row tiles there
+MOE_BATCH_SIZES = (*BATCH_SIZES, 150)
+
+
+def _moe_rows_in_batches(fused_moe, dtype, top_k: int = 2, num_experts: int = 4, inter: int = 24):
+    """The output row of one probe token (its hidden row and router logits) in each of
+    MOE_BATCH_SIZES batches of other random tokens, at a random place: [len(MOE_BATCH_SIZES), K]."""
+    w13, w2 = _moe_weights(num_experts, inter, dtype, seed=21)
+    g = torch.Generator().manual_seed(22)
+    probe = torch.randn(K, generator=g).to(dtype)
+    probe_logits = torch.randn(num_experts, generator=g)
+    rows = []
+    for batch, index in _batches_holding(probe, seed=23, sizes=MOE_BATCH_SIZES):
+        logits = torch.randn(batch.shape[0], num_experts, generator=g)
+        logits[index] = probe_logits
+        rows.append(fused_moe(batch, w13, w2, logits, top_k, True)[index])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deterministic_moe_reference_is_batch_invariant_and_matches_the_default(dtype):
+    from functools import partial
+
+    rows = _moe_rows_in_batches(partial(reference.fused_moe, deterministic=True), dtype)
+    assert all(torch.equal(row, rows[0]) for row in rows[1:])
+    default = _moe_rows_in_batches(reference.fused_moe, dtype)  # same math, BLAS blocking
+    assert relative_error(rows, default) < TOLERANCE[dtype]
+
+
+def test_deterministic_moe_kernel_is_batch_invariant(monkeypatch):
+    """The Triton kernel (interpreted) with one row tile whatever the row count: the probe's row is
+    the same bits whether it shares its experts' tiles with 0 or 149 other tokens' rows, and the
+    launches use 16-row tiles at every batch size, where the default mode takes 64-row tiles for the
+    150-token batch (the interpreter's numpy dots give the same bits for either tile; on the GPU the
+    tile shape picks the MMA instructions: tests/gpu/test_moe_gpu.py). float32 only: the
+    interpreter's bf16 tl.dot in this kernel returns garbage in either mode (tests/unit/
+    test_moe_kernel.py is float32 too)."""
+    dtype = torch.float32
+    from functools import partial
+
+    triton_moe = importlib.import_module("kernels.triton_moe")
+    if type(triton_moe._gate_up_kernel).__name__ != "InterpretedFunction":
+        triton_moe = importlib.reload(triton_moe)
+    tiles: list[int] = []
+
+    class Recording:  # kernel[grid](...) records the launch's BLOCK_M, then launches
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tiles.append(kwargs["BLOCK_M"])
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    for name in ("_gate_up_kernel", "_down_kernel"):
+        monkeypatch.setattr(triton_moe, name, Recording(getattr(triton_moe, name)))
+    rows = _moe_rows_in_batches(partial(triton_moe.fused_moe, deterministic=True), dtype)
+    assert all(torch.equal(row, rows[0]) for row in rows[1:])
+    assert set(tiles) == {16}
+    tiles.clear()
+    _moe_rows_in_batches(triton_moe.fused_moe, dtype)
+    assert tiles[-2:] == [64, 64] and set(tiles[:-2]) == {16}  # the default: by the row count
+    want = _moe_rows_in_batches(reference.fused_moe, dtype)
+    assert relative_error(rows, want) < TOLERANCE[dtype] * 2
+
+
+def test_moe_layer_passes_the_mode_to_the_kernel(monkeypatch):
+    seen = []
+
+    def spy(hidden, w13, w2, router_logits, top_k, renormalize, deterministic=False):
+        seen.append(deterministic)
+        return torch.zeros_like(hidden)
+
+    monkeypatch.setattr(kernels, "fused_moe", spy)
+    x, logits = torch.randn(3, K), torch.randn(3, 4)
+    FusedMoE(4, K, 32, 2, True, 0, 1)(x, logits)  # builds and runs in the default mode
     determinism.set_deterministic(True)
-    with pytest.raises(ValueError, match="deterministic mode does not support mixture-of-experts"):
-        FusedMoE(4, K, 32, 2, True, 0, 1)
+    FusedMoE(4, K, 32, 2, True, 0, 1)(x, logits)  # and in deterministic mode (no longer refused)
+    assert seen == [False, True]
 
 
 # ---- tp_all_reduce in rank order (gloo) -----------------------------------------------------------

@@ -134,7 +134,7 @@ def test_the_padded_step_gives_the_eager_rows(tiny_model_dirs, monkeypatch, fami
         assert torch.isnan(hidden[real:]).any()  # the poison reached the orphans, only them
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "opt"])  # MoE models refuse deterministic mode
+@pytest.mark.parametrize("family", FAMILIES)
 def test_deterministic_mode_pads_bit_for_bit(tiny_model_dirs, monkeypatch, family):
     worker = make_worker(tiny_model_dirs[family], deterministic=True)
     assert determinism.deterministic()
