@@ -26,12 +26,13 @@ import triton.language as tl
 MAX_ROWS = 64  # the largest M this path takes (one M tile of at most 64 rows)
 MIN_SLICE_K = 512  # choose_split_k keeps every K slice at least this long
 PROGRAMS_PER_SM = 2  # choose_split_k aims at this many programs per SM
+BLOCK_N, BLOCK_K = 64, 128  # SplitKConfig's defaults
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SplitKConfig:
-    block_n: int = 64
-    block_k: int = 128
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
     num_warps: int = 4
     num_stages: int = 4
 
@@ -43,8 +44,7 @@ class SplitKConfig:
 
 
 def choose_split_k(
-    m: int, n: int, k: int, num_sms: int, block_n: int = SplitKConfig.block_n,
-    block_k: int = SplitKConfig.block_k,
+    m: int, n: int, k: int, num_sms: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K
 ) -> int:
     """How many K slices: enough programs for PROGRAMS_PER_SM per SM (N tiles x slices), each slice at
     least MIN_SLICE_K long (whole BLOCK_K steps), and no empty slice. m is checked, not used: the weight
