@@ -32,8 +32,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     default mode with `--small-m-gemm splitk`, a CUDA x of at most 64 rows takes `kernels.small_m_matmul`
     (executor_svc/layers/gemm_choice.py)."""
     if not determinism.deterministic():
-        small = x.shape[:-1].numel() <= gemm_choice.SMALL_M_ROWS
-        if small and x.is_cuda and gemm_choice.small_m_gemm() == "splitk":
+        if (gemm_choice.small_m_gemm() == "splitk" and x.is_cuda
+                and x.shape[:-1].numel() <= gemm_choice.SMALL_M_ROWS):
             out = kernels.small_m_matmul(x.reshape(-1, x.shape[-1]), weight, bias)  # [M, N]
             return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
