@@ -27,7 +27,12 @@ maximum would leave all but the first empty for the contexts a server actually s
 
 FP8 KV cache (float8_e4m3fn, which holds K / k_scale and V / v_scale): K/V tiles are loaded as e4m3
 and cast to the query's dtype, exactly (e4m3 values are bf16, fp16 and fp32 values), so the dots
-run as for a cache of the model's dtype; k_scale is folded into the softmax scale on the host and
+run as for a cache of the model's dtype; a bf16 query is cast to f16 first (Q_F16), because e4m3
+converts to f16 in one instruction on sm_89+ and to bf16 through f32: bf16 values within +-65504
+are f16 values (f16 has more mantissa bits; the query is clamped to that range, and magnitudes
+below 2^-14 lose bits as f16 subnormals, negligible in a dot product), the products and their fp32
+sums are unchanged, and the softmax weights go into the PV dot as f16 instead of bf16 (more
+precise); k_scale is folded into the softmax scale on the host and
 the accumulator is multiplied by v_scale once, after the loop (SCALE_V, compiled only when
 v_scale != 1). For a cache in the query's dtype the casts are no-ops: the same code as before.
 
@@ -53,6 +58,7 @@ alone, in a batch, as a row of a prefill chunk or of a recompute gets the same b
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -60,8 +66,66 @@ import triton.language as tl
 
 from kernels.reference import check_scales
 
+F16_MAX = tl.constexpr(65504.0)
 _NO_PARTITION = 1 << 30
 _MIN_PARTITION = 256  # context positions; smaller partitions cost more in the reduce than they win
+
+
+def _is_pow2(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class PrefillTuning:
+    """Candidate prefill speed-ups, for sweeps (`python -m kernels.bench --only prefill --sweep`): given to
+    paged_attention as `prefill_tuning`, it shapes prefill and mixed launches (max_query_len > 1) of
+    the default mode; decode launches and deterministic mode ignore / refuse it. PrefillTuning()
+    is the default tile through the tuned code path (_attend_bulk, no mask on the K/V loads when
+    head_dim is a power of two); each other field is one candidate:
+
+    block_m, num_warps, num_stages: rows of a query tile (BLOCK_Q tokens x G_PAD heads) and launch.
+    block_n: K/V tile of the masked loop (causal diagonal, partial last tile); bulk_block_n: K/V tile
+      of the unmasked loop before it (a larger one: fewer iterations, more registers).
+    block_addressing: the unmasked loop reads whole blocks from a block-aligned start, so the in-block
+      part of each K/V address is computed once, not per tile (no div/mod per position).
+    fma_softmax: scores scaled inside exp2's argument (one FFMA per score instead of FMUL + FADD).
+    lazy_rescale: the running max (so acc and l) is rescaled only when some row's max grew by more
+      than 2^8 (FlashAttention-4's trick; saves BLOCK_M x D multiplies on most tiles).
+    loop_stages: tl.range(num_stages=...) on the unmasked loop (None: the launch's num_stages).
+    warp_specialize: tl.range(warp_specialize=True) on the unmasked loop. Triton 3.6 documents it
+      for Blackwell; Hopper's pass is known to fail on pointer-based (non-TMA) dot loops, so the
+      sweep tries it last and in a child process.
+    reverse_tiles: programs start from the last query tiles (longest contexts) so the grid's last
+      wave holds the shortest ones.
+    maxnreg: register cap per thread (e.g. 128 lets two 8-warp programs share an SM; may spill).
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    bulk_block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    block_addressing: bool = False
+    fma_softmax: bool = False
+    lazy_rescale: bool = False
+    loop_stages: int | None = None
+    warp_specialize: bool = False
+    reverse_tiles: bool = False
+    maxnreg: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "bulk_block_n"):
+            value = getattr(self, name)
+            if not _is_pow2(value) or value < 16:
+                raise ValueError(f"PrefillTuning.{name} must be a power of two >= 16, got {value!r}")
+        if not _is_pow2(self.num_warps) or self.num_warps > 16:
+            raise ValueError(f"PrefillTuning.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        for name in ("num_stages", "loop_stages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 1 <= value <= 8):
+                raise ValueError(f"PrefillTuning.{name} must be 1..8, got {value!r}")
+        if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 32 <= self.maxnreg <= 255):
+            raise ValueError(f"PrefillTuning.maxnreg must be 32..255 or None, got {self.maxnreg!r}")
 
 
 @triton.jit
@@ -158,6 +222,107 @@ def _attend_context(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _attend_bulk(
+    acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, lo, hi,
+    dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
+    BULK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr,
+):
+    """PrefillTuning's unmasked loop: whole BULK_N tiles of [lo, hi) that every row of the query tile
+    sees, so no mask and every row's running max finite after the first tile. BLOCK_ADDR: lo is a
+    multiple of BLOCK_SIZE (the host checks), so row r of every tile is slot r % BLOCK_SIZE of the
+    tile's block r // BLOCK_SIZE: the in-block part of each address is computed once."""
+    rows_n = tl.arange(0, BULK_N)
+    if BLOCK_ADDR:
+        tl.assume(lo % BLOCK_SIZE == 0)
+        block_of_row = rows_n // BLOCK_SIZE  # [BULK_N]
+        inner = ((rows_n % BLOCK_SIZE) * stride_c_slot + head_offset)[:, None] + dims[None, :]  # [BULK_N, D_PAD]
+    for start in tl.range(lo, hi, BULK_N, num_stages=LOOP_STAGES, warp_specialize=WARP_SPEC):
+        if BLOCK_ADDR:
+            block = tl.load(block_table + start // BLOCK_SIZE + block_of_row).to(tl.int64)
+            offsets = block[:, None] * stride_c_block + inner  # [BULK_N, D_PAD]
+        else:
+            pos = start + rows_n
+            block = tl.load(block_table + pos // BLOCK_SIZE).to(tl.int64)
+            kv_offset = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot + head_offset
+            offsets = kv_offset[:, None] + dims[None, :]
+        if EVEN_D:  # head_dim == D_PAD: no mask at all
+            k = tl.load(key_cache_ptr + offsets).to(q.dtype)
+            v = tl.load(value_cache_ptr + offsets).to(q.dtype)
+        else:
+            k = tl.load(key_cache_ptr + offsets, mask=dim_valid[None, :], other=0.0).to(q.dtype)
+            v = tl.load(value_cache_ptr + offsets, mask=dim_valid[None, :], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BULK_N], unscaled
+        if SOFTCAP:
+            s = s * scale_log2
+            s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * (s / softcap_log2)) + 1.0))
+            m_tile = tl.max(s, axis=1)
+        elif FMA_SOFTMAX:  # max(s) * scale = max(s * scale) (scale > 0); the scaling goes into exp2's FMA
+            m_tile = tl.max(s, axis=1) * scale_log2
+        else:
+            s = s * scale_log2
+            m_tile = tl.max(s, axis=1)
+        m_new = tl.maximum(m_i, m_tile)
+        if LAZY_RESCALE:
+            # Keep the reference max while no row's max grew by more than 2^8 (FlashAttention-4): p then
+            # stays <= 256, exact in bf16, and acc / l is the same for any reference. The first tile
+            # always rescales (m_i = -inf).
+            if tl.max(m_new - m_i, axis=0) > 8.0:
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        if FMA_SOFTMAX and not SOFTCAP:
+            p = tl.exp2(s * scale_log2 - m_i[:, None])
+        else:
+            p = tl.exp2(s - m_i[:, None])
+        l_i = l_i + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_context_tuned(
+    acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
+    first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window, softcap_log2,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr, BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr,
+    FMA_SOFTMAX: tl.constexpr, LAZY_RESCALE: tl.constexpr, LOOP_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr,
+):
+    """_attend_context with a PrefillTuning: whole BULK_N tiles at or before the tile's first query
+    position go through _attend_bulk, the rest (up to BULK_N - 1 positions more than the default
+    mode's masked part, and the causal diagonal) through the masked loop in BLOCK_N tiles."""
+    unmasked_lo = kv_lo
+    if SLIDING:  # as in _attend_context
+        unmasked_lo = tl.minimum(tl.maximum(kv_lo, kv_end - window), tl.maximum(kv_hi, kv_lo))
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, unmasked_lo,
+            unmasked_lo, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+            softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
+        )
+    num_bulk = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BULK_N
+    bulk_hi = unmasked_lo + num_bulk * BULK_N
+    acc, m_i, l_i = _attend_bulk(
+        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo, bulk_hi,
+        dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
+        BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX, LAZY_RESCALE,
+        LOOP_STAGES, WARP_SPEC,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, bulk_hi, kv_hi,
+        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+        softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
+    )
+    return acc, m_i, l_i
+
+
 # Triton compiles a variant per value class of each integer argument (1, a multiple of 16, other);
 # these change from step to step, and a serving process would stall on a compilation (1-2 s) each
 # time a step brings a new combination. Their values never shape the code.
@@ -175,8 +340,14 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DETERMINISTIC: tl.constexpr, SCALE_V: tl.constexpr,
+    Q_F16: tl.constexpr,
+    BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr, LOOP_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, REVERSE_TILES: tl.constexpr,
 ):
-    tile_id = tl.program_id(0)
+    if REVERSE_TILES:  # PrefillTuning: the last tiles of each sequence (the longest contexts) start first
+        tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if IS_DECODE:
@@ -206,6 +377,8 @@ def _paged_attention_kernel(
         query_ptr + row_global[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + dims[None, :],
         mask=q_mask, other=0.0,
     )  # [BLOCK_M, D_PAD]
+    if Q_F16:  # bf16 query over an FP8 cache: the dots in f16 (module docstring)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
     kv_end = context_start + tl.minimum(q_tile_start + BLOCK_Q, q_len)
     first_row_pos = context_start + q_tile_start
@@ -234,6 +407,13 @@ def _paged_attention_kernel(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset,
             kv_lo // BLOCK_N * BLOCK_N, kv_hi, kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block,
             stride_c_slot, window, softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
+        )
+    elif BULK_N > 0:  # a PrefillTuning
+        acc, m_i, l_i = _attend_context_tuned(
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
+            first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+            softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP, BULK_N, BLOCK_ADDR, EVEN_D,
+            FMA_SOFTMAX, LAZY_RESCALE, LOOP_STAGES, WARP_SPEC,
         )
     else:
         acc, m_i, l_i = _attend_context(
@@ -322,7 +502,8 @@ def paged_attention(
     max_query_len, max_seq_len, scale, sliding_window: int = 0, logit_softcap: float = 0.0, *,
     num_splits: int | None = None,
     tile: tuple[int, int, int] | None = None, block_m: int | None = None, deterministic: bool = False,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, fp8_f16: bool | None = None,
+    prefill_tuning: PrefillTuning | None = None,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
     the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
@@ -333,7 +514,9 @@ def paged_attention(
     deterministic: batch-invariant rows (module docstring): one tile shape (max(16, G_PAD) rows) for
     every step, no split; it takes no num_splits > 1, tile or block_m. k_scale, v_scale: an FP8
     cache holds K / k_scale and V / v_scale; its tiles are read in the query's dtype, k_scale
-    folded into the softmax scale and v_scale into the output."""
+    folded into the softmax scale and v_scale into the output. fp8_f16: a bf16 query over an FP8
+    cache computes in f16 (None: so it does; False: in bf16, for comparisons). prefill_tuning: a
+    PrefillTuning for prefill and mixed launches (not with tile, block_m or deterministic)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -341,6 +524,7 @@ def paged_attention(
     assert query.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
     assert key_cache.shape == value_cache.shape and block_tables.stride(1) == 1
     check_scales(key_cache.dtype, k_scale, v_scale)
+    q_f16 = key_cache.element_size() == 1 and query.dtype == torch.bfloat16 and fp8_f16 is not False
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
@@ -350,17 +534,29 @@ def paged_attention(
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if deterministic and ((num_splits or 1) > 1 or tile is not None or block_m is not None):
         raise ValueError("deterministic attention has one tile shape and no split")
+    if prefill_tuning is not None:
+        if not isinstance(prefill_tuning, PrefillTuning):
+            raise TypeError(f"prefill_tuning must be a PrefillTuning, got {type(prefill_tuning).__name__}")
+        if deterministic or tile is not None or block_m is not None:
+            raise ValueError("prefill_tuning replaces tile and block_m and has no deterministic form")
     is_decode = max_query_len == 1 and not deterministic  # deterministic: decode rows in the varlen tile
     if is_decode:
         block_q, block_m, block_n, num_warps, num_stages = 1, max(16, g_pad), 64, 4, 3
-        if key_cache.element_size() == 1:  # e4m3: half the bytes a tile, so more tiles in flight (H100
-            num_stages = 5  # sweep: 256 x 1024 in 272 us with 5 stages, 332 with 3; bf16 cache 374)
+        if key_cache.element_size() == 1:  # e4m3: half the bytes a tile, so more tiles in flight: two
+            num_warps, num_stages = 2, 6  # warps, 6 stages (H100 sweep: 256 x 1024 in 260 us; 4 warps
+            # and 3 stages 339, 5 stages 280; the bf16 cache 375; 64 x 4096: 237 / 323 / 305 / 370)
         num_tiles = num_seqs
     else:
         block_m = max(16, g_pad) if deterministic else max(block_m or 64, g_pad)
         block_q, block_n, num_warps = block_m // g_pad, 64, 4
         num_stages = 3 if deterministic else 2  # the decode tile's pipelining depth (no effect on the bits)
         num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles exit at once
+    tuned = prefill_tuning is not None and not is_decode
+    if tuned:
+        block_m = max(prefill_tuning.block_m, g_pad)
+        block_q, block_n = block_m // g_pad, prefill_tuning.block_n
+        num_warps, num_stages = prefill_tuning.num_warps, prefill_tuning.num_stages
+        num_tiles = num_tokens // block_q + num_seqs
     if tile is not None:
         block_n, num_warps, num_stages = tile
     partition_size = _NO_PARTITION
@@ -374,6 +570,23 @@ def paged_attention(
         partition_size = triton.cdiv(max_seq_len, num_splits)
         num_splits = triton.cdiv(max_seq_len, partition_size)
     split = num_splits > 1
+    tuning = dict(
+        BULK_N=0, BLOCK_ADDR=False, EVEN_D=False, FMA_SOFTMAX=False, LAZY_RESCALE=False, LOOP_STAGES=None,
+        WARP_SPEC=False, REVERSE_TILES=False,
+    )
+    launch = {}
+    if tuned:
+        t = prefill_tuning
+        tuning.update(
+            BULK_N=t.bulk_block_n,
+            # the unmasked loop starts block-aligned: no window, and partitions (if split) of whole tiles
+            BLOCK_ADDR=t.block_addressing and sliding_window <= 0 and partition_size == _NO_PARTITION
+            and block_n % block_size == 0 and t.bulk_block_n % block_size == 0,
+            EVEN_D=head_dim == d_pad, FMA_SOFTMAX=t.fma_softmax, LAZY_RESCALE=t.lazy_rescale,
+            LOOP_STAGES=t.loop_stages, WARP_SPEC=t.warp_specialize, REVERSE_TILES=t.reverse_tiles,
+        )
+        if t.maxnreg is not None:
+            launch["maxnreg"] = t.maxnreg
 
     f32 = dict(dtype=torch.float32, device=query.device)
     part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32) if split else out
@@ -392,7 +605,7 @@ def paged_attention(
         EVEN_SPLITS=even_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0, DETERMINISTIC=deterministic,
-        SCALE_V=v_scale != 1.0, num_warps=num_warps, num_stages=num_stages,
+        SCALE_V=v_scale != 1.0, Q_F16=q_f16, **tuning, num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](

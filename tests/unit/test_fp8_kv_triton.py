@@ -112,3 +112,23 @@ def test_block_copy_and_swap_move_fp8_bytes(seed):
     reference.swap_blocks(src, want, mapping)
     triton_cache.swap_blocks(src, dst, mapping)
     assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8)), f"seed {seed}"
+
+
+@pytest.mark.parametrize(("seq_lens", "query_lens"), [([1, 17, 40], [1, 1, 1]), ([29, 1, 33], [11, 1, 16])])
+def test_paged_attention_fp8_bf16_query_computes_in_f16(seed, seq_lens, query_lens):
+    """A bf16 query over an e4m3 cache runs its dots in f16 (Q_F16): as close to the fp32 reference as
+    the bf16 computation it replaces, and a query beyond f16's range is clamped, not turned into inf."""
+    case = make_paged_case(seq_lens, query_lens, 8, 2, 32, 8, torch.float32, "cpu", seed)
+    key_cache, value_cache = (c.clamp(-448, 448).to(E4M3) for c in (case.key_cache * 4, case.value_cache))
+    query = case.query.to(torch.bfloat16)
+    query[0, 0, 0] = 1e6  # beyond f16's 65504: clamped
+    args = (query, key_cache, value_cache, *case.args()[3:])
+    ref = reference.paged_attention(query.float(), *args[1:], k_scale=2.0**-12, v_scale=0.5)
+    f16 = triton_attention.paged_attention(*args, k_scale=2.0**-12, v_scale=0.5)
+    bf16 = triton_attention.paged_attention(*args, k_scale=2.0**-12, v_scale=0.5, fp8_f16=False)
+    assert torch.isfinite(f16).all()
+    f16[0, 0], bf16[0, 0], ref[0, 0] = 0, 0, 0  # the clamped row differs from the reference by design
+    err_f16, err_bf16 = relative_error(f16.float(), ref), relative_error(bf16.float(), ref)
+    assert not torch.equal(f16, bf16)  # the f16 path ran (its PV dot rounds the weights differently)
+    assert err_f16 < 2e-2, f"seed {seed}: {err_f16}"
+    assert err_f16 <= err_bf16 * 1.5 + 1e-3, f"seed {seed}: f16 {err_f16} vs bf16 {err_bf16}"
