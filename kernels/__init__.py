@@ -24,6 +24,7 @@ __all__ = [
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
+    "rotary_and_cache",
     "rotary_embedding",
     "silu_and_mul",
     "small_m_matmul",
@@ -83,6 +84,19 @@ def rms_norm(x, weight, eps, residual=None) -> tuple[torch.Tensor, torch.Tensor]
 def rotary_embedding(positions, query, key, cos_cache, sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
     impl = _cuda_module("triton_layers") if query.is_cuda else reference
     return impl.rotary_embedding(positions, query, key, cos_cache, sin_cache)
+
+
+def rotary_and_cache(
+    positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> torch.Tensor:
+    """rotary_embedding of query and key, then reshape_and_cache of the rotated key and the value, in
+    one launch on CUDA; returns the rotated query (the same bits as the two ops one after the other)."""
+    impl = _cuda_module("triton_layers") if query.is_cuda else reference
+    return impl.rotary_and_cache(
+        positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
+        k_scale, v_scale,
+    )
 
 
 def silu_and_mul(x) -> torch.Tensor:

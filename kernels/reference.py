@@ -211,6 +211,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotary_and_cache(
+    positions: torch.Tensor,  # [T] int64
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, KV, D]
+    value: torch.Tensor,  # [T, KV, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    slot_mapping: torch.Tensor,  # [T] int64, < 0 = skip
+    cos_cache: torch.Tensor,  # [P, D / 2] float32
+    sin_cache: torch.Tensor,  # [P, D / 2] float32
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """rotary_embedding, then reshape_and_cache of the rotated key and the value; returns the rotated
+    query [T, H, D] (the rotated key goes only to the cache)."""
+    query_out, key_out = rotary_embedding(positions, query, key, cos_cache, sin_cache)
+    reshape_and_cache(key_out, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return query_out
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2 I] (gate | up) -> silu(gate) * up [T, I]."""
     gate, up = x.chunk(2, dim=-1)

@@ -5,6 +5,10 @@ code (kernels/reference.py, same signatures) launches several:
   kernels: add, cast, square, mean, add eps, rsqrt, multiply, cast, weight).
 * rotary_embedding: one program per (token, head), query and key in one launch each (~8 kernels
   each in torch: gather cos/sin, cast, repeat, multiply, rotate, multiply, add).
+* rotary_and_cache: the model's path: rotary of query and key and the K/V cache write
+  (triton_cache.reshape_and_cache) in one launch per layer, reading q, k, v from the QKV
+  projection's output; the same bits as rotary_embedding then reshape_and_cache (`_rotated_halves` is
+  the one rotary arithmetic of both kernels; the cache write, FP8 included, is reshape_and_cache's).
 * silu_and_mul: one program per (token, chunk) (2 kernels in torch, and half the traffic).
 
 A decode step is a few hundred small kernels (docs/benchmarks.md, "Step time"); at small batches
@@ -16,6 +20,10 @@ within 2 ulps of the reference's in bf16 and fp16 (tests/gpu/test_layer_kernels_
 import torch
 import triton
 import triton.language as tl
+
+from kernels.reference import FP8_E4M3_MAX, check_scales, is_fp8
+
+FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
@@ -59,6 +67,16 @@ def rms_norm(x, weight, eps, residual=None):
 
 
 @triton.jit
+def _rotated_halves(x1, x2, cos, sin, dtype: tl.constexpr):
+    """(x1, x2) the halves of a head in float32, cos and sin in float32 (already rounded to dtype) ->
+    the halves of x * [cos, cos] + [-x2, x1] * [sin, sin] in dtype, each product and the sum rounded
+    to dtype as torch rounds them. The one rotary arithmetic of both rotary kernels."""
+    out1 = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    return out1, out2
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
     stride_x_tok, stride_x_head, stride_out_tok, stride_out_head, stride_cache,
@@ -76,9 +94,7 @@ def _rotary_kernel(
     base = x_ptr + token * stride_x_tok + head * stride_x_head
     x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + half + offs, mask=mask, other=0.0).to(tl.float32)
-    # out = x * [cos, cos] + [-x2, x1] * [sin, sin], each product and the sum rounded as in torch
-    out1 = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
-    out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    out1, out2 = _rotated_halves(x1, x2, cos, sin, dtype)
     out = out_ptr + token * stride_out_tok + head * stride_out_head
     tl.store(out + offs, out1, mask=mask)
     tl.store(out + half + offs, out2, mask=mask)
@@ -100,6 +116,102 @@ def _rotate(positions, x, cos_cache, sin_cache):
 
 def rotary_embedding(positions, query, key, cos_cache, sin_cache):
     return _rotate(positions, query, cos_cache, sin_cache), _rotate(positions, key, cos_cache, sin_cache)
+
+
+@triton.jit
+def _rotary_and_cache_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, key_cache_ptr, value_cache_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_out_tok, stride_out_head,
+    stride_c_slot, stride_c_head,  # key and value caches share strides
+    stride_cos,
+    num_heads, num_kv_heads, num_q_blocks, half, k_inv_scale, v_inv_scale,
+    HEADS: tl.constexpr, HALF_PAD: tl.constexpr, FP8: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    offs = tl.arange(0, HALF_PAD)  # [HALF_PAD]
+    in_half = offs < half
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    dtype = q_out_ptr.dtype.element_ty  # query, key and value share it
+    cos = tl.load(cos_ptr + pos * stride_cos + offs, mask=in_half, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_cos + offs, mask=in_half, other=0.0).to(dtype).to(tl.float32)
+    cos, sin = cos[None, :], sin[None, :]  # [1, HALF_PAD]
+    if block < num_q_blocks:
+        heads = block * HEADS + tl.arange(0, HEADS)  # [HEADS]
+        mask = (heads[:, None] < num_heads) & in_half[None, :]  # [HEADS, HALF_PAD]
+        src = q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + offs[None, :]
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+        out1, out2 = _rotated_halves(x1, x2, cos, sin, dtype)
+        dst = q_out_ptr + token * stride_out_tok + heads[:, None] * stride_out_head + offs[None, :]
+        tl.store(dst, out1, mask=mask)
+        tl.store(dst + half, out2, mask=mask)
+    else:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            heads = (block - num_q_blocks) * HEADS + tl.arange(0, HEADS)  # [HEADS]
+            mask = (heads[:, None] < num_kv_heads) & in_half[None, :]  # [HEADS, HALF_PAD]
+            src = k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + offs[None, :]
+            x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+            k1, k2 = _rotated_halves(x1, x2, cos, sin, dtype)
+            src = v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + offs[None, :]
+            v1 = tl.load(src, mask=mask)
+            v2 = tl.load(src + half, mask=mask)
+            if FP8:  # as _reshape_and_cache_kernel (triton_cache.py): e4m3 has no infinity, clamp first
+                k1 = tl.minimum(tl.maximum(k1.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
+                k2 = tl.minimum(tl.maximum(k2.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
+                v1 = tl.minimum(tl.maximum(v1.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
+                v2 = tl.minimum(tl.maximum(v2.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
+            cache_dtype = key_cache_ptr.dtype.element_ty
+            dst = slot * stride_c_slot + heads[:, None] * stride_c_head + offs[None, :]
+            tl.store(key_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
+            tl.store(key_cache_ptr + dst + half, k2.to(cache_dtype), mask=mask)
+            tl.store(value_cache_ptr + dst, v1.to(cache_dtype), mask=mask)
+            tl.store(value_cache_ptr + dst + half, v2.to(cache_dtype), mask=mask)
+
+
+def rotary_and_cache(
+    positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
+    k_scale=1.0, v_scale=1.0,
+):
+    """rotary_embedding + reshape_and_cache in one launch; returns the rotated query [T, H, D].
+
+    grid = (T, cdiv(H, HEADS) + cdiv(KV, HEADS)). Program (t, b) for b < cdiv(H, HEADS) rotates
+    query heads [b * HEADS, (b + 1) * HEADS) of token t into the new query tensor; a program past
+    those takes the same-sized group of KV heads: it rotates their keys and writes them and their
+    values into the cache at slot_mapping[t], or does nothing for a slot < 0 (the rotated key goes
+    nowhere else). Each program handles [HEADS, head_dim / 2] tiles of the two halves (HEADS: about
+    512 elements a tile, at most the head count); elementwise, so the tile shapes change no bits.
+    """
+    check_scales(key_cache.dtype, k_scale, v_scale)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim), (key.shape, value.shape)
+    assert key_cache.shape == value_cache.shape and tuple(key_cache.shape[2:]) == (num_kv_heads, head_dim)
+    assert query.dtype == key.dtype == value.dtype and head_dim % 2 == 0
+    assert query.stride(2) == key.stride(2) == value.stride(2) == 1, "head_dim must be contiguous"
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert cos_cache.stride(-1) == 1 and cos_cache.stride() == sin_cache.stride()
+    query_out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return query_out
+    half = head_dim // 2
+    half_pad = triton.next_power_of_2(half)
+    heads = min(triton.next_power_of_2(max(num_heads, num_kv_heads)), max(1, 512 // half_pad))
+    num_q_blocks = triton.cdiv(num_heads, heads)
+    grid = (num_tokens, num_q_blocks + triton.cdiv(num_kv_heads, heads))
+    _rotary_and_cache_kernel[grid](
+        query, key, value, query_out, key_cache, value_cache, positions, slot_mapping, cos_cache, sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        query_out.stride(0), query_out.stride(1),
+        key_cache.stride(1), key_cache.stride(2),
+        cos_cache.stride(0),
+        num_heads, num_kv_heads, num_q_blocks, half, 1.0 / k_scale, 1.0 / v_scale,
+        HEADS=heads, HALF_PAD=half_pad, FP8=is_fp8(key_cache.dtype), num_warps=2,
+    )
+    return query_out
 
 
 @triton.jit

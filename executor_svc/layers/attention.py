@@ -15,12 +15,16 @@ are captured (a graph keeps the scales it was captured with).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 import kernels
 from executor_svc.layers import determinism
+
+if TYPE_CHECKING:
+    from executor_svc.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +57,27 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        rotary: RotaryEmbedding | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, KV, D], kv_cache: [2, num_blocks, block_size, KV, D] -> [T, H * D]."""
+        """q: [T, H, D], k/v: [T, KV, D], kv_cache: [2, num_blocks, block_size, KV, D] -> [T, H * D].
+
+        With `rotary` (and positions [T]) q and k come unrotated (views of the QKV projection are
+        fine): one kernel rotates both and writes the rotated K and V into the cache
+        (kernels.rotary_and_cache, the same bits as rotary then reshape_and_cache). Without it q
+        and k are used as they are (OPT). The rotated K exists only in the cache."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if rotary is None:
+            kernels.reshape_and_cache(
+                k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale
+            )
+        else:
+            if positions is None:
+                raise ValueError("rotary attention needs the tokens' positions")
+            q = kernels.rotary_and_cache(
+                positions, q, k, v, key_cache, value_cache, meta.slot_mapping,
+                rotary.cos_cache, rotary.sin_cache, self.k_scale, self.v_scale,
+            )  # [T, H, D]
         out = kernels.paged_attention(
             q,
             key_cache,

@@ -57,8 +57,8 @@ class Gemma2Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         q, k = self.normalize_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        # rotary inside attention: one kernel rotates q and k and writes K and V into the cache
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, rotary=self.rotary_emb, positions=positions))
 
 
 class Gemma2DecoderLayer(nn.Module):

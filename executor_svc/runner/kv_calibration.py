@@ -91,14 +91,15 @@ def measure_kv_amax(
     amax = torch.zeros(len(layers), 2, dtype=torch.float32, device=device)  # [layers, K / V]
 
     def recorder(index: int):
-        def record(_module, args) -> None:
-            _q, k, v = args[:3]
-            amax[index, 0] = torch.maximum(amax[index, 0], k.abs().amax().float())
-            amax[index, 1] = torch.maximum(amax[index, 1], v.abs().amax().float())
+        def record(_module, args, _output) -> None:
+            # after the layer ran: its cache (args[3], zeros where nothing was written) holds the K
+            # and V it wrote, K rotated (for a rotary model the rotated K exists nowhere else)
+            layer_cache = args[3]  # [2, blocks, block_size, KV, D]
+            amax[index] = torch.maximum(amax[index], layer_cache.flatten(1).abs().amax(dim=1).float())
 
         return record
 
-    hooks = [layer.register_forward_pre_hook(recorder(i)) for i, layer in enumerate(layers)]
+    hooks = [layer.register_forward_hook(recorder(i)) for i, layer in enumerate(layers)]
     try:
         model(input_ids.flatten().to(device), positions.to(device), kv_cache, meta)
     finally:
