@@ -27,7 +27,6 @@ __all__ = [
     "rotary_and_cache",
     "rotary_embedding",
     "silu_and_mul",
-    "small_m_matmul",
     "swap_blocks",
 ]
 
@@ -108,14 +107,6 @@ def fused_moe(
 ) -> torch.Tensor:
     impl = _cuda_module("triton_moe") if hidden.is_cuda else reference
     return impl.fused_moe(hidden, w13, w2, router_logits, top_k, renormalize, deterministic)
-
-
-def small_m_matmul(x, weight, bias=None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T + bias for decode batches: Triton split-K (kernels/triton_splitk.py)
-    on CUDA for M <= 64, F.linear otherwise (the CPU, larger M)."""
-    if x.is_cuda and x.shape[0] <= 64:
-        return _cuda_module("triton_splitk").matmul_splitk(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
 
 
 # ---- deterministic mode (kernels/triton_batch_invariant.py): each row computed alike in any batch ----

@@ -1,7 +1,6 @@
 """Decode step time of one executor Worker in-process, CUDA graph vs eager (no servers, no gRPC):
 
     python -m clients.bench.step --model llama3-8b --batch 32,256 --context 512 [--kernels] [--pipeline]
-        [--small-m-gemm splitk]
 
 Per batch size: `build_model_input` (host), `runner.execute` = forward + sampling with its host
 syncs (wall clock), and the forward alone (CUDA events), each the median of 20 steps. The sequences
@@ -145,8 +144,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--kernels", action="store_true", help="GPU time per kernel (torch.profiler)")
     parser.add_argument("--pipeline", action="store_true", help="executor host time per step, launched ahead")
-    parser.add_argument("--small-m-gemm", default="cublas", choices=("cublas", "splitk"),
-                        help="GEMMs of <= 64 rows (WorkerConfig.small_m_gemm)")
     args = parser.parse_args(argv)
     args.load_format = "auto"
     folder, _ = resolve_model(args)
@@ -154,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     num_blocks = max(batches) * -(-(args.context + 64) // 16) + 16
     # decode steps only: no mixed-step graphs, which would otherwise run the "eager" decode batches
     worker = Worker(folder, load_format=args.load_format, num_gpu_blocks=num_blocks, num_cpu_blocks=0,
-                    eager_mixed_steps=True, small_m_gemm=args.small_m_gemm)
+                    eager_mixed_steps=True)
     worker.init_cache(num_blocks, 0)
     worker.kv_cache.device_cache.normal_()  # random K/V, never timed on uninitialized memory
     runner, graphs = worker.runner, worker.runner.decode_graphs

@@ -23,19 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from executor_svc.layers import determinism, gemm_choice
+from executor_svc.layers import determinism
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T + bias -> [..., N]. In deterministic mode a row's result does not
-    depend on the other rows (`kernels.batch_invariant_matmul`; cuBLAS picks its kernel by M). In the
-    default mode with `--small-m-gemm splitk`, a CUDA x of at most 64 rows takes `kernels.small_m_matmul`
-    (executor_svc/layers/gemm_choice.py)."""
+    depend on the other rows (`kernels.batch_invariant_matmul`; cuBLAS picks its kernel by M)."""
     if not determinism.deterministic():
-        if (gemm_choice.small_m_gemm() == "splitk" and x.is_cuda
-                and x.shape[:-1].numel() <= gemm_choice.SMALL_M_ROWS):
-            out = kernels.small_m_matmul(x.reshape(-1, x.shape[-1]), weight, bias)  # [M, N]
-            return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     out = kernels.batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight, bias)  # [M, N]
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -9,7 +9,6 @@ from scheduler_svc.wire.options import option
 
 _CACHE_DEFAULTS = CacheConfig()
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8")
-SMALL_M_GEMM_CHOICES = ("cublas", "splitk")  # executor_svc/layers/gemm_choice.py (kept equal by a test)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +49,6 @@ class WorkerConfig:
     deterministic: bool = option(
         False, "batch-invariant kernels: a request's tokens do not depend on what shares its steps (slower)"
     )
-    small_m_gemm: str = option(
-        "cublas", "GEMMs of <= 64 rows in the default mode: cublas | splitk (Triton split-K, "
-        "kernels/triton_splitk.py; not yet measured on a GPU)", choices=SMALL_M_GEMM_CHOICES,
-    )
     step_trace_path: str | None = option(None, "rank 0 appends one line per step here (worker/step_trace.py)")
 
     def __post_init__(self) -> None:
@@ -61,8 +56,6 @@ class WorkerConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.small_m_gemm not in SMALL_M_GEMM_CHOICES:
-            raise ValueError(f"small_m_gemm must be one of {SMALL_M_GEMM_CHOICES}, got {self.small_m_gemm!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         self.cache_config  # noqa: B018 - validates the cache fields now, not at first use

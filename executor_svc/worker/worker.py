@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import torch
 
-from executor_svc.layers import determinism, gemm_choice
+from executor_svc.layers import determinism
 from executor_svc.models.config import DTYPES, ModelConfig
 from executor_svc.models.loader import load_model
 from executor_svc.runner.cuda_graphs import MIXED_BUCKETS, buckets_up_to
@@ -84,7 +84,6 @@ class Worker:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
         determinism.set_deterministic(config.deterministic)  # before the layers are built: they read it
-        gemm_choice.set_small_m_gemm(config.small_m_gemm)
         self.model = load_model(
             config.model_dir,
             self.model_config,
