@@ -1,4 +1,5 @@
-"""Kernel benchmarks on one CUDA device, in one run: `python -m kernels.bench [--out PATH] [--sweep]`.
+"""Kernel benchmarks on one CUDA device, in one run: `python -m kernels.bench [--out PATH] [--sweep]
+[--only decode|prefill|cache]` (prefill: kernels/bench_prefill.py, four shapes against SDPA).
 
 Prints a table and writes everything as JSON to --out. Times are medians of
 triton.testing.do_bench (CUDA events, warm-up first, L2 flushed between repetitions). All inputs are
@@ -87,7 +88,7 @@ def _decode_slots() -> int:
     return triton_attention.split_slots(torch.device(DEV))
 
 
-PREFILL_TILES = [  # (block_m, (BLOCK_N, num_warps, num_stages)); the first is the default
+PREFILL_TILES = [  # (block_m, (BLOCK_N, num_warps, num_stages)) of an earlier sweep; tests/gpu runs them
     (64, (64, 4, 2)), (64, (64, 4, 3)), (128, (64, 8, 2)),
     (128, (64, 8, 3)), (128, (128, 8, 2)), (128, (32, 4, 3)),
 ]
@@ -192,36 +193,6 @@ def _fp8_decode(args: tuple, bf16_out: torch.Tensor, bf16_ms: float, sweep: bool
     return row
 
 
-def bench_prefill(batch: int, prompt: int, gen, sweep: bool) -> dict:
-    """Causal prefill without a cached prefix, ours vs SDPA (is_causal, enable_gqa), in TFLOP/s."""
-    heads, dim = LLAMA3_8B["num_heads"], LLAMA3_8B["head_dim"]
-    args = list(_decode_inputs(batch, prompt, gen))
-    query = torch.randn(batch * prompt, heads, dim, device=DEV, dtype=DTYPE, generator=gen)  # [B*L, 32, 128]
-    args[0] = query
-    args[5] = torch.arange(0, batch * prompt + 1, prompt, device=DEV, dtype=torch.int32)  # [B + 1]
-    args[6] = prompt
-    ours_ms = time_ms(lambda: triton_attention.paged_attention(*args))
-    q = query.view(batch, prompt, heads, dim).transpose(1, 2)  # [B, 32, L, 128]
-    key = _contiguous_kv(args[1], args[3])
-    value = _contiguous_kv(args[2], args[3])
-    sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(q, key, value, is_causal=True, enable_gqa=True))
-    sdpa_out = F.scaled_dot_product_attention(q, key, value, is_causal=True, enable_gqa=True)
-    out = triton_attention.paged_attention(*args)
-    flops = 4 * batch * heads * dim * prompt * prompt / 2  # QK^T and PV, causal half
-    sweep_ms = {}
-    for block_m, tile in PREFILL_TILES if sweep else ():
-        def run(block_m=block_m, tile=tile):
-            return triton_attention.paged_attention(*args, tile=tile, block_m=block_m)
-        error = relative_error(run(), sdpa_out.transpose(1, 2).reshape(batch * prompt, heads, dim))
-        sweep_ms[str((block_m, tile))] = dict(ms=time_ms(run), rel_error_vs_sdpa=error)
-    return dict(
-        sweep_tile_ms=sweep_ms,
-        batch=batch, prompt=prompt, ours_ms=ours_ms, sdpa_ms=sdpa_ms, speed_vs_sdpa=sdpa_ms / ours_ms,
-        ours_tflops=flops / (ours_ms * 1e-3) / 1e12, sdpa_tflops=flops / (sdpa_ms * 1e-3) / 1e12,
-        rel_error_vs_sdpa=relative_error(out, sdpa_out.transpose(1, 2).reshape(batch * prompt, heads, dim)),
-    )
-
-
 def bench_reshape_and_cache(copy_bw: float, gen) -> dict:
     num_tokens, kv_heads, dim = 65536, LLAMA3_8B["num_kv_heads"], LLAMA3_8B["head_dim"]
     key = torch.randn(num_tokens, kv_heads, dim, device=DEV, dtype=DTYPE, generator=gen)  # [T, kvh, d]
@@ -282,16 +253,19 @@ def bench_swap(gen) -> dict:
 
 
 def _table(results: dict) -> str:
-    copy_bw = results["copy_bandwidth_bytes_per_s"]
+    copy_bw = results.get("copy_bandwidth_bytes_per_s")
     lines = [
         f"device: {results['device']}   torch {results['torch']}   triton {results['triton']}",
-        f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)",
-        "",
-        "paged decode, llama3-8b heads (32 q / 8 kv, d=128, bf16), block 16",
-        f"{'batch':>5} {'ctx':>6} {'splits':>6} {'ours us':>8} {'sdpa us':>8} {'sdpa/ours':>9} "
-        f"{'ours %bw':>8} {'sdpa %bw':>8}  sdpa form   fp8 cache: us, time / bf16's, rel. error",
+        f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)" if copy_bw else "",
     ]
-    for r in results["decode"]:
+    if "decode" in results:
+        lines += [
+            "",
+            "paged decode, llama3-8b heads (32 q / 8 kv, d=128, bf16), block 16",
+            f"{'batch':>5} {'ctx':>6} {'splits':>6} {'ours us':>8} {'sdpa us':>8} {'sdpa/ours':>9} "
+            f"{'ours %bw':>8} {'sdpa %bw':>8}  sdpa form   fp8 cache: us, time / bf16's, rel. error",
+        ]
+    for r in results.get("decode", []):
         lines.append(
             f"{r['batch']:>5} {r['context']:>6} {r['num_splits']:>6} {r['ours_ms'] * 1e3:>8.1f} "
             f"{r['sdpa_ms'] * 1e3:>8.1f} {r['speed_vs_sdpa']:>9.2f} {100 * r['ours_bw_fraction']:>7.1f}% "
@@ -299,14 +273,12 @@ def _table(results: dict) -> str:
             + (f"   {r['fp8_ms'] * 1e3:.1f} {r['fp8_time_vs_bf16']:.2f} "
                f"{r['fp8_rel_error_vs_bf16_cache']:.3f}" if "fp8_ms" in r else "")
         )
-    p = results["prefill"]
-    lines += [
-        "",
-        f"prefill {p['batch']} x {p['prompt']} tokens (causal, no prefix): "
-        f"ours {p['ours_ms'] * 1e3:.0f} us ({p['ours_tflops']:.0f} TFLOP/s), "
-        f"sdpa {p['sdpa_ms'] * 1e3:.0f} us ({p['sdpa_tflops']:.0f} TFLOP/s), "
-        f"sdpa/ours {p['speed_vs_sdpa']:.2f}",
-    ]
+    if "prefill" in results:
+        from kernels.bench_prefill import prefill_table  # imports this module
+
+        lines += ["", prefill_table(results["prefill"])]
+    if "reshape_and_cache" not in results:
+        return "\n".join(lines)
     rc, cb = results["reshape_and_cache"], results["copy_blocks"]
     lines += [
         "",
@@ -325,8 +297,13 @@ def _table(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--sweep", action="store_true", help="also time split counts and tile shapes")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time split counts and tile shapes (decode) and the prefill candidates")
+    parser.add_argument("--only", choices=("decode", "prefill", "cache"),
+                        help="run one part: decode attention, prefill attention or the cache kernels")
     opts = parser.parse_args()
+    from kernels.bench_prefill import bench_prefill  # imports this module; here, not at the top
+
     gen = torch.Generator(DEV).manual_seed(0)
     results = dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -334,21 +311,26 @@ def main() -> None:
         python=platform.python_version(),
     )
     warm_up_gpu()
-    copy_bw = copy_bandwidth()
-    results["copy_bandwidth_bytes_per_s"] = copy_bw
-    results["decode"] = []
-    for batch, context in DECODE_CASES:
-        results["decode"].append(bench_decode(batch, context, copy_bw, opts.sweep, gen))
+    if opts.only != "prefill":
+        copy_bw = copy_bandwidth()
+        results["copy_bandwidth_bytes_per_s"] = copy_bw
+    if opts.only in (None, "decode"):
+        results["decode"] = []
+        for batch, context in DECODE_CASES:
+            results["decode"].append(bench_decode(batch, context, copy_bw, opts.sweep, gen))
+            torch.cuda.empty_cache()
+            print(json.dumps(results["decode"][-1]), flush=True)
+    if opts.only in (None, "prefill"):
+        results["prefill"] = bench_prefill(gen, opts.sweep)
         torch.cuda.empty_cache()
-        print(json.dumps(results["decode"][-1]), flush=True)
-    results["prefill"] = bench_prefill(4, 2048, gen, opts.sweep)
-    torch.cuda.empty_cache()
-    results["compiled_attention_kernels"] = compiled_attention_kernels()
-    results["reshape_and_cache"] = bench_reshape_and_cache(copy_bw, gen)
-    torch.cuda.empty_cache()
-    results["copy_blocks"] = bench_copy_blocks(copy_bw, gen)
-    torch.cuda.empty_cache()
-    results["swap"] = bench_swap(gen)
+    if opts.only in (None, "decode", "prefill"):
+        results["compiled_attention_kernels"] = compiled_attention_kernels()
+    if opts.only in (None, "cache"):
+        results["reshape_and_cache"] = bench_reshape_and_cache(copy_bw, gen)
+        torch.cuda.empty_cache()
+        results["copy_blocks"] = bench_copy_blocks(copy_bw, gen)
+        torch.cuda.empty_cache()
+        results["swap"] = bench_swap(gen)
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -36,6 +36,11 @@ precise); k_scale is folded into the softmax scale on the host and
 the accumulator is multiplied by v_scale once, after the loop (SCALE_V, compiled only when
 v_scale != 1). For a cache in the query's dtype the casts are no-ops: the same code as before.
 
+Prefill candidates (PrefillTuning, `prefill_tuning=`): an unmasked-loop variant (_attend_bulk) with
+separate switches (tiles, pipelining depth, block-aligned addressing, FMA softmax, lazy rescaling,
+tile order, register cap), off by default, for `python -m kernels.bench --only prefill --sweep`; the
+default path above compiles to the same code as without them.
+
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
 alone, in a batch, as a row of a prefill chunk or of a recompute gets the same bits. Then:
@@ -72,7 +77,7 @@ _MIN_PARTITION = 256  # context positions; smaller partitions cost more in the r
 
 
 def _is_pow2(n) -> bool:
-    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -92,12 +97,15 @@ class PrefillTuning:
     lazy_rescale: the running max (so acc and l) is rescaled only when some row's max grew by more
       than 2^8 (FlashAttention-4's trick; saves BLOCK_M x D multiplies on most tiles).
     loop_stages: tl.range(num_stages=...) on the unmasked loop (None: the launch's num_stages).
-    warp_specialize: tl.range(warp_specialize=True) on the unmasked loop. Triton 3.6 documents it
-      for Blackwell; Hopper's pass is known to fail on pointer-based (non-TMA) dot loops, so the
-      sweep tries it last and in a child process.
     reverse_tiles: programs start from the last query tiles (longest contexts) so the grid's last
       wave holds the shortest ones.
     maxnreg: register cap per thread (e.g. 128 lets two 8-warp programs share an SM; may spill).
+
+    Not offered, from compiling this kernel for sm_90 with Triton 3.6: tl.range(warp_specialize=True)
+    (Hopper's pass fails on this loop with 4 warps and leaves it unchanged with 8), and TMA for K/V
+    (a descriptor gather of the block table's rows needs sm_100; a tile assembled from one TMA load
+    per block cannot be written in Triton). K is read [BLOCK_N, D] and fed to the dot transposed:
+    that is the K-major operand wgmma takes from shared memory, so no copy.
     """
 
     block_m: int = 64
@@ -109,7 +117,6 @@ class PrefillTuning:
     fma_softmax: bool = False
     lazy_rescale: bool = False
     loop_stages: int | None = None
-    warp_specialize: bool = False
     reverse_tiles: bool = False
     maxnreg: int | None = None
 
@@ -228,7 +235,7 @@ def _attend_bulk(
     dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
     BULK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     """PrefillTuning's unmasked loop: whole BULK_N tiles of [lo, hi) that every row of the query tile
     sees, so no mask and every row's running max finite after the first tile. BLOCK_ADDR: lo is a
@@ -238,8 +245,9 @@ def _attend_bulk(
     if BLOCK_ADDR:
         tl.assume(lo % BLOCK_SIZE == 0)
         block_of_row = rows_n // BLOCK_SIZE  # [BULK_N]
-        inner = ((rows_n % BLOCK_SIZE) * stride_c_slot + head_offset)[:, None] + dims[None, :]  # [BULK_N, D_PAD]
-    for start in tl.range(lo, hi, BULK_N, num_stages=LOOP_STAGES, warp_specialize=WARP_SPEC):
+        slot_offset = (rows_n % BLOCK_SIZE) * stride_c_slot + head_offset  # [BULK_N]
+        inner = slot_offset[:, None] + dims[None, :]  # [BULK_N, D_PAD]
+    for start in tl.range(lo, hi, BULK_N, num_stages=LOOP_STAGES):
         if BLOCK_ADDR:
             block = tl.load(block_table + start // BLOCK_SIZE + block_of_row).to(tl.int64)
             offsets = block[:, None] * stride_c_block + inner  # [BULK_N, D_PAD]
@@ -294,7 +302,7 @@ def _attend_context_tuned(
     first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window, softcap_log2,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr, BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr,
-    FMA_SOFTMAX: tl.constexpr, LAZY_RESCALE: tl.constexpr, LOOP_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr,
+    FMA_SOFTMAX: tl.constexpr, LAZY_RESCALE: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     """_attend_context with a PrefillTuning: whole BULK_N tiles at or before the tile's first query
     position go through _attend_bulk, the rest (up to BULK_N - 1 positions more than the default
@@ -313,7 +321,7 @@ def _attend_context_tuned(
         acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo, bulk_hi,
         dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
         BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX, LAZY_RESCALE,
-        LOOP_STAGES, WARP_SPEC,
+        LOOP_STAGES,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, bulk_hi, kv_hi,
@@ -342,12 +350,10 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DETERMINISTIC: tl.constexpr, SCALE_V: tl.constexpr,
     Q_F16: tl.constexpr,
     BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr, LOOP_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, REVERSE_TILES: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr, LOOP_STAGES: tl.constexpr, REVERSE_TILES: tl.constexpr,
 ):
-    if REVERSE_TILES:  # PrefillTuning: the last tiles of each sequence (the longest contexts) start first
-        tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        tile_id = tl.program_id(0)
+    # REVERSE_TILES (PrefillTuning): the last tiles of each sequence (the longest contexts) start first
+    tile_id = tl.num_programs(0) - 1 - tl.program_id(0) if REVERSE_TILES else tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if IS_DECODE:
@@ -413,7 +419,7 @@ def _paged_attention_kernel(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
             first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
             softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP, BULK_N, BLOCK_ADDR, EVEN_D,
-            FMA_SOFTMAX, LAZY_RESCALE, LOOP_STAGES, WARP_SPEC,
+            FMA_SOFTMAX, LAZY_RESCALE, LOOP_STAGES,
         )
     else:
         acc, m_i, l_i = _attend_context(
@@ -572,7 +578,7 @@ def paged_attention(
     split = num_splits > 1
     tuning = dict(
         BULK_N=0, BLOCK_ADDR=False, EVEN_D=False, FMA_SOFTMAX=False, LAZY_RESCALE=False, LOOP_STAGES=None,
-        WARP_SPEC=False, REVERSE_TILES=False,
+        REVERSE_TILES=False,
     )
     launch = {}
     if tuned:
@@ -583,7 +589,7 @@ def paged_attention(
             BLOCK_ADDR=t.block_addressing and sliding_window <= 0 and partition_size == _NO_PARTITION
             and block_n % block_size == 0 and t.bulk_block_n % block_size == 0,
             EVEN_D=head_dim == d_pad, FMA_SOFTMAX=t.fma_softmax, LAZY_RESCALE=t.lazy_rescale,
-            LOOP_STAGES=t.loop_stages, WARP_SPEC=t.warp_specialize, REVERSE_TILES=t.reverse_tiles,
+            LOOP_STAGES=t.loop_stages, REVERSE_TILES=t.reverse_tiles,
         )
         if t.maxnreg is not None:
             launch["maxnreg"] = t.maxnreg

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 import kernels  # noqa: E402
 from kernels import reference, triton_attention, triton_cache  # noqa: E402
 from kernels.bench import PREFILL_TILES  # noqa: E402
+from kernels.bench_prefill import PREFILL_CANDIDATES  # noqa: E402
 from kernels.testing import make_paged_case, random_block_pairs, relative_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -103,6 +104,20 @@ def test_prefill_tile_candidates_match_reference(seed, name, block_m, tile):
     case = make_paged_case(seq_lens, query_lens, 32, 8, 128, 16, torch.bfloat16, DEVICE, seed)
     ref = reference.paged_attention(*case.args())
     out = triton_attention.paged_attention(*case.args(), tile=tile, block_m=block_m)
+    err = relative_error(out, ref)
+    assert err < 1e-2, f"seed {seed}: relative error {err}"
+
+
+@pytest.mark.parametrize("variant", [name for name, kwargs in PREFILL_CANDIDATES.items() if kwargs])
+@pytest.mark.parametrize(
+    "name", ["prefill_no_prefix", "prefill_with_cached_prefix", "mixed_chunks_and_decodes"]
+)
+def test_prefill_sweep_candidates_match_reference(seed, name, variant):
+    """Each candidate of `python -m kernels.bench --only prefill --sweep`, compiled, llama3-8b heads."""
+    seq_lens, query_lens = ATTENTION_CASES[name]
+    case = make_paged_case(seq_lens, query_lens, 32, 8, 128, 16, torch.bfloat16, DEVICE, seed)
+    ref = reference.paged_attention(*case.args())
+    out = triton_attention.paged_attention(*case.args(), **PREFILL_CANDIDATES[variant])
     err = relative_error(out, ref)
     assert err < 1e-2, f"seed {seed}: relative error {err}"
 

@@ -1,0 +1,177 @@
+"""PrefillTuning (kernels/triton_attention.py), the prefill candidates that kernels/bench_prefill.py
+sweeps on the GPU, against the torch reference on CPU under the Triton interpreter: every sweep
+candidate as the sweep launches it, and each switch alone on small tiles (several unmasked K/V tiles
+before the causal diagonal) through prefill with and without a cached prefix, mixed batches with
+decode rows, GQA and MHA, split-K, sliding windows and soft-capping. Decode launches ignore a tuning;
+deterministic mode refuses one.
+"""
+
+import dataclasses
+import importlib
+import os
+import random
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py runs the compiled kernels",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+
+from kernels import reference, triton_attention  # noqa: E402
+from kernels.testing import make_paged_case, relative_error  # noqa: E402
+from tests.helpers.triton_interpreter import patch_interpreter_for_numpy  # noqa: E402
+
+if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":  # imported earlier
+    triton_attention = importlib.reload(triton_attention)
+
+from kernels.bench_prefill import PREFILL_CANDIDATES  # noqa: E402  (after the reload: same module object)
+
+patch_interpreter_for_numpy()
+
+PrefillTuning = triton_attention.PrefillTuning
+
+# (seq_lens, query_lens): a prefill without prefix, a chunk after a cached prefix, two decode rows;
+# 208 = 13 blocks of 16: with BLOCK_N 64, three unmasked tiles before the diagonal of the last rows
+MIXED = ([208, 150, 1, 97], [208, 70, 1, 1])
+
+
+@pytest.fixture
+def seed(request):
+    value = random.randrange(2**31)
+    print(f"{request.node.name}: seed {value}")
+    return value
+
+
+@pytest.mark.parametrize("name", [n for n, kwargs in PREFILL_CANDIDATES.items() if kwargs])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (2, 2)])
+def test_each_sweep_candidate_matches_reference(seed, name, num_heads, num_kv_heads):
+    """The candidates' own tiles (64 or 128 rows, BLOCK_N 32-128) at head_dim 128 (no D padding)."""
+    case = make_paged_case(*MIXED, num_heads, num_kv_heads, 128, 16, torch.float32, "cpu", seed)
+    ref = reference.paged_attention(*case.args())
+    out = triton_attention.paged_attention(*case.args(), **PREFILL_CANDIDATES[name])
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+
+
+SMALL = dict(block_m=16, block_n=16, bulk_block_n=32)  # many unmasked tiles at small sizes
+SWITCHES = {
+    "plain": PrefillTuning(**SMALL),
+    "block_addressing": PrefillTuning(**SMALL, block_addressing=True),
+    "fma_softmax": PrefillTuning(**SMALL, fma_softmax=True),
+    "lazy_rescale": PrefillTuning(**SMALL, lazy_rescale=True),
+    "loop_stages": PrefillTuning(**SMALL, loop_stages=4),
+    "reverse_tiles": PrefillTuning(**SMALL, reverse_tiles=True),
+    "bulk_smaller_than_diagonal": PrefillTuning(
+        block_m=32, block_n=32, bulk_block_n=16, block_addressing=True
+    ),
+    "all": PrefillTuning(
+        **SMALL, block_addressing=True, fma_softmax=True, lazy_rescale=True, reverse_tiles=True
+    ),
+}
+CASES = {  # name: (seq_lens, query_lens)
+    "prefill_no_prefix": ([70, 16, 3], [70, 16, 3]),
+    "prefill_with_cached_prefix": ([130, 40], [50, 8]),
+    "mixed_chunks_and_decodes": ([29, 1, 96, 16], [11, 1, 1, 16]),
+}
+
+
+@pytest.mark.parametrize("switch", list(SWITCHES))
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_each_switch_matches_reference(seed, switch, case_name):
+    """Block size 8, head_dim 24 (padded to 32: the masked loads), GQA 3 (padded to 4 rows a token).
+    Queries x 8: scores of several units, so a lazily kept max does fall behind by more than 2^8 at
+    times (and the rescale is taken) as well as within it."""
+    case = make_paged_case(*CASES[case_name], 6, 2, 24, 8, torch.float32, "cpu", seed)
+    case = dataclasses.replace(case, query=case.query * 8)
+    ref = reference.paged_attention(*case.args())
+    out = triton_attention.paged_attention(*case.args(), prefill_tuning=SWITCHES[switch])
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens", "num_splits"),
+    [
+        ([300], [9], None),  # 3 tiles x 1 KV head: split 2 ways by default (8 slots on a CPU), evenly
+        ([130, 1, 40], [50, 1, 40], 3),  # forced: partitions of 44 positions, not block-aligned
+    ],
+)
+def test_tuning_with_split_k(seed, seq_lens, query_lens, num_splits):
+    """Even partitions start at whole BLOCK_N tiles, so block addressing holds (the interpreter checks
+    the kernel's tl.assume); forced ones start anywhere, and the host turns it off."""
+    if num_splits is None:
+        assert triton_attention.choose_num_splits(3, 300, 8) == 2
+    case = make_paged_case(seq_lens, query_lens, 4, 1, 32, 8, torch.float32, "cpu", seed)
+    case = dataclasses.replace(case, query=case.query * 8)
+    ref = reference.paged_attention(*case.args())
+    out = triton_attention.paged_attention(
+        *case.args(), num_splits=num_splits, prefill_tuning=SWITCHES["all"]
+    )
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "num_splits"), [(37, 0.0, None), (5, 0.0, None), (0, 2.0, None), (20, 5.0, None)]
+)
+def test_tuning_with_sliding_window_and_softcap(seed, window, softcap, num_splits):
+    """The tuned loop after the window's masked edge (block addressing then falls back to per-position
+    addresses: the unmasked part starts anywhere), and with soft-capped scores."""
+    case = make_paged_case([130, 5, 61], [40, 1, 61], 8, 2, 32, 8, torch.float32, "cpu", seed)
+    case = dataclasses.replace(case, query=case.query * 8)
+    tuning = PrefillTuning(**SMALL, block_addressing=True, fma_softmax=True, lazy_rescale=True)
+    ref = reference.paged_attention(*case.args(), window, softcap)
+    out = triton_attention.paged_attention(*case.args(), window, softcap, num_splits=num_splits,
+                                           prefill_tuning=tuning)
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+    assert relative_error(reference.paged_attention(*case.args()), ref) > 1e-3  # the window/cap matter
+
+
+def test_lazy_rescale_with_a_growing_max(seed):
+    """Scores that grow along the context by ~0.3 (log2 units) a position: with 16-position unmasked
+    tiles the running max grows ~5 a tile, so the lazily kept max is refreshed every second tile or so
+    (after the first), and acc, l and the max must stay consistent through both branches."""
+    case = make_paged_case([200, 120], [40, 120], 4, 2, 32, 8, torch.float32, "cpu", seed)
+    gen = torch.Generator().manual_seed(seed)
+    direction = torch.nn.functional.normalize(torch.randn(32, generator=gen), dim=0)  # [d]
+    query = case.query + 4.0 * direction
+    key_cache = case.key_cache.clone()
+    for seq, seq_len in enumerate(case.seq_lens.tolist()):
+        for pos in range(seq_len):
+            block = int(case.block_tables[seq, pos // 8])
+            # 0.3 / (scale * log2(e) * 4) per position along `direction`: q . k grows 0.3 in log2 units
+            key_cache[block, pos % 8] += pos * 0.3 / (case.scale * 1.4427 * 4.0) * direction
+    case = dataclasses.replace(case, query=query, key_cache=key_cache)
+    tuning = PrefillTuning(block_m=16, block_n=16, bulk_block_n=16, lazy_rescale=True, fma_softmax=True)
+    ref = reference.paged_attention(*case.args())
+    out = triton_attention.paged_attention(*case.args(), prefill_tuning=tuning)
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+
+
+def test_decode_launch_ignores_the_tuning(seed):
+    case = make_paged_case([40, 17, 1], [1, 1, 1], 8, 2, 32, 8, torch.float32, "cpu", seed)
+    tuning = PrefillTuning(block_m=128, num_warps=8)
+    tuned = triton_attention.paged_attention(*case.args(), prefill_tuning=tuning)
+    assert torch.equal(tuned, triton_attention.paged_attention(*case.args()))
+
+
+def test_tuning_refused_with_deterministic_tile_or_block_m():
+    case = make_paged_case([20], [20], 4, 2, 16, 8, torch.float32, "cpu", 0)
+    for extra in (dict(deterministic=True), dict(tile=(16, 4, 2)), dict(block_m=16)):
+        with pytest.raises(ValueError, match="prefill_tuning"):
+            triton_attention.paged_attention(*case.args(), prefill_tuning=PrefillTuning(), **extra)
+    with pytest.raises(TypeError, match="PrefillTuning"):
+        triton_attention.paged_attention(*case.args(), prefill_tuning={"block_m": 64})
+
+
+@pytest.mark.parametrize("bad", [
+    dict(block_m=48), dict(block_n=8), dict(bulk_block_n=0), dict(block_m=True), dict(num_warps=3),
+    dict(num_warps=32), dict(num_stages=0), dict(loop_stages=9), dict(maxnreg=300), dict(maxnreg=16),
+])
+def test_prefill_tuning_checks_its_fields(bad):
+    with pytest.raises(ValueError, match="PrefillTuning." + next(iter(bad))):
+        PrefillTuning(**bad)
