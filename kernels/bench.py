@@ -22,17 +22,11 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import reference, triton_attention, triton_cache
+from kernels.bench_common import BLOCK_SIZE, DEV, DTYPE, LLAMA3_8B, contiguous_kv, time_ms
+from kernels.bench_prefill import bench_prefill, prefill_table
 from kernels.testing import relative_error
 
-LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, num_layers=32)
-BLOCK_SIZE = 16
 DECODE_CASES = [(64, 1024), (256, 1024), (64, 4096), (16, 16384)]  # (batch, context)
-DTYPE = torch.bfloat16
-DEV = "cuda"
-
-
-def time_ms(fn, rep: int = 100) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
 def warm_up_gpu(seconds: float = 1.0) -> None:
@@ -94,13 +88,6 @@ PREFILL_TILES = [  # (block_m, (BLOCK_N, num_warps, num_stages)) of an earlier s
 ]
 
 
-def _contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, kv_heads, context, dim] copy of the paged cache, for SDPA."""
-    batch = block_tables.shape[0]
-    gathered = cache[block_tables.long()]  # [B, blocks, bs, kvh, d]
-    return gathered.flatten(1, 2).transpose(1, 2).contiguous().view(batch, cache.shape[2], -1, cache.shape[3])
-
-
 def _time_sdpa(query, key, value) -> dict[str, float]:
     """Every SDPA form that runs here, in ms: GQA without repeating K/V (enable_gqa) per backend."""
     q = query.unsqueeze(2)  # [B, 32, 1, 128]
@@ -137,8 +124,8 @@ def bench_decode(batch: int, context: int, copy_bw: float, sweep: bool, gen) -> 
     error = relative_error(out[check], reference.paged_attention(*ref_args))
     ours_ms = time_ms(lambda: triton_attention.paged_attention(*args))
     kv_bytes = 2 * key_cache[0].numel() * key_cache.element_size() * batch * context // BLOCK_SIZE
-    key = _contiguous_kv(key_cache, block_tables)
-    value = _contiguous_kv(value_cache, block_tables)
+    key = contiguous_kv(key_cache, block_tables)
+    value = contiguous_kv(value_cache, block_tables)
     sdpa = _time_sdpa(query, key, value)
     best = min(sdpa, key=sdpa.get)
     sdpa_out = F.scaled_dot_product_attention(query.unsqueeze(2), key, value, enable_gqa=True).squeeze(2)
@@ -274,7 +261,6 @@ def _table(results: dict) -> str:
                f"{r['fp8_rel_error_vs_bf16_cache']:.3f}" if "fp8_ms" in r else "")
         )
     if "prefill" in results:
-        from kernels.bench_prefill import prefill_table  # imports this module
 
         lines += ["", prefill_table(results["prefill"])]
     if "reshape_and_cache" not in results:
@@ -302,7 +288,6 @@ def main() -> None:
     parser.add_argument("--only", choices=("decode", "prefill", "cache"),
                         help="run one part: decode attention, prefill attention or the cache kernels")
     opts = parser.parse_args()
-    from kernels.bench_prefill import bench_prefill  # imports this module; here, not at the top
 
     gen = torch.Generator(DEV).manual_seed(0)
     results = dict(

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import triton_attention
-from kernels.bench import BLOCK_SIZE, DEV, DTYPE, LLAMA3_8B, _contiguous_kv, time_ms
+from kernels.bench_common import BLOCK_SIZE, DEV, DTYPE, LLAMA3_8B, contiguous_kv, time_ms
 from kernels.testing import relative_error
 
 PREFILL_SHAPES = [  # (name, batch, new tokens per sequence, cached prefix per sequence)
@@ -158,8 +158,8 @@ def bench_prefill_shape(name: str, batch: int, new_tokens: int, prefix: int, gen
     query, key_cache, value_cache, block_tables = args[:4]
     heads, dim = LLAMA3_8B["num_heads"], LLAMA3_8B["head_dim"]
     q = query.view(batch, new_tokens, heads, dim).transpose(1, 2)  # [B, 32, L, 128]
-    key = _contiguous_kv(key_cache, block_tables)  # [B, 8, S, 128]
-    value = _contiguous_kv(value_cache, block_tables)
+    key = contiguous_kv(key_cache, block_tables)  # [B, 8, S, 128]
+    value = contiguous_kv(value_cache, block_tables)
     sdpa_all, sdpa_form, sdpa_out = time_sdpa_prefill(q, key, value, prefix)
     sdpa_out = sdpa_out.transpose(1, 2).reshape(batch * new_tokens, heads, dim)  # as ours: [B*L, 32, 128]
     del key, value

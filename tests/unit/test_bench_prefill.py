@@ -55,8 +55,8 @@ def test_a_top_left_causal_mask_would_disagree_with_a_prefix(on_cpu):
     gen = torch.Generator().manual_seed(1)
     args = bench_prefill.prefill_inputs(1, 32, 32, gen)
     q = args[0].view(1, 32, 4, 32).transpose(1, 2)
-    key = bench_prefill._contiguous_kv(args[1], args[3])
-    value = bench_prefill._contiguous_kv(args[2], args[3])
+    key = bench_prefill.contiguous_kv(args[1], args[3])
+    value = bench_prefill.contiguous_kv(args[2], args[3])
     ours = triton_attention.paged_attention(*args).view(1, 32, 4, 32).transpose(1, 2)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     top_left = sdpa(q, key, value, is_causal=True, enable_gqa=True)

@@ -1,0 +1,22 @@
+"""What the kernel benchmarks (kernels/bench.py, kernels/bench_prefill.py) share: the model shape
+they time, the cache layout, the timer and the paged-to-contiguous K/V copy SDPA reads."""
+
+import torch
+import triton.testing
+
+LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, num_layers=32)
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+DEV = "cuda"
+
+
+def time_ms(fn, rep: int = 100) -> float:
+    """Median ms of fn (triton.testing.do_bench: CUDA events, warm-up first, L2 flushed between runs)."""
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, kv_heads, context, dim] copy of the paged cache, for SDPA."""
+    batch = block_tables.shape[0]
+    gathered = cache[block_tables.long()]  # [B, blocks, bs, kvh, d]
+    return gathered.flatten(1, 2).transpose(1, 2).contiguous().view(batch, cache.shape[2], -1, cache.shape[3])
