@@ -548,9 +548,10 @@ def paged_attention(
     is_decode = max_query_len == 1 and not deterministic  # deterministic: decode rows in the varlen tile
     if is_decode:
         block_q, block_m, block_n, num_warps, num_stages = 1, max(16, g_pad), 64, 4, 3
-        if key_cache.element_size() == 1:  # e4m3: half the bytes a tile, so more tiles in flight: two
-            num_warps, num_stages = 2, 6  # warps, 6 stages (H100 sweep: 256 x 1024 in 260 us; 4 warps
-            # and 3 stages 339, 5 stages 280; the bf16 cache 375; 64 x 4096: 237 / 323 / 305 / 370)
+        if key_cache.element_size() == 1:  # e4m3 (dots in f16): smaller tiles, more in flight. H100,
+            # 256 x 1024: (BLOCK_N 32, 2 warps, 5 stages) 226 us, (64, 2, 6) 228, (64, 4, 5) 242, the
+            # bf16 cache 375; 64 x 4096: 211 / 214 / 280 / 371 (docs/benchmarks.md, FP8 KV cache)
+            block_n, num_warps, num_stages = 32, 2, 5
         num_tiles = num_seqs
     else:
         block_m = max(16, g_pad) if deterministic else max(block_m or 64, g_pad)
