@@ -331,6 +331,13 @@ def _attend_context_tuned(
     return acc, m_i, l_i
 
 
+# The prefill / mixed-step launch of the default mode (H100 sweep of PrefillTuning candidates,
+# docs/benchmarks.md "Prefill"): 128-row tiles with 8 warps held to 128 registers (two programs an SM),
+# block-aligned K/V addressing, the scale inside exp2's argument.
+DEFAULT_PREFILL_TUNING = PrefillTuning(
+    block_m=128, num_warps=8, maxnreg=128, block_addressing=True, fma_softmax=True,
+)
+
 # Triton compiles a variant per value class of each integer argument (1, a multiple of 16, other);
 # these change from step to step, and a serving process would stall on a compilation (1-2 s) each
 # time a step brings a new combination. Their values never shape the code.
@@ -558,6 +565,8 @@ def paged_attention(
         block_q, block_n, num_warps = block_m // g_pad, 64, 4
         num_stages = 3 if deterministic else 2  # the decode tile's pipelining depth (no effect on the bits)
         num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles exit at once
+    if prefill_tuning is None and not (deterministic or is_decode or tile is not None or block_m is not None):
+        prefill_tuning = DEFAULT_PREFILL_TUNING
     tuned = prefill_tuning is not None and not is_decode
     if tuned:
         block_m = max(prefill_tuning.block_m, g_pad)
