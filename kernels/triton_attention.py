@@ -553,6 +553,8 @@ def paged_attention(
         if deterministic or tile is not None or block_m is not None:
             raise ValueError("prefill_tuning replaces tile and block_m and has no deterministic form")
     is_decode = max_query_len == 1 and not deterministic  # deterministic: decode rows in the varlen tile
+    if prefill_tuning is None and not (deterministic or is_decode or tile is not None or block_m is not None):
+        prefill_tuning = DEFAULT_PREFILL_TUNING
     if is_decode:
         block_q, block_m, block_n, num_warps, num_stages = 1, max(16, g_pad), 64, 4, 3
         if key_cache.element_size() == 1:  # e4m3 (dots in f16): smaller tiles, more in flight. H100,
@@ -565,8 +567,6 @@ def paged_attention(
         block_q, block_n, num_warps = block_m // g_pad, 64, 4
         num_stages = 3 if deterministic else 2  # the decode tile's pipelining depth (no effect on the bits)
         num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles exit at once
-    if prefill_tuning is None and not (deterministic or is_decode or tile is not None or block_m is not None):
-        prefill_tuning = DEFAULT_PREFILL_TUNING
     tuned = prefill_tuning is not None and not is_decode
     if tuned:
         block_m = max(prefill_tuning.block_m, g_pad)

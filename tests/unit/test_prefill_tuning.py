@@ -175,3 +175,37 @@ def test_tuning_refused_with_deterministic_tile_or_block_m():
 def test_prefill_tuning_checks_its_fields(bad):
     with pytest.raises(ValueError, match="PrefillTuning." + next(iter(bad))):
         PrefillTuning(**bad)
+
+
+class _LaunchSpy:
+    """Stands in for the attention kernel: records each launch's compile-time choices, then runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append({k: kwargs.get(k) for k in ("BLOCK_M", "BLOCK_N", "BULK_N", "BLOCK_ADDR",
+                                                              "FMA_SOFTMAX", "num_warps", "maxnreg")})
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize(("kwargs", "want"), [
+    ({}, dict(BLOCK_M=128, BULK_N=64, BLOCK_ADDR=True, FMA_SOFTMAX=True, num_warps=8, maxnreg=128)),
+    ({"tile": (64, 4, 2)}, dict(BLOCK_M=64, BULK_N=0, num_warps=4, maxnreg=None)),
+    ({"deterministic": True}, dict(BLOCK_M=16, BULK_N=0, maxnreg=None)),
+])
+def test_prefill_launches_take_the_default_tuning_unless_told_otherwise(monkeypatch, seed, kwargs, want):
+    """A prefill or mixed launch of the default mode runs DEFAULT_PREFILL_TUNING (the H100 sweep's
+    fastest); a forced tile, block_m or deterministic mode keep their own launch; decode is unaffected."""
+    spy = _LaunchSpy(triton_attention._paged_attention_kernel)
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", spy)
+    case = make_paged_case(*MIXED, 8, 2, 128, 16, torch.float32, "cpu", seed)
+    out = triton_attention.paged_attention(*case.args(), **kwargs)
+    assert relative_error(out, reference.paged_attention(*case.args())) < 1e-5
+    assert spy.launches and {k: spy.launches[0][k] for k in want} == want
+    decode = make_paged_case([40, 17], [1, 1], 8, 2, 128, 16, torch.float32, "cpu", seed)
+    spy.launches.clear()
+    triton_attention.paged_attention(*decode.args())
+    assert spy.launches[0]["BLOCK_M"] == 16 and spy.launches[0]["BULK_N"] == 0
