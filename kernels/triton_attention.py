@@ -331,9 +331,16 @@ def _attend_context_tuned(
     return acc, m_i, l_i
 
 
-# The prefill / mixed-step launch of the default mode (H100 sweep of PrefillTuning candidates,
-# docs/benchmarks.md "Prefill"): 128-row tiles with 8 warps held to 128 registers (two programs an SM),
-# block-aligned K/V addressing, the scale inside exp2's argument.
+# The prefill launch of the default mode when its sequences average at least
+# PREFILL_TUNING_MIN_TOKENS_PER_SEQ tokens (H100 sweep of PrefillTuning candidates, docs/benchmarks.md
+# "Prefill"): 128-row tiles with 8 warps held to 128 registers (two programs an SM), block-aligned K/V
+# addressing, the scale inside exp2's argument; 0.635 -> 0.713 of SDPA's speed on 4 x 2048. A launch
+# with more sequences per token keeps the 64-row tile: each decode row of a mixed step has a tile of
+# its own, and 128-row ones made the mixed steps of a 32 req/s sharegpt run slower (H100: TPOT p99
+# 11.1 -> 12.8 ms, TTFT p99 61 -> 81 ms). The rule reads shapes only, so a CUDA graph (captured for
+# a bucket's token and sequence counts) replays the launch it captured; the mixed-step graphs of the
+# default limits (2,048 or 4,096 tokens, 256 or 512 sequences) keep the 64-row tile.
+PREFILL_TUNING_MIN_TOKENS_PER_SEQ = 32
 DEFAULT_PREFILL_TUNING = PrefillTuning(
     block_m=128, num_warps=8, maxnreg=128, block_addressing=True, fma_softmax=True,
 )
@@ -553,7 +560,8 @@ def paged_attention(
         if deterministic or tile is not None or block_m is not None:
             raise ValueError("prefill_tuning replaces tile and block_m and has no deterministic form")
     is_decode = max_query_len == 1 and not deterministic  # deterministic: decode rows in the varlen tile
-    if prefill_tuning is None and not (deterministic or is_decode or tile is not None or block_m is not None):
+    if (prefill_tuning is None and not (deterministic or is_decode or tile is not None or block_m is not None)
+            and num_tokens >= PREFILL_TUNING_MIN_TOKENS_PER_SEQ * num_seqs):
         prefill_tuning = DEFAULT_PREFILL_TUNING
     if is_decode:
         block_q, block_m, block_n, num_warps, num_stages = 1, max(16, g_pad), 64, 4, 3

@@ -209,3 +209,16 @@ def test_prefill_launches_take_the_default_tuning_unless_told_otherwise(monkeypa
     spy.launches.clear()
     triton_attention.paged_attention(*decode.args())
     assert spy.launches[0]["BLOCK_M"] == 16 and spy.launches[0]["BULK_N"] == 0
+
+
+def test_a_launch_of_mostly_decode_rows_keeps_the_64_row_tile(monkeypatch, seed):
+    """Fewer than PREFILL_TUNING_MIN_TOKENS_PER_SEQ tokens a sequence (a mixed step of many decodes,
+    or a mixed-step graph's bucket): the untuned 64-row launch, still correct."""
+    spy = _LaunchSpy(triton_attention._paged_attention_kernel)
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", spy)
+    seq_lens, query_lens = [60] + [33] * 7, [40] + [1] * 7  # 47 tokens, 8 sequences
+    assert sum(query_lens) < triton_attention.PREFILL_TUNING_MIN_TOKENS_PER_SEQ * len(seq_lens)
+    case = make_paged_case(seq_lens, query_lens, 8, 2, 128, 16, torch.float32, "cpu", seed)
+    out = triton_attention.paged_attention(*case.args())
+    assert relative_error(out, reference.paged_attention(*case.args())) < 1e-5
+    assert spy.launches[0]["BLOCK_M"] == 64 and spy.launches[0]["BULK_N"] == 0
