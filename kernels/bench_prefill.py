@@ -35,22 +35,18 @@ _FAST = dict(block_addressing=True, fma_softmax=True)
 # are from ptxas for sm_90 (Triton 3.6, compiled on a CPU host, 4 x 2048 launch); an H100 SM has
 # 64 K registers and 227 KB of shared memory.
 PREFILL_CANDIDATES: dict[str, dict] = {
-    "default": {},  # 64 rows, BLOCK_N 64, 4 warps, 2 stages: 200 regs, 80 KB, 2 per SM
-    # 5 stages: K/V two tiles ahead (3 buffers; with 2 or 3 stages the block-table load takes the
-    # extra stage and each iteration waits for the tile issued at the end of the one before)
-    "default_5stages": dict(tile=(64, 4, 5)),
-    "tuned": dict(prefill_tuning=_T()),  # the tuned path's unmasked loop, default tile: 190 regs
+    # the untuned path (a forced tile takes no PrefillTuning): 64 rows, BLOCK_N 64, 4 warps, 2 stages:
+    # 200 regs, 80 KB, 2 per SM
+    "untuned_64": dict(tile=(64, 4, 2)),
+    "default": {},  # what paged_attention picks: DEFAULT_PREFILL_TUNING on these shapes
     "addr_fma": dict(prefill_tuning=_T(**_FAST)),  # ~100 fewer instructions per K/V tile (of ~500)
-    "addr_fma_5stages": dict(prefill_tuning=_T(**_FAST, num_stages=5)),  # 205 regs, 113 KB, 2 per SM
-    "addr_fma_bulk5": dict(prefill_tuning=_T(**_FAST, loop_stages=5)),  # deep only in the unmasked loop
-    "addr_fma_5stages_lazy": dict(prefill_tuning=_T(**_FAST, num_stages=5, lazy_rescale=True)),
-    "addr_fma_5stages_reverse": dict(prefill_tuning=_T(**_FAST, num_stages=5, reverse_tiles=True)),
+    # 5 stages: K/V two tiles ahead (3 buffers; with 2 or 3 stages the block-table load takes the
+    # extra stage and each iteration waits for the tile issued at the end of the one before).
     # BLOCK_N 32: 166 regs, 65 KB: 3 per SM
     "n32_5stages": dict(prefill_tuning=_T(**_FAST, block_n=32, bulk_block_n=32, num_stages=5)),
     # 128-row tiles read each K/V tile for twice the rows (half the L2 traffic per FLOP)
-    "m128_w8": dict(prefill_tuning=_T(**_FAST, block_m=128, num_warps=8)),  # 186 regs: 1 per SM
     "m128_w8_5stages": dict(prefill_tuning=_T(**_FAST, block_m=128, num_warps=8, num_stages=5)),
-    # 128 regs: 2 per SM, spilling 160 bytes a thread
+    # 128 regs: 2 per SM, spilling 160 bytes a thread (DEFAULT_PREFILL_TUNING)
     "m128_w8_r128": dict(prefill_tuning=_T(**_FAST, block_m=128, num_warps=8, maxnreg=128)),
     "m128_n32_w8_5stages_r128": dict(prefill_tuning=_T(  # 128 regs, ~no spill, 80 KB: 2 per SM
         **_FAST, block_m=128, block_n=32, bulk_block_n=32, num_warps=8, num_stages=5, maxnreg=128,

@@ -36,10 +36,13 @@ precise); k_scale is folded into the softmax scale on the host and
 the accumulator is multiplied by v_scale once, after the loop (SCALE_V, compiled only when
 v_scale != 1). For a cache in the query's dtype the casts are no-ops: the same code as before.
 
-Prefill candidates (PrefillTuning, `prefill_tuning=`): an unmasked-loop variant (_attend_bulk) with
-separate switches (tiles, pipelining depth, block-aligned addressing, FMA softmax, lazy rescaling,
-tile order, register cap), off by default, for `python -m kernels.bench --only prefill --sweep`; the
-default path above compiles to the same code as without them.
+Prefill tuning (PrefillTuning, `prefill_tuning=`): prefill and mixed launches averaging at least
+PREFILL_TUNING_MIN_TOKENS_PER_SEQ query tokens a sequence run DEFAULT_PREFILL_TUNING (128-row tiles,
+8 warps held to 128 registers), whose unmasked K/V tiles go through _attend_bulk: block-aligned K/V
+addressing and the softmax scale inside exp2's argument. Other PrefillTuning values (tile sizes,
+pipelining depth, register cap, each switch on or off) are the candidates of
+`python -m kernels.bench --only prefill --sweep`. Decode, deterministic mode, a forced `tile` or
+`block_m` and launches of mostly decode rows keep the untuned path above (_attend_context).
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
@@ -82,11 +85,12 @@ def _is_pow2(n) -> bool:
 
 @dataclass(frozen=True)
 class PrefillTuning:
-    """Candidate prefill speed-ups, for sweeps (`python -m kernels.bench --only prefill --sweep`): given to
-    paged_attention as `prefill_tuning`, it shapes prefill and mixed launches (max_query_len > 1) of
-    the default mode; decode launches and deterministic mode ignore / refuse it. PrefillTuning()
-    is the default tile through the tuned code path (_attend_bulk, no mask on the K/V loads when
-    head_dim is a power of two); each other field is one candidate:
+    """The launch of a prefill or mixed step (max_query_len > 1) through the tuned code path
+    (_attend_bulk, no mask on the K/V loads when head_dim is a power of two): DEFAULT_PREFILL_TUNING
+    for the default mode's launches averaging >= PREFILL_TUNING_MIN_TOKENS_PER_SEQ tokens a sequence,
+    or any value given to paged_attention as `prefill_tuning` (the candidates of
+    `python -m kernels.bench --only prefill --sweep`); decode launches ignore it and deterministic mode
+    refuses it. PrefillTuning() is the untuned launch's tile through this path. Fields:
 
     block_m, num_warps, num_stages: rows of a query tile (BLOCK_Q tokens x G_PAD heads) and launch.
     block_n: K/V tile of the masked loop (causal diagonal, partial last tile); bulk_block_n: K/V tile
@@ -94,12 +98,10 @@ class PrefillTuning:
     block_addressing: the unmasked loop reads whole blocks from a block-aligned start, so the in-block
       part of each K/V address is computed once, not per tile (no div/mod per position).
     fma_softmax: scores scaled inside exp2's argument (one FFMA per score instead of FMUL + FADD).
-    lazy_rescale: the running max (so acc and l) is rescaled only when some row's max grew by more
-      than 2^8 (FlashAttention-4's trick; saves BLOCK_M x D multiplies on most tiles).
-    loop_stages: tl.range(num_stages=...) on the unmasked loop (None: the launch's num_stages).
-    reverse_tiles: programs start from the last query tiles (longest contexts) so the grid's last
-      wave holds the shortest ones.
     maxnreg: register cap per thread (e.g. 128 lets two 8-warp programs share an SM; may spill).
+
+    Lazy rescaling (FlashAttention-4's), programs in reverse tile order and a separate pipelining
+    depth for the unmasked loop were measured slower on the H100 and removed (docs/benchmarks.md).
 
     Not offered, from compiling this kernel for sm_90 with Triton 3.6: tl.range(warp_specialize=True)
     (Hopper's pass fails on this loop with 4 warps and leaves it unchanged with 8), and TMA for K/V
@@ -115,9 +117,6 @@ class PrefillTuning:
     num_stages: int = 2
     block_addressing: bool = False
     fma_softmax: bool = False
-    lazy_rescale: bool = False
-    loop_stages: int | None = None
-    reverse_tiles: bool = False
     maxnreg: int | None = None
 
     def __post_init__(self):
@@ -127,10 +126,8 @@ class PrefillTuning:
                 raise ValueError(f"PrefillTuning.{name} must be a power of two >= 16, got {value!r}")
         if not _is_pow2(self.num_warps) or self.num_warps > 16:
             raise ValueError(f"PrefillTuning.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        for name in ("num_stages", "loop_stages"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 1 <= value <= 8):
-                raise ValueError(f"PrefillTuning.{name} must be 1..8, got {value!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"PrefillTuning.num_stages must be 1..8, got {self.num_stages!r}")
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 32 <= self.maxnreg <= 255):
             raise ValueError(f"PrefillTuning.maxnreg must be 32..255 or None, got {self.maxnreg!r}")
 
@@ -234,8 +231,7 @@ def _attend_bulk(
     acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, lo, hi,
     dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
     BULK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
+    BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
 ):
     """PrefillTuning's unmasked loop: whole BULK_N tiles of [lo, hi) that every row of the query tile
     sees, so no mask and every row's running max finite after the first tile. BLOCK_ADDR: lo is a
@@ -247,7 +243,7 @@ def _attend_bulk(
         block_of_row = rows_n // BLOCK_SIZE  # [BULK_N]
         slot_offset = (rows_n % BLOCK_SIZE) * stride_c_slot + head_offset  # [BULK_N]
         inner = slot_offset[:, None] + dims[None, :]  # [BULK_N, D_PAD]
-    for start in tl.range(lo, hi, BULK_N, num_stages=LOOP_STAGES):
+    for start in tl.range(lo, hi, BULK_N):
         if BLOCK_ADDR:
             block = tl.load(block_table + start // BLOCK_SIZE + block_of_row).to(tl.int64)
             offsets = block[:, None] * stride_c_block + inner  # [BULK_N, D_PAD]
@@ -273,20 +269,10 @@ def _attend_bulk(
             s = s * scale_log2
             m_tile = tl.max(s, axis=1)
         m_new = tl.maximum(m_i, m_tile)
-        if LAZY_RESCALE:
-            # Keep the reference max while no row's max grew by more than 2^8 (FlashAttention-4): p then
-            # stays <= 256, exact in bf16, and acc / l is the same for any reference. The first tile
-            # always rescales (m_i = -inf).
-            if tl.max(m_new - m_i, axis=0) > 8.0:
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
         if FMA_SOFTMAX and not SOFTCAP:
             p = tl.exp2(s * scale_log2 - m_i[:, None])
         else:
@@ -302,7 +288,7 @@ def _attend_context_tuned(
     first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window, softcap_log2,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr, BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr,
-    FMA_SOFTMAX: tl.constexpr, LAZY_RESCALE: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    FMA_SOFTMAX: tl.constexpr,
 ):
     """_attend_context with a PrefillTuning: whole BULK_N tiles at or before the tile's first query
     position go through _attend_bulk, the rest (up to BULK_N - 1 positions more than the default
@@ -320,8 +306,7 @@ def _attend_context_tuned(
     acc, m_i, l_i = _attend_bulk(
         acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo, bulk_hi,
         dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
-        BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX, LAZY_RESCALE,
-        LOOP_STAGES,
+        BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, bulk_hi, kv_hi,
@@ -364,10 +349,8 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DETERMINISTIC: tl.constexpr, SCALE_V: tl.constexpr,
     Q_F16: tl.constexpr,
     BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr, LOOP_STAGES: tl.constexpr, REVERSE_TILES: tl.constexpr,
 ):
-    # REVERSE_TILES (PrefillTuning): the last tiles of each sequence (the longest contexts) start first
-    tile_id = tl.num_programs(0) - 1 - tl.program_id(0) if REVERSE_TILES else tl.program_id(0)
+    tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if IS_DECODE:
@@ -433,7 +416,7 @@ def _paged_attention_kernel(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
             first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
             softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP, BULK_N, BLOCK_ADDR, EVEN_D,
-            FMA_SOFTMAX, LAZY_RESCALE, LOOP_STAGES,
+            FMA_SOFTMAX,
         )
     else:
         acc, m_i, l_i = _attend_context(
@@ -594,10 +577,7 @@ def paged_attention(
         partition_size = triton.cdiv(max_seq_len, num_splits)
         num_splits = triton.cdiv(max_seq_len, partition_size)
     split = num_splits > 1
-    tuning = dict(
-        BULK_N=0, BLOCK_ADDR=False, EVEN_D=False, FMA_SOFTMAX=False, LAZY_RESCALE=False, LOOP_STAGES=None,
-        REVERSE_TILES=False,
-    )
+    tuning = dict(BULK_N=0, BLOCK_ADDR=False, EVEN_D=False, FMA_SOFTMAX=False)
     launch = {}
     if tuned:
         t = prefill_tuning
@@ -606,8 +586,7 @@ def paged_attention(
             # the unmasked loop starts block-aligned: no window, and partitions (if split) of whole tiles
             BLOCK_ADDR=t.block_addressing and sliding_window <= 0 and partition_size == _NO_PARTITION
             and block_n % block_size == 0 and t.bulk_block_n % block_size == 0,
-            EVEN_D=head_dim == d_pad, FMA_SOFTMAX=t.fma_softmax, LAZY_RESCALE=t.lazy_rescale,
-            LOOP_STAGES=t.loop_stages, REVERSE_TILES=t.reverse_tiles,
+            EVEN_D=head_dim == d_pad, FMA_SOFTMAX=t.fma_softmax,
         )
         if t.maxnreg is not None:
             launch["maxnreg"] = t.maxnreg

@@ -60,15 +60,10 @@ SWITCHES = {
     "plain": PrefillTuning(**SMALL),
     "block_addressing": PrefillTuning(**SMALL, block_addressing=True),
     "fma_softmax": PrefillTuning(**SMALL, fma_softmax=True),
-    "lazy_rescale": PrefillTuning(**SMALL, lazy_rescale=True),
-    "loop_stages": PrefillTuning(**SMALL, loop_stages=4),
-    "reverse_tiles": PrefillTuning(**SMALL, reverse_tiles=True),
     "bulk_smaller_than_diagonal": PrefillTuning(
         block_m=32, block_n=32, bulk_block_n=16, block_addressing=True
     ),
-    "all": PrefillTuning(
-        **SMALL, block_addressing=True, fma_softmax=True, lazy_rescale=True, reverse_tiles=True
-    ),
+    "all": PrefillTuning(**SMALL, block_addressing=True, fma_softmax=True),
 }
 CASES = {  # name: (seq_lens, query_lens)
     "prefill_no_prefix": ([70, 16, 3], [70, 16, 3]),
@@ -81,8 +76,8 @@ CASES = {  # name: (seq_lens, query_lens)
 @pytest.mark.parametrize("case_name", list(CASES))
 def test_each_switch_matches_reference(seed, switch, case_name):
     """Block size 8, head_dim 24 (padded to 32: the masked loads), GQA 3 (padded to 4 rows a token).
-    Queries x 8: scores of several units, so a lazily kept max does fall behind by more than 2^8 at
-    times (and the rescale is taken) as well as within it."""
+    Queries x 8: scores of several units, so the running max moves from tile to tile and a wrong
+    rescale (of acc, l or the FMA softmax's scaled max) shows."""
     case = make_paged_case(*CASES[case_name], 6, 2, 24, 8, torch.float32, "cpu", seed)
     case = dataclasses.replace(case, query=case.query * 8)
     ref = reference.paged_attention(*case.args())
@@ -121,35 +116,13 @@ def test_tuning_with_sliding_window_and_softcap(seed, window, softcap, num_split
     addresses: the unmasked part starts anywhere), and with soft-capped scores."""
     case = make_paged_case([130, 5, 61], [40, 1, 61], 8, 2, 32, 8, torch.float32, "cpu", seed)
     case = dataclasses.replace(case, query=case.query * 8)
-    tuning = PrefillTuning(**SMALL, block_addressing=True, fma_softmax=True, lazy_rescale=True)
+    tuning = PrefillTuning(**SMALL, block_addressing=True, fma_softmax=True)
     ref = reference.paged_attention(*case.args(), window, softcap)
     out = triton_attention.paged_attention(*case.args(), window, softcap, num_splits=num_splits,
                                            prefill_tuning=tuning)
     err = relative_error(out, ref)
     assert err < 1e-5, f"seed {seed}: relative error {err}"
     assert relative_error(reference.paged_attention(*case.args()), ref) > 1e-3  # the window/cap matter
-
-
-def test_lazy_rescale_with_a_growing_max(seed):
-    """Scores that grow along the context by ~0.3 (log2 units) a position: with 16-position unmasked
-    tiles the running max grows ~5 a tile, so the lazily kept max is refreshed every second tile or so
-    (after the first), and acc, l and the max must stay consistent through both branches."""
-    case = make_paged_case([200, 120], [40, 120], 4, 2, 32, 8, torch.float32, "cpu", seed)
-    gen = torch.Generator().manual_seed(seed)
-    direction = torch.nn.functional.normalize(torch.randn(32, generator=gen), dim=0)  # [d]
-    query = case.query + 4.0 * direction
-    key_cache = case.key_cache.clone()
-    for seq, seq_len in enumerate(case.seq_lens.tolist()):
-        for pos in range(seq_len):
-            block = int(case.block_tables[seq, pos // 8])
-            # 0.3 / (scale * log2(e) * 4) per position along `direction`: q . k grows 0.3 in log2 units
-            key_cache[block, pos % 8] += pos * 0.3 / (case.scale * 1.4427 * 4.0) * direction
-    case = dataclasses.replace(case, query=query, key_cache=key_cache)
-    tuning = PrefillTuning(block_m=16, block_n=16, bulk_block_n=16, lazy_rescale=True, fma_softmax=True)
-    ref = reference.paged_attention(*case.args())
-    out = triton_attention.paged_attention(*case.args(), prefill_tuning=tuning)
-    err = relative_error(out, ref)
-    assert err < 1e-5, f"seed {seed}: relative error {err}"
 
 
 def test_decode_launch_ignores_the_tuning(seed):
@@ -170,7 +143,7 @@ def test_tuning_refused_with_deterministic_tile_or_block_m():
 
 @pytest.mark.parametrize("bad", [
     dict(block_m=48), dict(block_n=8), dict(bulk_block_n=0), dict(block_m=True), dict(num_warps=3),
-    dict(num_warps=32), dict(num_stages=0), dict(loop_stages=9), dict(maxnreg=300), dict(maxnreg=16),
+    dict(num_warps=32), dict(num_stages=0), dict(num_stages=9), dict(maxnreg=300), dict(maxnreg=16),
 ])
 def test_prefill_tuning_checks_its_fields(bad):
     with pytest.raises(ValueError, match="PrefillTuning." + next(iter(bad))):
