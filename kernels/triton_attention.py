@@ -151,12 +151,12 @@ def _attend_tiles(
     acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, lo, hi, kv_hi,
     row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window, softcap_log2,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Online-softmax update of (acc, m_i, l_i) over context positions [lo, hi), BLOCK_N at a time,
     K/V gathered through the block table. MASKED: positions >= kv_hi or after a row's own position
     (and, SLIDING, `window` or more before it) are excluded; unmasked calls must cover only positions
-    every row may see. EVEN_D (head_dim == D_PAD): an unmasked call loads K/V with no mask at all."""
+    every row may see."""
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         if MASKED:
@@ -168,14 +168,8 @@ def _attend_tiles(
             kv_mask = dim_valid[None, :]
         kv_offset = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot + head_offset
         # an FP8 cache's tiles in the query's dtype (exact); a no-op for a cache of that dtype
-        k_ptrs = key_cache_ptr + kv_offset[:, None] + dims[None, :]
-        v_ptrs = value_cache_ptr + kv_offset[:, None] + dims[None, :]
-        if EVEN_D and not MASKED:
-            k = tl.load(k_ptrs).to(q.dtype)
-            v = tl.load(v_ptrs).to(q.dtype)
-        else:
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:  # cap * tanh(score / cap), in the base-2 domain: tanh(x) = 1 - 2 / (e^2x + 1)
             s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * (s / softcap_log2)) + 1.0))
@@ -202,7 +196,7 @@ def _attend_context(
     acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
     first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window, softcap_log2,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """The default mode's pass over a query tile's context [kv_lo, kv_hi): the mask only where some
     row of the tile needs it."""
@@ -215,19 +209,19 @@ def _attend_context(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, unmasked_lo,
             unmasked_lo, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-            softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP, EVEN_D,
+            softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
         )
     num_unmasked = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BLOCK_N
     unmasked_hi = unmasked_lo + num_unmasked * BLOCK_N
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo, unmasked_hi,
         kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-        softcap_log2, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, SLIDING, SOFTCAP, EVEN_D,
+        softcap_log2, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, SLIDING, SOFTCAP,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_hi, kv_hi,
         kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-        softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP, EVEN_D,
+        softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
     )
     return acc, m_i, l_i
 
@@ -305,7 +299,7 @@ def _attend_context_tuned(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, unmasked_lo,
             unmasked_lo, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-            softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP, EVEN_D,
+            softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
         )
     num_bulk = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BULK_N
     bulk_hi = unmasked_lo + num_bulk * BULK_N
@@ -317,7 +311,7 @@ def _attend_context_tuned(
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, bulk_hi, kv_hi,
         kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-        softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP, EVEN_D,
+        softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
     )
     return acc, m_i, l_i
 
@@ -416,7 +410,6 @@ def _paged_attention_kernel(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset,
             kv_lo // BLOCK_N * BLOCK_N, kv_hi, kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block,
             stride_c_slot, window, softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
-            EVEN_D,
         )
     elif BULK_N > 0:  # a PrefillTuning
         acc, m_i, l_i = _attend_context_tuned(
@@ -429,7 +422,7 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_context(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
             first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-            softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP, EVEN_D,
+            softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP,
         )
 
     if SCALE_V:  # an FP8 cache holds V / v_scale (the split reduce is linear in acc)
@@ -584,7 +577,7 @@ def paged_attention(
         partition_size = triton.cdiv(max_seq_len, num_splits)
         num_splits = triton.cdiv(max_seq_len, partition_size)
     split = num_splits > 1
-    tuning = dict(BULK_N=0, BLOCK_ADDR=False, EVEN_D=head_dim == d_pad, FMA_SOFTMAX=False)
+    tuning = dict(BULK_N=0, BLOCK_ADDR=False, EVEN_D=False, FMA_SOFTMAX=False)
     launch = {}
     if tuned:
         t = prefill_tuning
