@@ -22,7 +22,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import reference, triton_attention, triton_cache
-from kernels.bench_common import BLOCK_SIZE, DEV, DTYPE, LLAMA3_8B, contiguous_kv, time_ms
+from kernels.bench_common import BLOCK_SIZE, DEV, DTYPE, LLAMA3_8B, contiguous_kv, paged_kv, time_ms
 from kernels.bench_prefill import bench_prefill, prefill_table
 from kernels.testing import relative_error
 
@@ -65,12 +65,7 @@ def copy_bandwidth() -> float:
 def _decode_inputs(batch: int, context: int, gen: torch.Generator):
     heads, kv_heads, dim = LLAMA3_8B["num_heads"], LLAMA3_8B["num_kv_heads"], LLAMA3_8B["head_dim"]
     blocks_per_seq = context // BLOCK_SIZE
-    num_blocks = batch * blocks_per_seq + 64
-    shape = (num_blocks, BLOCK_SIZE, kv_heads, dim)
-    key_cache = torch.randn(shape, device=DEV, dtype=DTYPE, generator=gen)
-    value_cache = torch.randn(shape, device=DEV, dtype=DTYPE, generator=gen)
-    perm = torch.randperm(num_blocks, device=DEV, generator=gen)[: batch * blocks_per_seq]
-    block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)  # [B, blocks_per_seq] scattered
+    key_cache, value_cache, block_tables = paged_kv(batch, blocks_per_seq, kv_heads, dim, gen, DEV, DTYPE)
     query = torch.randn(batch, heads, dim, device=DEV, dtype=DTYPE, generator=gen)  # [B, 32, 128]
     seq_lens = torch.full((batch,), context, device=DEV, dtype=torch.int32)
     query_start_loc = torch.arange(batch + 1, device=DEV, dtype=torch.int32)

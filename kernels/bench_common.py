@@ -20,3 +20,15 @@ def contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     batch = block_tables.shape[0]
     gathered = cache[block_tables.long()]  # [B, blocks, bs, kvh, d]
     return gathered.flatten(1, 2).transpose(1, 2).contiguous().view(batch, cache.shape[2], -1, cache.shape[3])
+
+
+def paged_kv(batch: int, blocks_per_seq: int, kv_heads: int, head_dim: int, gen: torch.Generator,
+             device: str, dtype: torch.dtype) -> tuple:
+    """(key_cache, value_cache, block_tables): random caches of BLOCK_SIZE-slot blocks with 64 spare
+    blocks, and each of `batch` sequences' blocks_per_seq blocks scattered over them ([B, n] int32)."""
+    num_blocks = batch * blocks_per_seq + 64
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    key_cache = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+    value_cache = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+    perm = torch.randperm(num_blocks, device=device, generator=gen)[: batch * blocks_per_seq]
+    return key_cache, value_cache, perm.view(batch, blocks_per_seq).to(torch.int32)

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import triton_attention
-from kernels.bench_common import BLOCK_SIZE, DEV, DTYPE, LLAMA3_8B, contiguous_kv, time_ms
+from kernels.bench_common import BLOCK_SIZE, DEV, DTYPE, LLAMA3_8B, contiguous_kv, paged_kv, time_ms
 from kernels.testing import relative_error
 
 PREFILL_SHAPES = [  # (name, batch, new tokens per sequence, cached prefix per sequence)
@@ -70,12 +70,7 @@ def prefill_inputs(batch: int, new_tokens: int, prefix: int, gen: torch.Generato
     context = prefix + new_tokens
     assert context % BLOCK_SIZE == 0
     blocks_per_seq = context // BLOCK_SIZE
-    num_blocks = batch * blocks_per_seq + 64
-    shape = (num_blocks, BLOCK_SIZE, kv_heads, dim)
-    key_cache = torch.randn(shape, device=DEV, dtype=DTYPE, generator=gen)
-    value_cache = torch.randn(shape, device=DEV, dtype=DTYPE, generator=gen)
-    perm = torch.randperm(num_blocks, device=DEV, generator=gen)[: batch * blocks_per_seq]
-    block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)  # [B, blocks_per_seq] scattered
+    key_cache, value_cache, block_tables = paged_kv(batch, blocks_per_seq, kv_heads, dim, gen, DEV, DTYPE)
     # [B*L, 32, 128]
     query = torch.randn(batch * new_tokens, heads, dim, device=DEV, dtype=DTYPE, generator=gen)
     seq_lens = torch.full((batch,), context, device=DEV, dtype=torch.int32)
