@@ -42,7 +42,7 @@ PREFILL_TUNING_MIN_TOKENS_PER_SEQ query tokens a sequence run DEFAULT_PREFILL_TU
 addressing and the softmax scale inside exp2's argument. Other PrefillTuning values (tile sizes,
 pipelining depth, register cap, each switch on or off) are the candidates of
 `python -m kernels.bench --only prefill --sweep`. Decode, deterministic mode, a forced `tile` or
-`block_m` and launches of mostly decode rows keep the untuned path above (_attend_context).
+`block_m` and launches of mostly decode rows keep the untuned path (_attend_context with BULK_N 0).
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
@@ -196,10 +196,13 @@ def _attend_context(
     acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
     first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window, softcap_log2,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr,
+    FMA_SOFTMAX: tl.constexpr,
 ):
     """The default mode's pass over a query tile's context [kv_lo, kv_hi): the mask only where some
-    row of the tile needs it."""
+    row of the tile needs it. BULK_N > 0 (a PrefillTuning): the unmasked whole tiles go through
+    _attend_bulk in BULK_N tiles (up to BULK_N - 1 positions more than otherwise then take the masked
+    loop); BULK_N == 0: through _attend_tiles unmasked, in BLOCK_N tiles."""
     # Whole tiles at or before the tile's first query position need no mask; the rest (the causal
     # diagonal, the partial last tile) do. SLIDING: so do the positions before the last row's window
     # (the first rows see them, later rows do not), attended first with their own upper bound.
@@ -211,13 +214,22 @@ def _attend_context(
             unmasked_lo, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
             softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
         )
-    num_unmasked = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BLOCK_N
-    unmasked_hi = unmasked_lo + num_unmasked * BLOCK_N
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo, unmasked_hi,
-        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-        softcap_log2, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, SLIDING, SOFTCAP,
-    )
+    if BULK_N > 0:
+        num_bulk = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BULK_N
+        unmasked_hi = unmasked_lo + num_bulk * BULK_N
+        acc, m_i, l_i = _attend_bulk(
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo,
+            unmasked_hi, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
+            BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX,
+        )
+    else:
+        num_unmasked = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BLOCK_N
+        unmasked_hi = unmasked_lo + num_unmasked * BLOCK_N
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo,
+            unmasked_hi, kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+            softcap_log2, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, SLIDING, SOFTCAP,
+        )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_hi, kv_hi,
         kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
@@ -279,40 +291,6 @@ def _attend_bulk(
             p = tl.exp2(s - m_i[:, None])
         l_i = l_i + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _attend_context_tuned(
-    acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
-    first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window, softcap_log2,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr, BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr,
-    FMA_SOFTMAX: tl.constexpr,
-):
-    """_attend_context with a PrefillTuning: whole BULK_N tiles at or before the tile's first query
-    position go through _attend_bulk, the rest (up to BULK_N - 1 positions more than the default
-    mode's masked part, and the causal diagonal) through the masked loop in BLOCK_N tiles."""
-    unmasked_lo = kv_lo
-    if SLIDING:  # as in _attend_context
-        unmasked_lo = tl.minimum(tl.maximum(kv_lo, kv_end - window), tl.maximum(kv_hi, kv_lo))
-        acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, unmasked_lo,
-            unmasked_lo, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-            softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
-        )
-    num_bulk = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BULK_N
-    bulk_hi = unmasked_lo + num_bulk * BULK_N
-    acc, m_i, l_i = _attend_bulk(
-        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo, bulk_hi,
-        dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
-        BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX,
-    )
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, bulk_hi, kv_hi,
-        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-        softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
-    )
     return acc, m_i, l_i
 
 
@@ -411,18 +389,12 @@ def _paged_attention_kernel(
             kv_lo // BLOCK_N * BLOCK_N, kv_hi, kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block,
             stride_c_slot, window, softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
         )
-    elif BULK_N > 0:  # a PrefillTuning
-        acc, m_i, l_i = _attend_context_tuned(
+    else:  # BULK_N > 0 (a PrefillTuning): its unmasked loop
+        acc, m_i, l_i = _attend_context(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
             first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
             softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP, BULK_N, BLOCK_ADDR, EVEN_D,
             FMA_SOFTMAX,
-        )
-    else:
-        acc, m_i, l_i = _attend_context(
-            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
-            first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-            softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP,
         )
 
     if SCALE_V:  # an FP8 cache holds V / v_scale (the split reduce is linear in acc)
@@ -553,17 +525,17 @@ def paged_attention(
             # bf16 cache 375; 64 x 4096: 211 / 214 / 280 / 371 (docs/benchmarks.md, FP8 KV cache)
             block_n, num_warps, num_stages = 32, 2, 5
         num_tiles = num_seqs
+    elif prefill_tuning is not None:
+        block_m = max(prefill_tuning.block_m, g_pad)
+        block_q, block_n = block_m // g_pad, prefill_tuning.block_n
+        num_warps, num_stages = prefill_tuning.num_warps, prefill_tuning.num_stages
     else:
         block_m = max(16, g_pad) if deterministic else max(block_m or 64, g_pad)
         block_q, block_n, num_warps = block_m // g_pad, 64, 4
         num_stages = 3 if deterministic else 2  # the decode tile's pipelining depth (no effect on the bits)
+    if not is_decode:
         num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles exit at once
     tuned = prefill_tuning is not None and not is_decode
-    if tuned:
-        block_m = max(prefill_tuning.block_m, g_pad)
-        block_q, block_n = block_m // g_pad, prefill_tuning.block_n
-        num_warps, num_stages = prefill_tuning.num_warps, prefill_tuning.num_stages
-        num_tiles = num_tokens // block_q + num_seqs
     if tile is not None:
         block_n, num_warps, num_stages = tile
     partition_size = _NO_PARTITION

@@ -28,6 +28,15 @@ FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
+def as_cached(x, inv_scale, cache_dtype: tl.constexpr, FP8: tl.constexpr):
+    """x as the cache stores it: a cast, or into an FP8 (e4m3) cache x * float32(1 / scale) clamped to
+    +-448 first (e4m3 has no infinity), then the cast. Every kernel that writes the cache uses it."""
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+    return x.to(cache_dtype)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
@@ -45,12 +54,10 @@ def _reshape_and_cache_kernel(
     tok = token.to(tl.int64)
     k = tl.load(key_ptr + tok * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask)
     v = tl.load(value_ptr + tok * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask)
-    if FP8:  # e4m3 has no infinity: clamp before the cast
-        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
+    cache_dtype = key_cache_ptr.dtype.element_ty
     dst = slot * stride_c_slot + heads[:, None] * stride_c_head + dims[None, :]
-    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(key_cache_ptr + dst, as_cached(k, k_inv_scale, cache_dtype, FP8), mask=mask)
+    tl.store(value_cache_ptr + dst, as_cached(v, v_inv_scale, cache_dtype, FP8), mask=mask)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:

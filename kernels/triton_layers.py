@@ -21,9 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_E4M3_MAX, check_scales, is_fp8
-
-FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+from kernels.reference import check_scales, is_fp8
+from kernels.triton_cache import as_cached
 
 
 @triton.jit
@@ -159,17 +158,12 @@ def _rotary_and_cache_kernel(
             src = v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + offs[None, :]
             v1 = tl.load(src, mask=mask)
             v2 = tl.load(src + half, mask=mask)
-            if FP8:  # as _reshape_and_cache_kernel (triton_cache.py): e4m3 has no infinity, clamp first
-                k1 = tl.minimum(tl.maximum(k1.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
-                k2 = tl.minimum(tl.maximum(k2.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
-                v1 = tl.minimum(tl.maximum(v1.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
-                v2 = tl.minimum(tl.maximum(v2.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
             cache_dtype = key_cache_ptr.dtype.element_ty
             dst = slot * stride_c_slot + heads[:, None] * stride_c_head + offs[None, :]
-            tl.store(key_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
-            tl.store(key_cache_ptr + dst + half, k2.to(cache_dtype), mask=mask)
-            tl.store(value_cache_ptr + dst, v1.to(cache_dtype), mask=mask)
-            tl.store(value_cache_ptr + dst + half, v2.to(cache_dtype), mask=mask)
+            tl.store(key_cache_ptr + dst, as_cached(k1, k_inv_scale, cache_dtype, FP8), mask=mask)
+            tl.store(key_cache_ptr + dst + half, as_cached(k2, k_inv_scale, cache_dtype, FP8), mask=mask)
+            tl.store(value_cache_ptr + dst, as_cached(v1, v_inv_scale, cache_dtype, FP8), mask=mask)
+            tl.store(value_cache_ptr + dst + half, as_cached(v2, v_inv_scale, cache_dtype, FP8), mask=mask)
 
 
 def rotary_and_cache(
