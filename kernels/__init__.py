@@ -48,17 +48,19 @@ def reshape_and_cache(
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
     sliding_window: int = 0, logit_softcap: float = 0.0, deterministic: bool = False,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """deterministic: batch-invariant rows (kernels/triton_attention.py); the CPU reference ignores it.
-    k_scale, v_scale: the scales the (FP8) cache was written with."""
+    k_scale, v_scale: the scales the (FP8) cache was written with. fresh_kv: (key, value) [T, KV, D] of
+    this step's tokens, equal to what the cache holds for them: the CUDA kernel may read the prefill
+    rows' keys from there (TMA tiles); the reference reads the cache."""
     args = (
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         max_query_len, max_seq_len, scale, sliding_window, logit_softcap,
     )
     if query.is_cuda:
         return _cuda_module("triton_attention").paged_attention(
-            *args, deterministic=deterministic, k_scale=k_scale, v_scale=v_scale
+            *args, deterministic=deterministic, k_scale=k_scale, v_scale=v_scale, fresh_kv=fresh_kv
         )
     return reference.paged_attention(*args, k_scale, v_scale)
 
@@ -87,14 +89,15 @@ def rotary_embedding(positions, query, key, cos_cache, sin_cache) -> tuple[torch
 
 def rotary_and_cache(
     positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, rotate_key_in_place: bool = False,
 ) -> torch.Tensor:
     """rotary_embedding of query and key, then reshape_and_cache of the rotated key and the value, in
-    one launch on CUDA; returns the rotated query (the same bits as the two ops one after the other)."""
+    one launch on CUDA; returns the rotated query (the same bits as the two ops one after the other).
+    rotate_key_in_place: the rotated keys also overwrite `key` (for paged_attention's fresh_kv)."""
     impl = _cuda_module("triton_layers") if query.is_cuda else reference
     return impl.rotary_and_cache(
         positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
-        k_scale, v_scale,
+        k_scale, v_scale, rotate_key_in_place,
     )
 
 

@@ -7,8 +7,14 @@ prefix of 1024 (prefix caching, chunked prefill). SDPA gets the same K/V contigu
 ([B, kv_heads, context, d]) and every form that runs here is timed (each backend, GQA without
 repeating K/V or with K/V repeated, is_causal or the bottom-right-aligned causal mask a cached
 prefix needs); the fastest form whose output agrees with the explicit-mask one is the baseline.
-TFLOP/s count only the query-key pairs the causal mask lets through. With `sweep`, every entry of
-PREFILL_CANDIDATES is timed on every shape too.
+TFLOP/s count only the query-key pairs the causal mask lets through.
+
+"ours" is the launch a model's attention layer makes: paged_attention with the step's own K/V
+(`fresh_kv`, strided views of a QKV projection output holding what the cache holds for the new
+tokens), so the new tokens' K/V are read as TMA tiles and the cached prefix through the block table;
+"varlen" is the same call without fresh_kv (the one-kernel path every prefill took before). With
+`sweep`, every entry of PREFILL_CANDIDATES (the varlen kernel's) and FRESH_CANDIDATES is timed on
+every shape too.
 """
 
 import warnings
@@ -38,7 +44,7 @@ PREFILL_CANDIDATES: dict[str, dict] = {
     # the untuned path (a forced tile takes no PrefillTuning): 64 rows, BLOCK_N 64, 4 warps, 2 stages:
     # 200 regs, 80 KB, 2 per SM
     "untuned_64": dict(tile=(64, 4, 2)),
-    "default": {},  # what paged_attention picks: DEFAULT_PREFILL_TUNING on these shapes
+    "default": {},  # what paged_attention picks without fresh_kv: DEFAULT_PREFILL_TUNING on these shapes
     "addr_fma": dict(prefill_tuning=_T(**_FAST)),  # ~100 fewer instructions per K/V tile (of ~500)
     # 5 stages: K/V two tiles ahead (3 buffers; with 2 or 3 stages the block-table load takes the
     # extra stage and each iteration waits for the tile issued at the end of the one before).
@@ -54,6 +60,24 @@ PREFILL_CANDIDATES: dict[str, dict] = {
     "m128_bulk128_w8_5stages": dict(prefill_tuning=_T(  # 238 regs, 225 KB: 1 per SM
         **_FAST, block_m=128, bulk_block_n=128, num_warps=8, num_stages=5,
     )),
+}
+
+
+_F = triton_attention.FreshTuning
+# name: the fresh-K/V launch's FreshTuning (paged_attention's fresh_tuning)
+FRESH_CANDIDATES: dict[str, object] = {
+    "fresh_m64_n64_w4_s3": _F(),  # DEFAULT_FRESH_TUNING
+    "fresh_m64_n64_w4_s4": _F(num_stages=4),
+    "fresh_m64_n128_w4_s3": _F(block_n=128),
+    "fresh_m128_n64_w8_s3": _F(block_m=128, num_warps=8),
+    "fresh_m128_n128_w8_s3": _F(block_m=128, block_n=128, num_warps=8),  # LONG_FRESH_TUNING
+    "fresh_m128_n128_w8_s2": _F(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    "fresh_m128_n128_w8_s4": _F(block_m=128, block_n=128, num_warps=8, num_stages=4),
+    # GQA packing: a program's rows are 16 or 32 tokens x the 4 query heads of one KV head
+    "fresh_packed_m64_n64_w4_s3": _F(packed=True),
+    "fresh_packed_m128_n64_w4_s3": _F(block_m=128, packed=True),
+    "fresh_packed_m128_n64_w8_s3": _F(block_m=128, num_warps=8, packed=True),
+    "fresh_packed_m128_n128_w8_s3": _F(block_m=128, block_n=128, num_warps=8, packed=True),
 }
 
 
@@ -77,6 +101,25 @@ def prefill_inputs(batch: int, new_tokens: int, prefix: int, gen: torch.Generato
     query_start_loc = torch.arange(0, batch * new_tokens + 1, new_tokens, device=DEV, dtype=torch.int32)
     return (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, new_tokens, context,
             dim ** -0.5)
+
+
+def fresh_inputs(args: tuple, batch: int, new_tokens: int, prefix: int) -> tuple:
+    """(query, (key, value)) as a model's attention layer passes them: strided views of one
+    [B * L, (32 + 2 * 8) * 128] QKV buffer, the query's values those of args[0] and the key and value
+    those the cache holds at the new tokens' positions."""
+    query, key_cache, value_cache, block_tables = args[:4]
+    num_tokens, heads, dim = query.shape
+    kv_heads = key_cache.shape[2]
+    qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * dim, device=query.device, dtype=query.dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = q.view(num_tokens, heads, dim)
+    k = k.view(num_tokens, kv_heads, dim)
+    v = v.view(num_tokens, kv_heads, dim)
+    q.copy_(query)
+    for cache, dst in ((key_cache, k), (value_cache, v)):
+        contiguous = contiguous_kv(cache, block_tables)[:, :, prefix:]  # [B, kv_heads, L, d]
+        dst.copy_(contiguous.transpose(1, 2).reshape(batch * new_tokens, kv_heads, dim))
+    return q, (k, v)
 
 
 def _sdpa_forms(q, key, value, prefix: int) -> dict:
@@ -155,25 +198,37 @@ def bench_prefill_shape(name: str, batch: int, new_tokens: int, prefix: int, gen
     sdpa_out = sdpa_out.transpose(1, 2).reshape(batch * new_tokens, heads, dim)  # as ours: [B*L, 32, 128]
     del key, value
     pairs = causal_pairs(batch, new_tokens, prefix)
+    fresh_query, fresh_kv = fresh_inputs(args, batch, new_tokens, prefix)
 
-    def measure(kwargs: dict) -> dict:
-        out = triton_attention.paged_attention(*args, **kwargs)
-        ms = time_ms(lambda: triton_attention.paged_attention(*args, **kwargs))
+    def measure(kwargs: dict, fresh: bool = False) -> dict:
+        call = (fresh_query,) + args[1:] if fresh else args
+        if fresh:
+            kwargs = dict(kwargs, fresh_kv=fresh_kv)
+        out = triton_attention.paged_attention(*call, **kwargs)
+        ms = time_ms(lambda: triton_attention.paged_attention(*call, **kwargs))
         return dict(ms=ms, speed_vs_sdpa=sdpa_all[sdpa_form] / ms, tflops=_tflops(pairs, ms),
                     rel_error_vs_sdpa=relative_error(out, sdpa_out))
 
-    ours = measure({})
+    ours = measure({}, fresh=True)
+    varlen = measure({})
     row = dict(
         shape=name, batch=batch, prompt=new_tokens, prefix=prefix, causal_pairs=pairs,
         ours_ms=ours["ms"], sdpa_ms=sdpa_all[sdpa_form], sdpa_form=sdpa_form, sdpa_all_ms=sdpa_all,
         speed_vs_sdpa=ours["speed_vs_sdpa"], ours_tflops=ours["tflops"],
         sdpa_tflops=_tflops(pairs, sdpa_all[sdpa_form]), rel_error_vs_sdpa=ours["rel_error_vs_sdpa"],
+        varlen_ms=varlen["ms"], varlen_speed_vs_sdpa=varlen["speed_vs_sdpa"],
     )
     if sweep:
         row["sweep"] = {}
+        for variant, tuning in FRESH_CANDIDATES.items():
+            try:
+                row["sweep"][variant] = measure(dict(fresh_tuning=tuning), fresh=True)
+            except Exception as exc:  # a variant that does not compile or launch here (e.g. shared memory)
+                row["sweep"][variant] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            print(f"  {name} {variant}: {row['sweep'][variant]}", flush=True)
         for variant, kwargs in PREFILL_CANDIDATES.items():
             try:
-                row["sweep"][variant] = ours if not kwargs else measure(kwargs)
+                row["sweep"][variant] = varlen if not kwargs else measure(kwargs)
             except Exception as exc:  # a variant that does not compile or launch here (e.g. shared memory)
                 row["sweep"][variant] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
             print(f"  {name} {variant}: {row['sweep'][variant]}", flush=True)
@@ -192,21 +247,21 @@ def prefill_table(rows: list[dict]) -> str:
     lines = ["prefill attention, llama3-8b heads (32 q / 8 kv, d=128, bf16), block 16, causal; "
              "TFLOP/s over the causal pairs",
              f"{'shape':>12} {'ours us':>8} {'sdpa us':>8} {'sdpa/ours':>9} {'ours TF':>8} {'sdpa TF':>8} "
-             f"{'rel err':>8}  sdpa form"]
+             f"{'rel err':>8} {'varlen/ours':>11}  sdpa form"]
     for r in rows:
         lines.append(
             f"{r['shape']:>12} {r['ours_ms'] * 1e3:>8.1f} {r['sdpa_ms'] * 1e3:>8.1f} "
             f"{r['speed_vs_sdpa']:>9.3f} {r['ours_tflops']:>8.0f} {r['sdpa_tflops']:>8.0f} "
-            f"{r['rel_error_vs_sdpa']:>8.4f}  {r['sdpa_form']}"
+            f"{r['rel_error_vs_sdpa']:>8.4f} {r['varlen_ms'] / r['ours_ms']:>11.3f}  {r['sdpa_form']}"
         )
     if any("sweep" in r for r in rows):
         lines += ["", "sweep: us (sdpa/ours) per shape; * the shape's best; err: rel. error vs SDPA > 1e-2",
-                  f"{'variant':>26} " + " ".join(f"{r['shape']:>22}" for r in rows)]
+                  f"{'variant':>28} " + " ".join(f"{r['shape']:>22}" for r in rows)]
         best = {}  # shape -> the fastest variant with a small error
         for r in rows:
             timed = [(v["ms"], k) for k, v in r["sweep"].items() if v.get("rel_error_vs_sdpa", 1.0) <= 1e-2]
             best[r["shape"]] = min(timed)[1] if timed else None
-        for variant in PREFILL_CANDIDATES:
+        for variant in [*FRESH_CANDIDATES, *PREFILL_CANDIDATES]:
             cells = []
             for r in rows:
                 v = r["sweep"].get(variant, {})
@@ -216,5 +271,5 @@ def prefill_table(rows: list[dict]) -> str:
                 mark = "*" if best[r["shape"]] == variant else ""
                 mark += " err" if v["rel_error_vs_sdpa"] > 1e-2 else ""
                 cells.append(f"{v['ms'] * 1e3:.1f} ({v['speed_vs_sdpa']:.3f}){mark}".rjust(22))
-            lines.append(f"{variant:>26} " + " ".join(cells))
+            lines.append(f"{variant:>28} " + " ".join(cells))
     return "\n".join(lines)

@@ -100,3 +100,27 @@ def random_block_pairs(
         return torch.stack([ids[:num_pairs], ids[num_pairs : 2 * num_pairs]], dim=1)
     src = torch.randint(0, num_src_blocks, (num_pairs,), generator=gen)
     return torch.stack([src, torch.randperm(num_dst_blocks, generator=gen)[:num_pairs]], dim=1)
+
+
+def fresh_qkv(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's q, k, v as a model's attention layer has them (paged_attention's fresh_kv): strided
+    views of one [T, (H + 2 KV) * D] QKV buffer, q the case's query, k and v what the cache holds at
+    each query token's position."""
+    num_tokens, num_heads, head_dim = case.query.shape
+    block_size, num_kv_heads = case.key_cache.shape[1], case.key_cache.shape[2]
+    device = case.query.device
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.empty(num_tokens, width, dtype=case.query.dtype, device=device)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    q.copy_(case.query)
+    starts = case.query_start_loc.long()
+    query_lens = starts[1:] - starts[:-1]  # [B]
+    seq = torch.repeat_interleave(torch.arange(len(query_lens), device=device), query_lens)  # [T]
+    pos = case.seq_lens.long()[seq] - query_lens[seq] + torch.arange(num_tokens, device=device) - starts[seq]
+    block = case.block_tables.long()[seq, pos // block_size]
+    k.copy_(case.key_cache[block, pos % block_size])
+    v.copy_(case.value_cache[block, pos % block_size])
+    return q, k, v

@@ -41,8 +41,21 @@ PREFILL_TUNING_MIN_TOKENS_PER_SEQ query tokens a sequence run DEFAULT_PREFILL_TU
 8 warps held to 128 registers), whose unmasked K/V tiles go through _attend_bulk: block-aligned K/V
 addressing and the softmax scale inside exp2's argument. Other PrefillTuning values (tile sizes,
 pipelining depth, register cap, each switch on or off) are the candidates of
-`python -m kernels.bench --only prefill --sweep`. Decode, deterministic mode, a forced `tile` or
-`block_m` and launches of mostly decode rows keep the untuned path (_attend_context with BULK_N 0).
+`python -m kernels.bench --only prefill --sweep`. Deterministic mode, a forced `tile` or `block_m`
+and launches of mostly decode rows keep the untuned path (_attend_context with BULK_N 0); so does the
+decode launch of a bf16/fp16 cache, while an FP8 cache's decode launch takes _attend_bulk (32-position
+tiles, one warp, six stages: H100 0.60 -> 0.57 of the bf16 cache's time at 256 x 1024).
+
+Fresh K/V (`fresh_kv=`, what a model's attention layer passes for a step with prefill rows): the
+step's own K/V as the QKV projection left them (strided [T, KV, D] views, the keys rotated). Where
+fresh_kv_usable (a cache in the query's dtype, no window or softcap, not deterministic, a power-of-two
+head_dim, sm_90+), a prefill or mixed launch becomes two: the decode launch for the sequences of one
+query token (its kernel skips the others) and _fresh_prefill_kernel for the rest, whose programs
+(BLOCK_M tokens of one query head, or packed GQA rows) read the cached prefix through the block table
+(_attend_bulk) and the fresh tokens as whole [BLOCK_N, D] TMA tiles from rows q_begin + j of the
+views: no block-table gather for the keys the step itself wrote, and the Hopper TMA unit moves the
+tiles into shared memory. Tiles that run past a sequence's end read the next sequence's rows (or
+zeros past the tensor) and are masked by the causal test.
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
@@ -130,6 +143,64 @@ class PrefillTuning:
             raise ValueError(f"PrefillTuning.num_stages must be 1..8, got {self.num_stages!r}")
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 32 <= self.maxnreg <= 255):
             raise ValueError(f"PrefillTuning.maxnreg must be 32..255 or None, got {self.maxnreg!r}")
+
+
+@dataclass(frozen=True)
+class FreshTuning:
+    """The fresh-K/V prefill launch (paged_attention's `fresh_kv`). packed: a program owns BLOCK_M rows
+    of BLOCK_M // G query tokens x the G query heads of one KV head (GQA packing; G a power of two),
+    else BLOCK_M tokens of one query head. block_n: K/V tile (fresh and prefix)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    packed: bool = False
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not _is_pow2(value) or not 16 <= value <= 256:
+                raise ValueError(f"FreshTuning.{name} must be a power of two in [16, 256], got {value!r}")
+        if not _is_pow2(self.num_warps) or self.num_warps > 16:
+            raise ValueError(f"FreshTuning.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"FreshTuning.num_stages must be 1..8, got {self.num_stages!r}")
+
+
+DEFAULT_FRESH_TUNING = FreshTuning()
+LONG_FRESH_TUNING = FreshTuning(block_m=128, block_n=128, num_warps=8)
+LONG_FRESH_MIN_TOKENS_PER_SEQ = 2048
+
+
+def fresh_tuning_for(num_tokens: int, num_seqs: int) -> FreshTuning:
+    """The launch for a step of num_tokens over num_seqs sequences (shapes only: a CUDA graph replays
+    what it captured)."""
+    if num_tokens >= LONG_FRESH_MIN_TOKENS_PER_SEQ * num_seqs:
+        return LONG_FRESH_TUNING
+    return DEFAULT_FRESH_TUNING
+
+
+def fresh_kv_usable(query, key_cache, fresh_kv, sliding_window, logit_softcap, deterministic) -> bool:
+    """Whether a prefill launch can read the step's K/V from `fresh_kv` through TMA descriptors: a cache
+    in the query's dtype (an FP8 cache's fresh K/V would be read unrounded), no window or softcap (not
+    written in this kernel), a power-of-two head_dim, 16-byte aligned rows, and on CUDA a GPU with TMA
+    (sm_90+); the Triton interpreter (CPU tests) lowers the descriptors to plain loads."""
+    if fresh_kv is None or deterministic or sliding_window > 0 or logit_softcap > 0:
+        return False
+    key, value = fresh_kv
+    num_tokens, num_heads, head_dim = query.shape
+    if key_cache.dtype != query.dtype or not (_is_pow2(head_dim) and 16 <= head_dim <= 256):
+        return False
+    if query.is_cuda and torch.cuda.get_device_capability(query.device)[0] < 9:
+        return False
+    size = query.element_size()
+    for t in (query, key, value):
+        if t.shape[0] != num_tokens or t.stride(2) != 1 or t.stride(1) != head_dim:
+            return False
+        if (t.stride(0) * size) % 16 or t.data_ptr() % 16:
+            return False
+    return key.shape == value.shape == (num_tokens, key_cache.shape[2], head_dim)
 
 
 @triton.jit
@@ -342,6 +413,8 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
     if q_tile_start >= q_len:
         return
+    if IS_DECODE and q_len > 1:  # a prefill row of a mixed step: the fresh-K/V launch's (fresh_prefill)
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_start = seq_len - q_len  # position of the sequence's first query token
 
@@ -479,6 +552,8 @@ def paged_attention(
     tile: tuple[int, int, int] | None = None, block_m: int | None = None, deterministic: bool = False,
     k_scale: float = 1.0, v_scale: float = 1.0, fp8_f16: bool | None = None,
     prefill_tuning: PrefillTuning | None = None,
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None, fresh_tuning: FreshTuning | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
     the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
@@ -491,7 +566,13 @@ def paged_attention(
     cache holds K / k_scale and V / v_scale; its tiles are read in the query's dtype, k_scale
     folded into the softmax scale and v_scale into the output. fp8_f16: a bf16 query over an FP8
     cache computes in f16 (None: so it does; False: in bf16, for comparisons). prefill_tuning: a
-    PrefillTuning for prefill and mixed launches (not with tile, block_m or deterministic)."""
+    PrefillTuning for prefill and mixed launches (not with tile, block_m or deterministic).
+    fresh_kv: (key, value) [T, KV, D] of this step's tokens, the values the cache holds for them (the
+    rotated keys); where fresh_kv_usable, a prefill or mixed launch runs its decode rows through the
+    decode launch and its prefill rows through _fresh_prefill_kernel (TMA tiles of the fresh K/V, the
+    cached prefix through the block table), with fresh_tuning or fresh_tuning_for's choice; not with
+    num_splits, tile, block_m or prefill_tuning (the varlen kernel's sweeps). out: write into this
+    [T, H, D] tensor instead of a new one."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -500,9 +581,21 @@ def paged_attention(
     assert key_cache.shape == value_cache.shape and block_tables.stride(1) == 1
     check_scales(key_cache.dtype, k_scale, v_scale)
     q_f16 = key_cache.element_size() == 1 and query.dtype == torch.bfloat16 and fp8_f16 is not False
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
+    forced = num_splits is not None or tile is not None or block_m is not None or prefill_tuning is not None
+    usable = fresh_kv_usable(query, key_cache, fresh_kv, sliding_window, logit_softcap, deterministic)
+    if max_query_len > 1 and not forced and usable:
+        # decode rows (sequences of one query token; the decode kernel skips the others), then the rest
+        paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, 1,
+                        max_seq_len, scale, out=out)
+        fresh_prefill(out, query, fresh_kv[0], fresh_kv[1], key_cache, value_cache, block_tables, seq_lens,
+                      query_start_loc, scale, fresh_tuning or fresh_tuning_for(num_tokens, num_seqs))
+        return out
+    if fresh_tuning is not None:
+        raise ValueError("fresh_tuning needs a prefill launch that can read fresh_kv (fresh_kv_usable)")
 
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
@@ -520,10 +613,11 @@ def paged_attention(
         prefill_tuning = DEFAULT_PREFILL_TUNING
     if is_decode:
         block_q, block_m, block_n, num_warps, num_stages = 1, max(16, g_pad), 64, 4, 3
-        if key_cache.element_size() == 1:  # e4m3 (dots in f16): smaller tiles, more in flight. H100,
-            # 256 x 1024: (BLOCK_N 32, 2 warps, 5 stages) 226 us, (64, 2, 6) 228, (64, 4, 5) 242, the
-            # bf16 cache 375; 64 x 4096: 211 / 214 / 280 / 371 (docs/benchmarks.md, FP8 KV cache)
-            block_n, num_warps, num_stages = 32, 2, 5
+        if key_cache.element_size() == 1:  # e4m3 (dots in f16): small tiles, one warp, deep pipeline,
+            # through _attend_bulk (block-aligned addresses, scale in exp2). H100, 256 x 1024: 215.6 us,
+            # (32, 2, 5) through _attend_tiles 225.2, (16, 1, 6) 213.0 but 231 at 64 x 4096 (205.8 here);
+            # the bf16 cache 375 (docs/benchmarks.md, FP8 KV cache)
+            block_n, num_warps, num_stages = 32, 1, 6
         num_tiles = num_seqs
     elif prefill_tuning is not None:
         block_m = max(prefill_tuning.block_m, g_pad)
@@ -536,6 +630,7 @@ def paged_attention(
     if not is_decode:
         num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles exit at once
     tuned = prefill_tuning is not None and not is_decode
+    fp8_decode = is_decode and key_cache.element_size() == 1 and tile is None
     if tile is not None:
         block_n, num_warps, num_stages = tile
     partition_size = _NO_PARTITION
@@ -562,6 +657,11 @@ def paged_attention(
         )
         if t.maxnreg is not None:
             launch["maxnreg"] = t.maxnreg
+    elif fp8_decode:  # the unmasked tiles through _attend_bulk, masked head dims, scale in exp2
+        tuning.update(
+            BULK_N=block_n, FMA_SOFTMAX=True,
+            BLOCK_ADDR=sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0,
+        )
 
     f32 = dict(dtype=torch.float32, device=query.device)
     part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32) if split else out
@@ -588,3 +688,139 @@ def paged_attention(
             S_PAD=triton.next_power_of_2(num_splits), D_PAD=d_pad, num_warps=4,
         )
     return out
+
+
+# ---- prefill rows over the step's own K/V (fresh_kv): TMA tiles; the cached prefix via the block table ----
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_search_steps", "stride_bt_seq"])
+def _fresh_prefill_kernel(
+    out_ptr, q_desc, k_desc, v_desc, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    query_start_loc_ptr, scale_log2, num_seqs, num_search_steps, stride_o_tok, stride_o_head,
+    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
+    GROUP: tl.constexpr, PACKED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program: BLOCK_Q query tokens of one sequence with q_len >= 2 (decode rows are the decode
+    launch's) x one query head (PACKED: the GROUP heads of one KV head, rows r = t * GROUP + g). Keys:
+    the cached prefix [0, context_start) gathered through the block table, then the sequence's fresh
+    tokens [0, last row] read as TMA tiles from rows q_begin + j of the fresh K/V, causal on the
+    diagonal. Tiles past the sequence's end (the next sequence's rows, or zeros past the tensor) are
+    masked."""
+    tile_id = tl.program_id(0)
+    head = tl.program_id(1)  # PACKED: the KV head; else the query head
+    seq = _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    q_tile_start = (tile_id - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if q_len < 2 or q_tile_start >= q_len:
+        return
+    context_start = tl.load(seq_lens_ptr + seq) - q_len
+    rows = tl.arange(0, BLOCK_M)
+    if PACKED:
+        kv_head = head
+        row_token = q_tile_start + rows // GROUP
+        row_head = kv_head * GROUP + rows % GROUP
+        q = q_desc.load([q_begin + q_tile_start, kv_head * GROUP, 0]).reshape([BLOCK_M, D])
+    else:
+        kv_head = head // GROUP
+        row_token = q_tile_start + rows
+        row_head = head + rows * 0
+        q = q_desc.load([q_begin + q_tile_start, head * D])
+    dims = tl.arange(0, D)
+    dim_valid = dims < D
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+
+    # the cached prefix: every row sees all of it; whole tiles unmasked, the rest masked by position
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    head_offset = kv_head.to(tl.int64) * stride_c_head
+    prefix_bulk = context_start // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _attend_bulk(
+        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, 0, prefix_bulk,
+        dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, 0.0,
+        BLOCK_N, BLOCK_SIZE, DOT_PRECISION, False, BLOCK_N % BLOCK_SIZE == 0, True, True,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, prefix_bulk,
+        context_start, context_start, context_start + row_token, dims, dim_valid, scale_log2,
+        stride_c_block, stride_c_slot, 0, 0.0, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, False, False,
+    )
+
+    # the fresh tokens: whole tiles before the first row unmasked, then the causal diagonal
+    fresh_lo = q_tile_start // BLOCK_N * BLOCK_N
+    k_col = kv_head * D
+    for j in tl.range(0, fresh_lo, BLOCK_N, num_stages=NUM_STAGES):
+        k = k_desc.load([q_begin + j, k_col])
+        v = v_desc.load([q_begin + j, k_col])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    fresh_hi = tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    for j in tl.range(fresh_lo, fresh_hi, BLOCK_N):
+        k = k_desc.load([q_begin + j, k_col])
+        v = v_desc.load([q_begin + j, k_col])
+        cols = j + tl.arange(0, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(cols[None, :] <= row_token[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    row_global = (q_begin + row_token).to(tl.int64)
+    tl.store(
+        out_ptr + row_global[:, None] * stride_o_tok + row_head[:, None] * stride_o_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=(row_token < q_len)[:, None],
+    )
+
+
+def _descriptor(t: torch.Tensor, block_shape: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_tokens, heads, dim = t.shape
+    if len(block_shape) == 3:  # [T, heads, D] boxes of [tokens, heads, D]
+        return TensorDescriptor(t, [num_tokens, heads, dim], [t.stride(0), dim, 1], block_shape)
+    return TensorDescriptor(t, [num_tokens, heads * dim], [t.stride(0), 1], block_shape)
+
+
+def fresh_prefill(
+    out, query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+    tuning: FreshTuning,
+) -> None:
+    """The prefill rows (sequences with >= 2 query tokens) of a step into `out`, keys from the cached
+    prefix and the step's own K/V (key, value [T, KV, D], what the cache holds for those tokens)."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    packed = tuning.packed and _is_pow2(group) and tuning.block_m >= group
+    block_m = tuning.block_m
+    block_q = block_m // group if packed else block_m
+    if packed:
+        q_desc = _descriptor(query, [block_q, group, head_dim])
+    else:
+        q_desc = _descriptor(query, [block_m, head_dim])
+    k_desc = _descriptor(key, [tuning.block_n, head_dim])
+    v_desc = _descriptor(value, [tuning.block_n, head_dim])
+    num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles and decode rows exit
+    _fresh_prefill_kernel[(num_tiles, num_kv_heads if packed else num_heads)](
+        out, q_desc, k_desc, v_desc, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        scale * math.log2(math.e), num_seqs, max(0, (num_seqs - 1).bit_length()),
+        out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        GROUP=group, PACKED=packed, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tuning.block_n,
+        BLOCK_SIZE=block_size, D=head_dim, NUM_STAGES=tuning.num_stages,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+    )

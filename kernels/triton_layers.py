@@ -125,7 +125,7 @@ def _rotary_and_cache_kernel(
     stride_c_slot, stride_c_head,  # key and value caches share strides
     stride_cos,
     num_heads, num_kv_heads, num_q_blocks, half, k_inv_scale, v_inv_scale,
-    HEADS: tl.constexpr, HALF_PAD: tl.constexpr, FP8: tl.constexpr,
+    HEADS: tl.constexpr, HALF_PAD: tl.constexpr, FP8: tl.constexpr, KEY_IN_PLACE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -155,6 +155,9 @@ def _rotary_and_cache_kernel(
             x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
             k1, k2 = _rotated_halves(x1, x2, cos, sin, dtype)
+            if KEY_IN_PLACE:  # each program reads its keys before writing them back
+                tl.store(src, k1, mask=mask)
+                tl.store(src + half, k2, mask=mask)
             src = v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + offs[None, :]
             v1 = tl.load(src, mask=mask)
             v2 = tl.load(src + half, mask=mask)
@@ -168,9 +171,11 @@ def _rotary_and_cache_kernel(
 
 def rotary_and_cache(
     positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
-    k_scale=1.0, v_scale=1.0,
+    k_scale=1.0, v_scale=1.0, rotate_key_in_place=False,
 ):
     """rotary_embedding + reshape_and_cache in one launch; returns the rotated query [T, H, D].
+    rotate_key_in_place: the rotated keys also overwrite `key` (tokens with a slot), for a prefill
+    launch that reads the step's K from there (paged_attention's fresh_kv).
 
     grid = (T, cdiv(H, HEADS) + cdiv(KV, HEADS)). Program (t, b) for b < cdiv(H, HEADS) rotates
     query heads [b * HEADS, (b + 1) * HEADS) of token t into the new query tensor; a program past
@@ -203,7 +208,8 @@ def rotary_and_cache(
         key_cache.stride(1), key_cache.stride(2),
         cos_cache.stride(0),
         num_heads, num_kv_heads, num_q_blocks, half, 1.0 / k_scale, 1.0 / v_scale,
-        HEADS=heads, HALF_PAD=half_pad, FP8=is_fp8(key_cache.dtype), num_warps=2,
+        HEADS=heads, HALF_PAD=half_pad, FP8=is_fp8(key_cache.dtype), KEY_IN_PLACE=rotate_key_in_place,
+        num_warps=2,
     )
     return query_out
 

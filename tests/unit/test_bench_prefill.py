@@ -35,6 +35,11 @@ def on_cpu(monkeypatch):
         "small_tuned": dict(prefill_tuning=triton_attention.PrefillTuning(
             block_m=16, block_n=16, bulk_block_n=16, block_addressing=True, fma_softmax=True)),
     })
+    fresh = triton_attention.FreshTuning
+    monkeypatch.setattr(bench_prefill, "FRESH_CANDIDATES", {
+        "small_fresh": fresh(block_m=16, block_n=16, num_warps=1, num_stages=1),
+        "small_fresh_packed": fresh(block_m=16, block_n=16, num_warps=1, num_stages=1, packed=True),
+    })
 
 
 @pytest.mark.parametrize(("batch", "new_tokens", "prefix"), [(2, 48, 0), (2, 32, 32)])
@@ -42,11 +47,29 @@ def test_ours_agrees_with_the_sdpa_baseline(on_cpu, batch, new_tokens, prefix):
     gen = torch.Generator().manual_seed(0)
     row = bench_prefill.bench_prefill_shape("toy", batch, new_tokens, prefix, gen, sweep=True)
     assert row["rel_error_vs_sdpa"] < 1e-5, row
-    assert row["sweep"]["small_tuned"]["rel_error_vs_sdpa"] < 1e-5, row["sweep"]
+    for variant in ("small_tuned", "small_fresh", "small_fresh_packed"):
+        assert row["sweep"][variant]["rel_error_vs_sdpa"] < 1e-5, row["sweep"]
+    assert row["varlen_ms"] > 0 and row["varlen_speed_vs_sdpa"] > 0
     if prefix:  # the explicit bottom-right mask is among the forms that ran and agreed
         assert any("bool_mask" in name for name in row["sdpa_all_ms"]), row["sdpa_all_ms"]
     table = bench_prefill.prefill_table([row])
-    assert "small_tuned" in table and "default" in table
+    assert all(name in table for name in ("small_tuned", "default", "small_fresh", "small_fresh_packed"))
+
+
+def test_ours_is_the_fresh_kv_launch(on_cpu, monkeypatch):
+    """The headline figure times what a model's layer runs: the fresh-K/V launch (counted), with
+    views of one QKV buffer holding what the cache holds for the new tokens."""
+    calls = []
+    real = triton_attention.fresh_prefill
+    monkeypatch.setattr(triton_attention, "fresh_prefill",
+                        lambda *a, **k: (calls.append(a[4]), real(*a, **k)))
+    gen = torch.Generator().manual_seed(2)
+    args = bench_prefill.prefill_inputs(2, 32, 16, gen)
+    query, (key, value) = bench_prefill.fresh_inputs(args, 2, 32, 16)
+    assert key._base is query._base is value._base  # one QKV buffer
+    out = triton_attention.paged_attention(query, *args[1:], fresh_kv=(key, value))
+    assert len(calls) == 1
+    assert bench_prefill.relative_error(out, triton_attention.paged_attention(*args)) < 1e-5
 
 
 def test_a_top_left_causal_mask_would_disagree_with_a_prefix(on_cpu):

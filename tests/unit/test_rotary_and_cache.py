@@ -270,3 +270,34 @@ def counted(fn, calls: list):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+@pytest.mark.parametrize("impl_name", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rotate_key_in_place_writes_the_rotated_keys_over_key(impl_name, dtype):
+    """rotate_key_in_place: the QKV buffer's key columns hold the rotated keys of the tokens with a slot
+    (bit for bit rotary_embedding's) and nothing else in the buffer changes; the query, cache and value
+    results are those of the default call."""
+    impl = triton_layers if impl_name == "triton" else reference
+    case = make_case(7, 4, 2, 64, dtype, dtype, seed=11)
+    qkv_before = case["q"]._base.clone() if case["q"]._base is not None else None
+    q_want, caches_want = run_fused(case, impl)
+    _, k_rotated = triton_layers.rotary_embedding(
+        case["positions"], case["q"], case["k"], case["cos"], case["sin"])
+    k_before = case["k"].clone()
+    caches = [c.clone() for c in case["caches"]]
+    q_out = impl.rotary_and_cache(
+        case["positions"], case["q"], case["k"], case["v"], *caches, case["slots"], case["cos"], case["sin"],
+        1.0, 1.0, True,
+    )
+    assert_same_bits(q_out, q_want)
+    for got, want in zip(caches, caches_want, strict=True):
+        assert_same_bits(got, want)
+    real = case["slots"] >= 0
+    assert_same_bits(case["k"][real], k_rotated[real])
+    assert_same_bits(case["k"][~real], k_before[~real])
+    assert qkv_before is not None
+    qkv = case["q"]._base
+    width_q = 4 * 64
+    assert_same_bits(qkv[:, :width_q], qkv_before[:, :width_q])  # queries untouched
+    assert_same_bits(qkv[:, width_q + 2 * 64 :], qkv_before[:, width_q + 2 * 64 :])  # values untouched

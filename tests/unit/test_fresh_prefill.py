@@ -1,0 +1,155 @@
+"""The fresh-K/V prefill launch (kernels/triton_attention.py `fresh_prefill`, paged_attention's
+`fresh_kv`) against the torch reference on CPU under the Triton interpreter: prefill rows read the
+cached prefix through the block table and the step's own K/V from strided views of a QKV buffer (as
+the model's projection leaves them), decode rows of a mixed step go through the decode launch.
+"""
+
+import importlib
+import os
+import random
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_fresh_prefill_gpu.py runs the compiled kernels",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+
+from kernels import reference, triton_attention  # noqa: E402
+from kernels.testing import fresh_qkv, make_paged_case, relative_error  # noqa: E402
+from tests.helpers.triton_interpreter import patch_interpreter_for_numpy  # noqa: E402
+
+if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":  # imported earlier
+    triton_attention = importlib.reload(triton_attention)
+
+patch_interpreter_for_numpy()
+
+FreshTuning = triton_attention.FreshTuning
+SMALL = FreshTuning(block_m=16, block_n=16, num_warps=1, num_stages=1)
+SMALL_PACKED = FreshTuning(block_m=16, block_n=16, num_warps=1, num_stages=1, packed=True)
+WIDE_N = FreshTuning(block_m=16, block_n=32, num_warps=1, num_stages=1)
+
+# (seq_lens, query_lens): a prompt without prefix, a chunk after a 45-token cached prefix (not a
+# multiple of the tile), two decode rows, a two-token chunk after a long prefix
+MIXED = ([53, 115, 9, 1, 66], [53, 70, 1, 1, 2])
+
+
+@pytest.fixture
+def seed(request):
+    value = random.randrange(2**31)
+    print(f"{request.node.name}: seed {value}")
+    return value
+
+
+def fresh_views(case, heads, kv_heads, dim):
+    q, k, v = fresh_qkv(case)
+    assert k.shape == (case.query.shape[0], kv_heads, dim) and q.shape[1] == heads
+    return q, k, v
+
+
+def run(case, q, k, v, tuning, **kwargs):
+    args = (q,) + case.args()[1:]
+    return triton_attention.paged_attention(*args, fresh_kv=(k, v), fresh_tuning=tuning, **kwargs)
+
+
+@pytest.mark.parametrize("tuning", [SMALL, SMALL_PACKED, WIDE_N], ids=["per_head", "packed", "block_n_32"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: the GPU test (the interpreter)
+def test_mixed_step_matches_reference(seed, tuning, heads, kv_heads, dtype):
+    case = make_paged_case(*MIXED, heads, kv_heads, 16, 16, dtype, "cpu", seed)
+    q, k, v = fresh_views(case, heads, kv_heads, 16)
+    out = run(case, q, k, v, tuning)
+    ref = reference.paged_attention(*case.args())
+    err = relative_error(out, ref)
+    assert err < (1e-5 if dtype == torch.float32 else 2e-3), f"seed {seed}: relative error {err}"
+
+
+def test_prefill_rows_read_the_fresh_kv_not_the_cache(seed):
+    """Fresh K/V that differ from the cache: the prefill rows' answer is the one computed with the
+    fresh values at the step's positions (the cache's prefix positions still from the cache), and the
+    decode rows' answer the cache's."""
+    heads, kv_heads, dim = 4, 2, 16
+    case = make_paged_case(*MIXED, heads, kv_heads, dim, 16, torch.float32, "cpu", seed)
+    q, k, v = fresh_views(case, heads, kv_heads, dim)
+    k.mul_(-0.5)
+    v.add_(1.0)
+    out = run(case, q, k, v, SMALL)
+    # the expected answer: the fresh values written into a copy of the cache at the prefill rows' slots
+    key_cache, value_cache = case.key_cache.clone(), case.value_cache.clone()
+    starts = case.query_start_loc.tolist()
+    for s, seq_len in enumerate(case.seq_lens.tolist()):
+        q_len = starts[s + 1] - starts[s]
+        for i in range(q_len if q_len > 1 else 0):
+            pos = seq_len - q_len + i
+            block = int(case.block_tables[s, pos // 16])
+            key_cache[block, pos % 16] = k[starts[s] + i]
+            value_cache[block, pos % 16] = v[starts[s] + i]
+    args = list(case.args())
+    args[1], args[2] = key_cache, value_cache
+    expected = reference.paged_attention(*args)
+    assert relative_error(out, expected) < 1e-5
+    decode_rows = [starts[2], starts[3]]
+    plain = reference.paged_attention(*case.args())
+    assert torch.allclose(out[decode_rows], plain[decode_rows], atol=1e-5)
+    prefill_rows = list(range(starts[1], starts[2]))
+    assert not torch.allclose(out[prefill_rows], plain[prefill_rows], atol=1e-2)
+
+
+def test_decode_launch_skips_prefill_rows():
+    """A mixed step's decode launch writes only the rows of one-token sequences."""
+    case = make_paged_case(*MIXED, 4, 2, 16, 16, torch.float32, "cpu", 3)
+    out = torch.full_like(case.query, 7.0)
+    args = list(case.args())
+    args[6] = 1  # max_query_len 1: the decode launch
+    triton_attention.paged_attention(*args, out=out)
+    starts = case.query_start_loc.tolist()
+    ref = reference.paged_attention(*case.args())
+    for s in range(len(MIXED[0])):
+        rows = slice(starts[s], starts[s + 1])
+        if starts[s + 1] - starts[s] == 1:
+            assert torch.allclose(out[rows], ref[rows], atol=1e-5)
+        else:
+            assert (out[rows] == 7.0).all()
+
+
+def test_default_tuning_by_shape():
+    assert triton_attention.fresh_tuning_for(4 * 2048, 4) == triton_attention.LONG_FRESH_TUNING
+    assert triton_attention.fresh_tuning_for(4096, 20) == triton_attention.DEFAULT_FRESH_TUNING
+
+
+@pytest.mark.parametrize("why", ["window", "softcap", "deterministic", "fp8", "odd_dim", "no_fresh"])
+def test_unusable_fresh_kv_falls_back(why):
+    """Where the fresh launch does not apply, the varlen kernel answers (and the answer is right)."""
+    heads, kv_heads, dim = 4, 2, 24 if why == "odd_dim" else 16
+    case = make_paged_case(*MIXED, heads, kv_heads, dim, 16, torch.float32, "cpu", 5)
+    q, k, v = fresh_views(case, heads, kv_heads, dim)
+    kwargs, ref_extra = {}, ()
+    if why == "window":
+        kwargs = dict(sliding_window=20)
+        ref_extra = (20,)
+    elif why == "softcap":
+        kwargs = dict(logit_softcap=5.0)
+        ref_extra = (0, 5.0)
+    elif why == "deterministic":
+        kwargs = dict(deterministic=True)
+    fresh = None if why == "no_fresh" else (k, v)
+    key_cache = case.key_cache.to(torch.float8_e4m3fn) if why == "fp8" else case.key_cache
+    assert not triton_attention.fresh_kv_usable(
+        q, key_cache, fresh, kwargs.get("sliding_window", 0), kwargs.get("logit_softcap", 0.0),
+        kwargs.get("deterministic", False))
+    if why == "fp8":
+        return
+    args = (q,) + case.args()[1:]
+    out = triton_attention.paged_attention(*args, fresh_kv=fresh, **kwargs)
+    ref = reference.paged_attention(*case.args(), *ref_extra)
+    assert relative_error(out, ref) < 1e-5
+
+
+def test_fresh_tuning_validates():
+    for bad in (dict(block_m=24), dict(block_n=512), dict(num_warps=3), dict(num_stages=0)):
+        with pytest.raises(ValueError):
+            FreshTuning(**bad)
+    case = make_paged_case(*MIXED, 4, 2, 16, 16, torch.float32, "cpu", 1)
+    with pytest.raises(ValueError, match="fresh_tuning"):
+        triton_attention.paged_attention(*case.args(), fresh_tuning=SMALL)  # no fresh_kv
