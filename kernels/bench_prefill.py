@@ -71,8 +71,7 @@ FRESH_CANDIDATES: dict[str, object] = {
     "fresh_m64_n128_w4_s3": _F(block_n=128),
     "fresh_m128_n64_w8_s3": _F(block_m=128, num_warps=8),
     "fresh_m128_n128_w8_s3": _F(block_m=128, block_n=128, num_warps=8),  # LONG_FRESH_TUNING
-    "fresh_m128_n128_w8_s2": _F(block_m=128, block_n=128, num_warps=8, num_stages=2),
-    "fresh_m128_n128_w8_s4": _F(block_m=128, block_n=128, num_warps=8, num_stages=4),
+    "fresh_m128_n128_w8_s2": _F(block_m=128, block_n=128, num_warps=8, num_stages=2),  # (s4: > 227 KB smem)
     # GQA packing: a program's rows are 16 or 32 tokens x the 4 query heads of one KV head
     "fresh_packed_m64_n64_w4_s3": _F(packed=True),
     "fresh_packed_m128_n64_w4_s3": _F(block_m=128, packed=True),

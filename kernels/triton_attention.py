@@ -588,9 +588,10 @@ def paged_attention(
     forced = num_splits is not None or tile is not None or block_m is not None or prefill_tuning is not None
     usable = fresh_kv_usable(query, key_cache, fresh_kv, sliding_window, logit_softcap, deterministic)
     if max_query_len > 1 and not forced and usable:
-        # decode rows (sequences of one query token; the decode kernel skips the others), then the rest
+        # decode rows (sequences of one query token; the decode kernel skips the others), then the rest.
+        # Not split: a split's reduce runs over every token of the step (4 x 2048 tokens: 3x the time)
         paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, 1,
-                        max_seq_len, scale, out=out)
+                        max_seq_len, scale, num_splits=1, out=out)
         fresh_prefill(out, query, fresh_kv[0], fresh_kv[1], key_cache, value_cache, block_tables, seq_lens,
                       query_start_loc, scale, fresh_tuning or fresh_tuning_for(num_tokens, num_seqs))
         return out

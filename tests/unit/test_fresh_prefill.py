@@ -153,3 +153,19 @@ def test_fresh_tuning_validates():
     case = make_paged_case(*MIXED, 4, 2, 16, 16, torch.float32, "cpu", 1)
     with pytest.raises(ValueError, match="fresh_tuning"):
         triton_attention.paged_attention(*case.args(), fresh_tuning=SMALL)  # no fresh_kv
+
+
+def test_the_decode_launch_of_a_mixed_step_is_not_split(monkeypatch):
+    """A split's reduce runs over every token of the launch: a mixed step's decode launch must not
+    split (it would reduce all the prefill rows too), even where the split rule would."""
+    monkeypatch.setattr(triton_attention, "choose_num_splits", lambda *a: 4)
+
+    class NoReduce:
+        def __getitem__(self, grid):
+            raise AssertionError("the split reduce ran")
+
+    monkeypatch.setattr(triton_attention, "_reduce_splits_kernel", NoReduce())
+    case = make_paged_case(*MIXED, 4, 2, 16, 16, torch.float32, "cpu", 9)
+    q, k, v = fresh_views(case, 4, 2, 16)
+    out = run(case, q, k, v, SMALL)
+    assert relative_error(out, reference.paged_attention(*case.args())) < 1e-5
