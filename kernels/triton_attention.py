@@ -168,9 +168,12 @@ class FreshTuning:
             raise ValueError(f"FreshTuning.num_stages must be 1..8, got {self.num_stages!r}")
 
 
+# H100 sweep (docs/benchmarks.md "Prefill"): 64-row tiles of one head, 4 warps, 3 stages are the fastest
+# at 4 x 2048 (332 us; 128 x 128 tiles 365) and 16 x 512; 128 x 128 tiles with 8 warps at 1 x 8192
+# (1,130 us; 64-row 1,230)
 DEFAULT_FRESH_TUNING = FreshTuning()
 LONG_FRESH_TUNING = FreshTuning(block_m=128, block_n=128, num_warps=8)
-LONG_FRESH_MIN_TOKENS_PER_SEQ = 2048
+LONG_FRESH_MIN_TOKENS_PER_SEQ = 4096
 
 
 def fresh_tuning_for(num_tokens: int, num_seqs: int) -> FreshTuning:

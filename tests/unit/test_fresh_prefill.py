@@ -114,7 +114,8 @@ def test_decode_launch_skips_prefill_rows():
 
 
 def test_default_tuning_by_shape():
-    assert triton_attention.fresh_tuning_for(4 * 2048, 4) == triton_attention.LONG_FRESH_TUNING
+    assert triton_attention.fresh_tuning_for(8192, 1) == triton_attention.LONG_FRESH_TUNING
+    assert triton_attention.fresh_tuning_for(4 * 2048, 4) == triton_attention.DEFAULT_FRESH_TUNING
     assert triton_attention.fresh_tuning_for(4096, 20) == triton_attention.DEFAULT_FRESH_TUNING
 
 
