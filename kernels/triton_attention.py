@@ -710,8 +710,8 @@ def _fresh_prefill_kernel(
     launch's) x one query head (PACKED: the GROUP heads of one KV head, rows r = t * GROUP + g). Keys:
     the cached prefix [0, context_start) gathered through the block table, then the sequence's fresh
     tokens [0, last row] read as TMA tiles from rows q_begin + j of the fresh K/V, causal on the
-    diagonal. Tiles past the sequence's end (the next sequence's rows, or zeros past the tensor) are
-    masked."""
+    diagonal. Tiles past the sequence's end (the next sequence's rows, padding rows, zeros past the
+    tensor) are masked: their scores by the causal test, their V rows zeroed."""
     tile_id = tl.program_id(0)
     head = tl.program_id(1)  # PACKED: the KV head; else the query head
     seq = _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, BLOCK_Q)
@@ -768,9 +768,11 @@ def _fresh_prefill_kernel(
         m_i = m_new
     fresh_hi = tl.minimum(q_tile_start + BLOCK_Q, q_len)
     for j in tl.range(fresh_lo, fresh_hi, BLOCK_N):
-        k = k_desc.load([q_begin + j, k_col])
-        v = v_desc.load([q_begin + j, k_col])
         cols = j + tl.arange(0, BLOCK_N)
+        k = k_desc.load([q_begin + j, k_col])
+        # rows past the sequence's end: the next sequence's, or a CUDA graph's padding tokens, whose
+        # values may be inf or NaN; their weights are 0, but 0 * NaN is NaN, so they are zeroed
+        v = tl.where((cols < q_len)[:, None], v_desc.load([q_begin + j, k_col]), 0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(cols[None, :] <= row_token[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

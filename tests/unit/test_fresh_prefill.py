@@ -170,3 +170,25 @@ def test_the_decode_launch_of_a_mixed_step_is_not_split(monkeypatch):
     q, k, v = fresh_views(case, 4, 2, 16)
     out = run(case, q, k, v, SMALL)
     assert relative_error(out, reference.paged_attention(*case.args())) < 1e-5
+
+
+@pytest.mark.parametrize("tuning", [SMALL, WIDE_N], ids=["per_head", "block_n_32"])
+def test_padding_rows_with_nan_do_not_leak(seed, tuning):
+    """A CUDA graph's step has padding tokens after the last sequence (query_start_loc[-1] < T) whose
+    projections may hold inf or NaN: the last sequence's diagonal tile reads them and must not turn
+    its rows NaN."""
+    heads, kv_heads, dim = 4, 2, 16
+    case = make_paged_case(*MIXED, heads, kv_heads, dim, 16, torch.float32, "cpu", seed)
+    q, k, v = fresh_views(case, heads, kv_heads, dim)
+    pad = 21
+    qkv = torch.cat([q._base, torch.full((pad, q._base.shape[1]), float("nan"))])
+    qkv[-pad:, -1] = float("inf")
+    width_q, width_kv = heads * dim, kv_heads * dim
+    q2 = qkv[:, :width_q].view(-1, heads, dim)
+    k2 = qkv[:, width_q : width_q + width_kv].view(-1, kv_heads, dim)
+    v2 = qkv[:, width_q + width_kv :].view(-1, kv_heads, dim)
+    out = triton_attention.paged_attention(q2, *case.args()[1:], fresh_kv=(k2, v2), fresh_tuning=tuning)
+    real = case.query.shape[0]
+    ref = reference.paged_attention(*case.args())
+    assert torch.isfinite(out[:real]).all()
+    assert relative_error(out[:real], ref) < 1e-5
