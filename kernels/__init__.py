@@ -93,7 +93,8 @@ def rotary_and_cache(
 ) -> torch.Tensor:
     """rotary_embedding of query and key, then reshape_and_cache of the rotated key and the value, in
     one launch on CUDA; returns the rotated query (the same bits as the two ops one after the other).
-    rotate_key_in_place: the rotated keys also overwrite `key` (for paged_attention's fresh_kv)."""
+    rotate_key_in_place: the rotated keys also overwrite `key`, and padding tokens' (slot < 0) key and
+    value rows are zeroed (for paged_attention's fresh_kv)."""
     impl = _cuda_module("triton_layers") if query.is_cuda else reference
     return impl.rotary_and_cache(
         positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,

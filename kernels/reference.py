@@ -227,12 +227,14 @@ def rotary_and_cache(
 ) -> torch.Tensor:
     """rotary_embedding, then reshape_and_cache of the rotated key and the value; returns the rotated
     query [T, H, D]. The rotated key goes to the cache, and with rotate_key_in_place also over `key`
-    (the tokens with a slot >= 0)."""
+    (the tokens with a slot >= 0), the key and value rows of the others (padding) zeroed."""
     query_out, key_out = rotary_embedding(positions, query, key, cos_cache, sin_cache)
     reshape_and_cache(key_out, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     if rotate_key_in_place:
         cached = slot_mapping >= 0
         key[cached] = key_out[cached]
+        key[~cached] = 0
+        value[~cached] = 0
     return query_out
 
 

@@ -571,11 +571,12 @@ def paged_attention(
     cache computes in f16 (None: so it does; False: in bf16, for comparisons). prefill_tuning: a
     PrefillTuning for prefill and mixed launches (not with tile, block_m or deterministic).
     fresh_kv: (key, value) [T, KV, D] of this step's tokens, the values the cache holds for them (the
-    rotated keys); where fresh_kv_usable, a prefill or mixed launch runs its decode rows through the
-    decode launch and its prefill rows through _fresh_prefill_kernel (TMA tiles of the fresh K/V, the
-    cached prefix through the block table), with fresh_tuning or fresh_tuning_for's choice; not with
-    num_splits, tile, block_m or prefill_tuning (the varlen kernel's sweeps). out: write into this
-    [T, H, D] tensor instead of a new one."""
+    rotated keys), and finite in every row (a CUDA graph's padding tokens included); where
+    fresh_kv_usable, a prefill or mixed launch runs its decode rows through the decode launch and its
+    prefill rows through _fresh_prefill_kernel (TMA tiles of the fresh K/V, the cached prefix through
+    the block table), with fresh_tuning or fresh_tuning_for's choice; not with num_splits, tile,
+    block_m or prefill_tuning (the varlen kernel's sweeps). out: write into this [T, H, D] tensor
+    instead of a new one."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -711,7 +712,9 @@ def _fresh_prefill_kernel(
     the cached prefix [0, context_start) gathered through the block table, then the sequence's fresh
     tokens [0, last row] read as TMA tiles from rows q_begin + j of the fresh K/V, causal on the
     diagonal. Tiles past the sequence's end (the next sequence's rows, padding rows, zeros past the
-    tensor) are masked: their scores by the causal test, their V rows zeroed."""
+    tensor) are masked by the causal test; their V rows get weight 0, so they must be finite (0 * NaN
+    is NaN): rotary_and_cache(rotate_key_in_place=True) zeroes the padding tokens' rows. (Zeroing
+    them here instead, with a select on the V tile, cost 20-60 % of the kernel's time on the H100.)"""
     tile_id = tl.program_id(0)
     head = tl.program_id(1)  # PACKED: the KV head; else the query head
     seq = _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, BLOCK_Q)
@@ -770,9 +773,7 @@ def _fresh_prefill_kernel(
     for j in tl.range(fresh_lo, fresh_hi, BLOCK_N):
         cols = j + tl.arange(0, BLOCK_N)
         k = k_desc.load([q_begin + j, k_col])
-        # rows past the sequence's end: the next sequence's, or a CUDA graph's padding tokens, whose
-        # values may be inf or NaN; their weights are 0, but 0 * NaN is NaN, so they are zeroed
-        v = tl.where((cols < q_len)[:, None], v_desc.load([q_begin + j, k_col]), 0.0)
+        v = v_desc.load([q_begin + j, k_col])  # rows past the sequence: weight 0, finite (fresh_kv)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(cols[None, :] <= row_token[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -167,6 +167,16 @@ def _rotary_and_cache_kernel(
             tl.store(key_cache_ptr + dst + half, as_cached(k2, k_inv_scale, cache_dtype, FP8), mask=mask)
             tl.store(value_cache_ptr + dst, as_cached(v1, v_inv_scale, cache_dtype, FP8), mask=mask)
             tl.store(value_cache_ptr + dst + half, as_cached(v2, v_inv_scale, cache_dtype, FP8), mask=mask)
+        elif KEY_IN_PLACE:  # a padding token: zero K and V rows (a fresh-K/V tile may read them, weight 0)
+            heads = (block - num_q_blocks) * HEADS + tl.arange(0, HEADS)
+            mask = (heads[:, None] < num_kv_heads) & in_half[None, :]
+            zero = tl.zeros([HEADS, HALF_PAD], dtype=dtype)
+            dst = k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + offs[None, :]
+            tl.store(dst, zero, mask=mask)
+            tl.store(dst + half, zero, mask=mask)
+            dst = v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + offs[None, :]
+            tl.store(dst, zero, mask=mask)
+            tl.store(dst + half, zero, mask=mask)
 
 
 def rotary_and_cache(
@@ -174,8 +184,9 @@ def rotary_and_cache(
     k_scale=1.0, v_scale=1.0, rotate_key_in_place=False,
 ):
     """rotary_embedding + reshape_and_cache in one launch; returns the rotated query [T, H, D].
-    rotate_key_in_place: the rotated keys also overwrite `key` (tokens with a slot), for a prefill
-    launch that reads the step's K from there (paged_attention's fresh_kv).
+    rotate_key_in_place: the rotated keys also overwrite `key` (tokens with a slot), and the key and
+    value rows of tokens without one (a CUDA graph's padding) are zeroed, for a prefill launch that
+    reads the step's K/V from there (paged_attention's fresh_kv: finite rows past a sequence).
 
     grid = (T, cdiv(H, HEADS) + cdiv(KV, HEADS)). Program (t, b) for b < cdiv(H, HEADS) rotates
     query heads [b * HEADS, (b + 1) * HEADS) of token t into the new query tensor; a program past

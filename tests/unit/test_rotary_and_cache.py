@@ -276,8 +276,8 @@ def counted(fn, calls: list):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_rotate_key_in_place_writes_the_rotated_keys_over_key(impl_name, dtype):
     """rotate_key_in_place: the QKV buffer's key columns hold the rotated keys of the tokens with a slot
-    (bit for bit rotary_embedding's) and nothing else in the buffer changes; the query, cache and value
-    results are those of the default call."""
+    (bit for bit rotary_embedding's), the padding tokens' key and value rows are zero, and nothing else
+    in the buffer changes; the query and cache results are those of the default call."""
     impl = triton_layers if impl_name == "triton" else reference
     case = make_case(7, 4, 2, 64, dtype, dtype, seed=11)
     qkv_before = case["q"]._base.clone() if case["q"]._base is not None else None
@@ -294,10 +294,12 @@ def test_rotate_key_in_place_writes_the_rotated_keys_over_key(impl_name, dtype):
     for got, want in zip(caches, caches_want, strict=True):
         assert_same_bits(got, want)
     real = case["slots"] >= 0
+    assert (~real).any() and k_before[~real].abs().sum() > 0
     assert_same_bits(case["k"][real], k_rotated[real])
-    assert_same_bits(case["k"][~real], k_before[~real])
+    assert (case["k"][~real] == 0).all() and (case["v"][~real] == 0).all()  # padding rows zeroed
     assert qkv_before is not None
     qkv = case["q"]._base
     width_q = 4 * 64
     assert_same_bits(qkv[:, :width_q], qkv_before[:, :width_q])  # queries untouched
-    assert_same_bits(qkv[:, width_q + 2 * 64 :], qkv_before[:, width_q + 2 * 64 :])  # values untouched
+    values = qkv[:, width_q + 2 * 64 :]
+    assert_same_bits(values[real], qkv_before[:, width_q + 2 * 64 :][real])  # real tokens' values untouched
