@@ -171,12 +171,12 @@ def _rotary_and_cache_kernel(
             heads = (block - num_q_blocks) * HEADS + tl.arange(0, HEADS)
             mask = (heads[:, None] < num_kv_heads) & in_half[None, :]
             zero = tl.zeros([HEADS, HALF_PAD], dtype=dtype)
-            dst = k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + offs[None, :]
-            tl.store(dst, zero, mask=mask)
-            tl.store(dst + half, zero, mask=mask)
-            dst = v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + offs[None, :]
-            tl.store(dst, zero, mask=mask)
-            tl.store(dst + half, zero, mask=mask)
+            k_row = k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + offs[None, :]
+            tl.store(k_row, zero, mask=mask)
+            tl.store(k_row + half, zero, mask=mask)
+            v_row = v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + offs[None, :]
+            tl.store(v_row, zero, mask=mask)
+            tl.store(v_row + half, zero, mask=mask)
 
 
 def rotary_and_cache(
