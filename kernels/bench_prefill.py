@@ -9,10 +9,12 @@ repeating K/V or with K/V repeated, is_causal or the bottom-right-aligned causal
 prefix needs); the fastest form whose output agrees with the explicit-mask one is the baseline.
 TFLOP/s count only the query-key pairs the causal mask lets through.
 
-"ours" is the launch a model's attention layer makes: paged_attention with the step's own K/V
-(`fresh_kv`, strided views of a QKV projection output holding what the cache holds for the new
-tokens), so the new tokens' K/V are read as TMA tiles and the cached prefix through the block table;
-"varlen" is the same call without fresh_kv (the one-kernel path every prefill took before). With
+"ours" is paged_attention with the step's own K/V (`fresh_kv`, strided views of a QKV projection
+output holding what the cache holds for the new tokens, as a model's attention layer has them), so
+the new tokens' K/V are read as TMA tiles and the cached prefix through the block table; "varlen" is
+the same call without fresh_kv, the one-kernel path the engine's layers still take (they do not
+pass fresh_kv yet: inside the executor's CUDA graph captures two GPU checks failed, docs/benchmarks.md
+"Prefill"). With
 `sweep`, every entry of PREFILL_CANDIDATES (the varlen kernel's) and FRESH_CANDIDATES is timed on
 every shape too.
 """

@@ -46,8 +46,10 @@ and launches of mostly decode rows keep the untuned path (_attend_context with B
 decode launch of a bf16/fp16 cache, while an FP8 cache's decode launch takes _attend_bulk (32-position
 tiles, one warp, six stages: H100 0.60 -> 0.57 of the bf16 cache's time at 256 x 1024).
 
-Fresh K/V (`fresh_kv=`, what a model's attention layer passes for a step with prefill rows): the
-step's own K/V as the QKV projection left them (strided [T, KV, D] views, the keys rotated). Where
+Fresh K/V (`fresh_kv=`): the step's own K/V as the QKV projection left them (strided [T, KV, D]
+views, the keys rotated: rotary_and_cache(rotate_key_in_place=True)). The engine's attention layers
+do not pass it yet (inside the executor's CUDA graph captures an fp32 model's capture was invalidated
+and the mixed-graph pool outgrew its reserve on the H100; not diagnosed). Where
 fresh_kv_usable (a cache in the query's dtype, no window or softcap, not deterministic, a power-of-two
 head_dim, sm_90+), a prefill or mixed launch becomes two: the decode launch for the sequences of one
 query token (its kernel skips the others) and _fresh_prefill_kernel for the rest, whose programs

@@ -65,13 +65,8 @@ class PagedAttention(nn.Module):
         With `rotary` (and positions [T]) q and k come unrotated (views of the QKV projection are
         fine): one kernel rotates both and writes the rotated K and V into the cache
         (kernels.rotary_and_cache, the same bits as rotary then reshape_and_cache). Without it q
-        and k are used as they are (OPT). A rotary step with prefill rows (max_query_len > 1) also keeps
-        the rotated K in `k` (padding tokens' K/V rows zeroed) and hands (k, v) to the kernel as the
-        step's fresh K/V, which the CUDA kernel reads as whole tiles (kernels/triton_attention.py
-        fresh_prefill) instead of gathering them back from the cache; a decode step leaves the rotated
-        K only in the cache."""
+        and k are used as they are (OPT). The rotated K exists only in the cache."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        prefill = meta.max_query_len > 1 and rotary is not None
         if rotary is None:
             kernels.reshape_and_cache(
                 k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale
@@ -81,7 +76,7 @@ class PagedAttention(nn.Module):
                 raise ValueError("rotary attention needs the tokens' positions")
             q = kernels.rotary_and_cache(
                 positions, q, k, v, key_cache, value_cache, meta.slot_mapping,
-                rotary.cos_cache, rotary.sin_cache, self.k_scale, self.v_scale, rotate_key_in_place=prefill,
+                rotary.cos_cache, rotary.sin_cache, self.k_scale, self.v_scale,
             )  # [T, H, D]
         out = kernels.paged_attention(
             q,
@@ -98,6 +93,5 @@ class PagedAttention(nn.Module):
             deterministic=determinism.deterministic(),
             k_scale=self.k_scale,
             v_scale=self.v_scale,
-            fresh_kv=(k, v) if prefill else None,
         )  # [T, H, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -57,8 +57,8 @@ def test_ours_agrees_with_the_sdpa_baseline(on_cpu, batch, new_tokens, prefix):
 
 
 def test_ours_is_the_fresh_kv_launch(on_cpu, monkeypatch):
-    """The headline figure times what a model's layer runs: the fresh-K/V launch (counted), with
-    views of one QKV buffer holding what the cache holds for the new tokens."""
+    """The headline figure times the fresh-K/V launch (counted), with views of one QKV buffer
+    holding what the cache holds for the new tokens, as a model's attention layer has them."""
     calls = []
     real = triton_attention.fresh_prefill
     monkeypatch.setattr(triton_attention, "fresh_prefill",
