@@ -190,11 +190,18 @@ def fresh_kv_usable(query, key_cache, fresh_kv, sliding_window, logit_softcap, d
     """Whether a prefill launch can read the step's K/V from `fresh_kv` through TMA descriptors: a cache
     in the query's dtype (an FP8 cache's fresh K/V would be read unrounded), no window or softcap (not
     written in this kernel), a power-of-two head_dim, 16-byte aligned rows, and on CUDA a GPU with TMA
-    (sm_90+); the Triton interpreter (CPU tests) lowers the descriptors to plain loads."""
-    if fresh_kv is None or deterministic or sliding_window > 0 or logit_softcap > 0:
+    (sm_90+); the Triton interpreter (CPU tests) lowers the descriptors to plain loads. fresh_kv of
+    the wrong shape or dtype is a caller's error (ValueError), not a reason to fall back."""
+    if fresh_kv is None:
         return False
     key, value = fresh_kv
     num_tokens, num_heads, head_dim = query.shape
+    want = (num_tokens, key_cache.shape[2], head_dim)
+    if tuple(key.shape) != want or tuple(value.shape) != want or {key.dtype, value.dtype} != {query.dtype}:
+        raise ValueError(f"fresh_kv must be two {query.dtype} tensors of shape {want} (the step's K and V), "
+                         f"got {tuple(key.shape)} {key.dtype} and {tuple(value.shape)} {value.dtype}")
+    if deterministic or sliding_window > 0 or logit_softcap > 0:
+        return False
     if key_cache.dtype != query.dtype or not (_is_pow2(head_dim) and 16 <= head_dim <= 256):
         return False
     if query.is_cuda and torch.cuda.get_device_capability(query.device)[0] < 9:
@@ -205,7 +212,7 @@ def fresh_kv_usable(query, key_cache, fresh_kv, sliding_window, logit_softcap, d
             return False
         if (t.stride(0) * size) % 16 or t.data_ptr() % 16:
             return False
-    return key.shape == value.shape == (num_tokens, key_cache.shape[2], head_dim)
+    return True
 
 
 @triton.jit

@@ -192,3 +192,21 @@ def test_padding_rows_as_rotary_and_cache_leaves_them(seed):
     for tuning in (SMALL, WIDE_N):
         out = triton_attention.paged_attention(q2, *case.args()[1:], fresh_kv=(k2, v2), fresh_tuning=tuning)
         assert relative_error(out[:real], ref) < 1e-5
+
+
+@pytest.mark.parametrize("bad", ["tokens", "heads", "dim", "dtype", "value"])
+def test_fresh_kv_of_the_wrong_shape_or_dtype_is_refused(bad):
+    case = make_paged_case(*MIXED, 4, 2, 16, 16, torch.float32, "cpu", 4)
+    q, k, v = fresh_views(case, 4, 2, 16)
+    if bad == "tokens":
+        k = k[1:]
+    elif bad == "heads":
+        k = torch.cat([k, k], dim=1)
+    elif bad == "dim":
+        k = k[..., :8]
+    elif bad == "dtype":
+        k = k.to(torch.float16)
+    else:
+        v = v[:-1]
+    with pytest.raises(ValueError, match="fresh_kv must be"):
+        triton_attention.paged_attention(q, *case.args()[1:], fresh_kv=(k, v))
