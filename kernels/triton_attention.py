@@ -44,12 +44,14 @@ pipelining depth, register cap, each switch on or off) are the candidates of
 `python -m kernels.bench --only prefill --sweep`. Deterministic mode, a forced `tile` or `block_m`
 and launches of mostly decode rows keep the untuned path (_attend_context with BULK_N 0); so does the
 decode launch of a bf16/fp16 cache, while an FP8 cache's decode launch takes _attend_bulk (32-position
-tiles, one warp, six stages: H100 0.60 -> 0.57 of the bf16 cache's time at 256 x 1024).
+tiles, one warp, six stages: H100 0.60 -> 0.58 of the bf16 cache's time at 256 x 1024).
 
 Fresh K/V (`fresh_kv=`): the step's own K/V as the QKV projection left them (strided [T, KV, D]
 views, the keys rotated: rotary_and_cache(rotate_key_in_place=True)). The engine's attention layers
-do not pass it yet (inside the executor's CUDA graph captures an fp32 model's capture was invalidated
-and the mixed-graph pool outgrew its reserve on the H100; not diagnosed). Where
+do not pass it yet: with them passing it, an fp32 model's CUDA graph capture was invalidated and the
+mixed-graph pool outgrew its reserve on the H100, after other tests in the same process, and with
+CUDA_MODULE_LOADING=EAGER both passed (a kernel first loaded lazily inside a capture, not yet found;
+docs/benchmarks.md "Prefill"). Where
 fresh_kv_usable (a cache in the query's dtype, no window or softcap, not deterministic, a power-of-two
 head_dim, sm_90+), a prefill or mixed launch becomes two: the decode launch for the sequences of one
 query token (its kernel skips the others) and _fresh_prefill_kernel for the rest, whose programs
@@ -207,12 +209,11 @@ def fresh_kv_usable(query, key_cache, fresh_kv, sliding_window, logit_softcap, d
     if query.is_cuda and torch.cuda.get_device_capability(query.device)[0] < 9:
         return False
     size = query.element_size()
-    for t in (query, key, value):
-        if t.shape[0] != num_tokens or t.stride(2) != 1 or t.stride(1) != head_dim:
-            return False
-        if (t.stride(0) * size) % 16 or t.data_ptr() % 16:
-            return False
-    return True
+    return all(
+        t.stride(2) == 1 and t.stride(1) == head_dim  # [T, heads, D] rows, D contiguous
+        and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0  # TMA: 16-byte aligned rows
+        for t in (query, key, value)
+    )
 
 
 @triton.jit
@@ -596,6 +597,9 @@ def paged_attention(
     q_f16 = key_cache.element_size() == 1 and query.dtype == torch.bfloat16 and fp8_f16 is not False
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be a {query.dtype} tensor shaped like the query {tuple(query.shape)} "
+                         f"with a contiguous last dimension, got {tuple(out.shape)} {out.dtype}")
     if num_tokens == 0:
         return out
     forced = num_splits is not None or tile is not None or block_m is not None or prefill_tuning is not None

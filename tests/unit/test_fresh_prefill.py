@@ -210,3 +210,12 @@ def test_fresh_kv_of_the_wrong_shape_or_dtype_is_refused(bad):
         v = v[:-1]
     with pytest.raises(ValueError, match="fresh_kv must be"):
         triton_attention.paged_attention(q, *case.args()[1:], fresh_kv=(k, v))
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_an_out_tensor_of_the_wrong_shape_or_dtype_is_refused(bad):
+    case = make_paged_case(*MIXED, 4, 2, 16, 16, torch.float32, "cpu", 6)
+    out = torch.empty_like(case.query)
+    out = out[:-1] if bad == "shape" else out.to(torch.float16)
+    with pytest.raises(ValueError, match="out must be"):
+        triton_attention.paged_attention(*case.args(), out=out)
