@@ -153,13 +153,16 @@ class PrefillTuning:
 class FreshTuning:
     """The fresh-K/V prefill launch (paged_attention's `fresh_kv`). packed: a program owns BLOCK_M rows
     of BLOCK_M // G query tokens x the G query heads of one KV head (GQA packing; G a power of two),
-    else BLOCK_M tokens of one query head. block_n: K/V tile (fresh and prefix)."""
+    else BLOCK_M tokens of one query head. block_n: K/V tile (fresh and prefix). paired: a program
+    owns a sequence's query tiles p and n - 1 - p (equal causal work per program, half the programs)."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     packed: bool = False
+    paired: bool = False
+    prefix_stages: int = 2
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -168,8 +171,10 @@ class FreshTuning:
                 raise ValueError(f"FreshTuning.{name} must be a power of two in [16, 256], got {value!r}")
         if not _is_pow2(self.num_warps) or self.num_warps > 16:
             raise ValueError(f"FreshTuning.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"FreshTuning.num_stages must be 1..8, got {self.num_stages!r}")
+        for name in ("num_stages", "prefix_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 1 <= value <= 8:
+                raise ValueError(f"FreshTuning.{name} must be 1..8, got {value!r}")
 
 
 # H100 sweep (docs/benchmarks.md "Prefill"): 64-row tiles of one head, 4 warps, 3 stages are the fastest
@@ -711,32 +716,28 @@ def paged_attention(
 # ---- prefill rows over the step's own K/V (fresh_kv): TMA tiles; the cached prefix via the block table ----
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_search_steps", "stride_bt_seq"])
-def _fresh_prefill_kernel(
-    out_ptr, q_desc, k_desc, v_desc, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, scale_log2, num_seqs, num_search_steps, stride_o_tok, stride_o_head,
-    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
+@triton.jit
+def _find_sequence_at_once(query_start_loc_ptr, tile_id, num_seqs, UNIT: tl.constexpr, SEQ_PAD: tl.constexpr):
+    """_find_sequence's answer (first tile of sequence i: query_start_loc[i] // UNIT + i) from one
+    vector load of the SEQ_PAD >= num_seqs starts: one memory latency, not log2(num_seqs) dependent ones."""
+    offs = tl.arange(0, SEQ_PAD)
+    valid = offs < num_seqs
+    first_tile = tl.load(query_start_loc_ptr + offs, mask=valid, other=0) // UNIT + offs
+    return tl.sum((valid & (first_tile <= tile_id)).to(tl.int32), axis=0) - 1
+
+
+@triton.jit
+def _fresh_tile(
+    out_ptr, q_desc, k_desc, v_desc, key_cache_ptr, value_cache_ptr, block_table, q_begin, q_len,
+    context_start, q_tile_start, head, scale_log2, stride_o_tok, stride_o_head,
+    stride_c_block, stride_c_slot, stride_c_head,
     GROUP: tl.constexpr, PACKED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PREFIX: tl.constexpr, PREFIX_STAGES: tl.constexpr,
 ):
-    """One program: BLOCK_Q query tokens of one sequence with q_len >= 2 (decode rows are the decode
-    launch's) x one query head (PACKED: the GROUP heads of one KV head, rows r = t * GROUP + g). Keys:
-    the cached prefix [0, context_start) gathered through the block table, then the sequence's fresh
-    tokens [0, last row] read as TMA tiles from rows q_begin + j of the fresh K/V, causal on the
-    diagonal. Tiles past the sequence's end (the next sequence's rows, padding rows, zeros past the
-    tensor) are masked by the causal test; their V rows get weight 0, so they must be finite (0 * NaN
-    is NaN): rotary_and_cache(rotate_key_in_place=True) zeroes the padding tokens' rows. (Zeroing
-    them here instead, with a select on the V tile, cost 20-60 % of the kernel's time on the H100.)"""
-    tile_id = tl.program_id(0)
-    head = tl.program_id(1)  # PACKED: the KV head; else the query head
-    seq = _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, BLOCK_Q)
-    q_begin = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
-    q_tile_start = (tile_id - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
-    if q_len < 2 or q_tile_start >= q_len:
-        return
-    context_start = tl.load(seq_lens_ptr + seq) - q_len
+    """Query rows [q_tile_start, q_tile_start + BLOCK_Q) of one sequence x one query head (PACKED: the
+    GROUP heads of KV head `head`): the cached prefix, then the fresh tokens up to the diagonal; the
+    normalized rows stored."""
     rows = tl.arange(0, BLOCK_M)
     if PACKED:
         kv_head = head
@@ -749,25 +750,31 @@ def _fresh_prefill_kernel(
         row_head = head + rows * 0
         q = q_desc.load([q_begin + q_tile_start, head * D])
     dims = tl.arange(0, D)
-    dim_valid = dims < D
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
 
-    # the cached prefix: every row sees all of it; whole tiles unmasked, the rest masked by position
-    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    head_offset = kv_head.to(tl.int64) * stride_c_head
-    prefix_bulk = context_start // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _attend_bulk(
-        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, 0, prefix_bulk,
-        dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, 0.0,
-        BLOCK_N, BLOCK_SIZE, DOT_PRECISION, False, BLOCK_N % BLOCK_SIZE == 0, True, True,
-    )
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, prefix_bulk,
-        context_start, context_start, context_start + row_token, dims, dim_valid, scale_log2,
-        stride_c_block, stride_c_slot, 0, 0.0, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, False, False,
-    )
+    # the cached prefix [0, context_start): every row sees all of it; gathered through the block table
+    if PREFIX:
+        head_offset = kv_head.to(tl.int64) * stride_c_head
+        rows_n = tl.arange(0, BLOCK_N)
+        for start in tl.range(0, context_start, BLOCK_N, num_stages=PREFIX_STAGES):
+            pos = start + rows_n
+            in_prefix = pos < context_start
+            block = tl.load(block_table + pos // BLOCK_SIZE, mask=in_prefix, other=0).to(tl.int64)
+            kv_offset = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot + head_offset
+            # past the prefix: rows of block 0, K masked out of the scores, V zeroed (a cache's unused
+            # rows may hold anything, NaN included, and 0 * NaN is NaN)
+            k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :])
+            v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=in_prefix[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            s = tl.where(in_prefix[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile holds a prefix position
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            m_i = m_new
 
     # the fresh tokens: whole tiles before the first row unmasked, then the causal diagonal
     fresh_lo = q_tile_start // BLOCK_N * BLOCK_N
@@ -805,6 +812,72 @@ def _fresh_prefill_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["num_seqs", "num_search_steps", "stride_bt_seq"])
+def _fresh_prefill_kernel(
+    out_ptr, q_desc, k_desc, v_desc, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    query_start_loc_ptr, scale_log2, num_seqs, num_search_steps, stride_o_tok, stride_o_head,
+    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
+    GROUP: tl.constexpr, PACKED: tl.constexpr, PAIRED: tl.constexpr, SEQ_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PREFIX: tl.constexpr, PREFIX_STAGES: tl.constexpr,
+):
+    """One program: query tiles of BLOCK_Q tokens of one sequence with q_len >= 2 (decode rows are the
+    decode launch's) x one query head (PACKED: the GROUP heads of one KV head, rows r = t * GROUP + g).
+    PAIRED: the program owns tiles p and n - 1 - p of the sequence's n, so that under the causal mask
+    every program of an n-tile sequence does the same work (n + 1 K/V tiles' worth) and pays its
+    start-up (sequence lookup, first loads) once for two tiles; else tile p. Sequence i's programs
+    are ids [query_start_loc[i] // UNIT + i, ...), UNIT = BLOCK_Q (2 * BLOCK_Q paired): at least the
+    n (ceil(n / 2)) it needs; the surplus exits. Keys: the cached prefix [0, context_start) gathered
+    through the block table, then the fresh tokens [0, last row] read as TMA tiles from rows
+    q_begin + j of the fresh K/V, causal on the diagonal. Tiles past the sequence's end (the next
+    sequence's rows, padding rows, zeros past the tensor) are masked by the causal test; their V rows
+    get weight 0, so they must be finite (0 * NaN is NaN): rotary_and_cache(rotate_key_in_place=True)
+    zeroes the padding tokens' rows. (Zeroing them here instead, with a select on the V tile, cost
+    20-60 % of the kernel's time on the H100.)"""
+    tile_id = tl.program_id(0)
+    head = tl.program_id(1)  # PACKED: the KV head; else the query head
+    UNIT: tl.constexpr = 2 * BLOCK_Q if PAIRED else BLOCK_Q
+    if SEQ_PAD > 0:
+        seq = _find_sequence_at_once(query_start_loc_ptr, tile_id, num_seqs, UNIT, SEQ_PAD)
+    else:
+        seq = _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, UNIT)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    program = tile_id - (q_begin // UNIT + seq)
+    if PAIRED:
+        num_q_tiles = tl.cdiv(q_len, BLOCK_Q)
+        mirror = num_q_tiles - 1 - program
+    if q_len < 2 or program * BLOCK_Q >= q_len:
+        return
+    if PAIRED and mirror < program:  # the pair was the program before's
+        return
+    context_start = tl.load(seq_lens_ptr + seq) - q_len
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    if PAIRED:  # the longer tile first, then the shorter one unless it is the same tile
+        for t in range(2 - (mirror == program).to(tl.int32)):
+            q_tile_start = tl.where(t == 0, mirror, program) * BLOCK_Q
+            _fresh_tile(
+                out_ptr, q_desc, k_desc, v_desc, key_cache_ptr, value_cache_ptr, block_table, q_begin,
+                q_len, context_start, q_tile_start, head, scale_log2, stride_o_tok, stride_o_head,
+                stride_c_block, stride_c_slot, stride_c_head,
+                GROUP, PACKED, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_SIZE, D, NUM_STAGES, DOT_PRECISION, PREFIX,
+                PREFIX_STAGES,
+            )
+    else:
+        _fresh_tile(
+            out_ptr, q_desc, k_desc, v_desc, key_cache_ptr, value_cache_ptr, block_table, q_begin, q_len,
+            context_start, program * BLOCK_Q, head, scale_log2, stride_o_tok, stride_o_head,
+            stride_c_block, stride_c_slot, stride_c_head,
+            GROUP, PACKED, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_SIZE, D, NUM_STAGES, DOT_PRECISION, PREFIX,
+            PREFIX_STAGES,
+        )
+
+
+# the one-shot sequence lookup holds query_start_loc[:SEQ_PAD] in registers: up to this many sequences
+FRESH_LOOKUP_MAX_SEQS = 1024
+
+
 def _descriptor(t: torch.Tensor, block_shape: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -816,10 +889,12 @@ def _descriptor(t: torch.Tensor, block_shape: list[int]):
 
 def fresh_prefill(
     out, query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-    tuning: FreshTuning,
+    tuning: FreshTuning, prefix: bool = True,
 ) -> None:
     """The prefill rows (sequences with >= 2 query tokens) of a step into `out`, keys from the cached
-    prefix and the step's own K/V (key, value [T, KV, D], what the cache holds for those tokens)."""
+    prefix and the step's own K/V (key, value [T, KV, D], what the cache holds for those tokens).
+    prefix=False: the caller knows no prefill row has a cached prefix (seq_len == query length);
+    the kernel is compiled without the prefix loop (fewer registers)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -833,14 +908,17 @@ def fresh_prefill(
         q_desc = _descriptor(query, [block_m, head_dim])
     k_desc = _descriptor(key, [tuning.block_n, head_dim])
     v_desc = _descriptor(value, [tuning.block_n, head_dim])
-    num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles and decode rows exit
-    _fresh_prefill_kernel[(num_tiles, num_kv_heads if packed else num_heads)](
+    unit = 2 * block_q if tuning.paired else block_q
+    num_programs = num_tokens // unit + num_seqs  # upper bound; surplus programs and decode rows exit
+    seq_pad = triton.next_power_of_2(num_seqs) if num_seqs <= FRESH_LOOKUP_MAX_SEQS else 0
+    _fresh_prefill_kernel[(num_programs, num_kv_heads if packed else num_heads)](
         out, q_desc, k_desc, v_desc, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         scale * math.log2(math.e), num_seqs, max(0, (num_seqs - 1).bit_length()),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        GROUP=group, PACKED=packed, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tuning.block_n,
+        GROUP=group, PACKED=packed, PAIRED=tuning.paired, SEQ_PAD=seq_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=tuning.block_n,
         BLOCK_SIZE=block_size, D=head_dim, NUM_STAGES=tuning.num_stages,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PREFIX=prefix,
+        PREFIX_STAGES=tuning.prefix_stages, num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )

@@ -29,6 +29,8 @@ FreshTuning = triton_attention.FreshTuning
 SMALL = FreshTuning(block_m=16, block_n=16, num_warps=1, num_stages=1)
 SMALL_PACKED = FreshTuning(block_m=16, block_n=16, num_warps=1, num_stages=1, packed=True)
 WIDE_N = FreshTuning(block_m=16, block_n=32, num_warps=1, num_stages=1)
+SMALL_PAIRED = FreshTuning(block_m=16, block_n=16, num_warps=1, num_stages=1, paired=True)
+PACKED_PAIRED = FreshTuning(block_m=16, block_n=16, num_warps=1, num_stages=1, packed=True, paired=True)
 
 # (seq_lens, query_lens): a prompt without prefix, a chunk after a 45-token cached prefix (not a
 # multiple of the tile), two decode rows, a two-token chunk after a long prefix
@@ -53,10 +55,18 @@ def run(case, q, k, v, tuning, **kwargs):
     return triton_attention.paged_attention(*args, fresh_kv=(k, v), fresh_tuning=tuning, **kwargs)
 
 
-@pytest.mark.parametrize("tuning", [SMALL, SMALL_PACKED, WIDE_N], ids=["per_head", "packed", "block_n_32"])
+@pytest.mark.parametrize(
+    "tuning", [SMALL, SMALL_PACKED, WIDE_N, SMALL_PAIRED, PACKED_PAIRED],
+    ids=["per_head", "packed", "block_n_32", "paired", "packed_paired"],
+)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: the GPU test (the interpreter)
-def test_mixed_step_matches_reference(seed, tuning, heads, kv_heads, dtype):
+@pytest.mark.parametrize("lookup", ["at_once", "binary_search"])
+def test_mixed_step_matches_reference(seed, tuning, heads, kv_heads, dtype, lookup, monkeypatch):
+    """Every tile of every prefill row is computed once (paired tiles of sequences of 4 and 5 query
+    tiles: the middle tile of the odd one is its own pair), whichever way programs find their sequence."""
+    if lookup == "binary_search":
+        monkeypatch.setattr(triton_attention, "FRESH_LOOKUP_MAX_SEQS", 2)  # MIXED has 5 sequences
     case = make_paged_case(*MIXED, heads, kv_heads, 16, 16, dtype, "cpu", seed)
     q, k, v = fresh_views(case, heads, kv_heads, 16)
     out = run(case, q, k, v, tuning)
