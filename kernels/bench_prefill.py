@@ -85,6 +85,11 @@ FRESH_CANDIDATES: dict[str, object] = {
     "fresh_m128_n64_w8_s3_paired": _F(block_m=128, num_warps=8, paired=True),
     "fresh_m128_n128_w8_s3_paired": _F(block_m=128, block_n=128, num_warps=8, paired=True),
     "fresh_packed_m128_n64_w8_s3_paired": _F(block_m=128, num_warps=8, packed=True, paired=True),
+    # overlap: tile j + 1's scores issued before tile j's softmax (the tensor cores run beside it)
+    "fresh_m64_n64_w4_s2_overlap": _F(num_stages=2, overlap=True),
+    "fresh_m64_n64_w4_s3_overlap": _F(overlap=True),
+    "fresh_m64_n64_w4_s2_overlap_paired": _F(num_stages=2, overlap=True, paired=True),
+    "fresh_m128_n64_w8_s3_overlap_paired": _F(block_m=128, num_warps=8, overlap=True, paired=True),
 }
 
 
