@@ -85,11 +85,9 @@ FRESH_CANDIDATES: dict[str, object] = {
     "fresh_m128_n64_w8_s3_paired": _F(block_m=128, num_warps=8, paired=True),
     "fresh_m128_n128_w8_s3_paired": _F(block_m=128, block_n=128, num_warps=8, paired=True),
     "fresh_packed_m128_n64_w8_s3_paired": _F(block_m=128, num_warps=8, packed=True, paired=True),
-    # overlap: tile j + 1's scores issued before tile j's softmax (the tensor cores run beside it)
-    "fresh_m64_n64_w4_s2_overlap": _F(num_stages=2, overlap=True),
-    "fresh_m64_n64_w4_s3_overlap": _F(overlap=True),
-    "fresh_m64_n64_w4_s2_overlap_paired": _F(num_stages=2, overlap=True, paired=True),
-    "fresh_m128_n64_w8_s3_overlap_paired": _F(block_m=128, num_warps=8, overlap=True, paired=True),
+    # the cached prefix through _attend_bulk's unmasked tiles (block-aligned addresses) and a masked rest
+    "fresh_m64_n64_w4_s3_prefix_bulk": _F(prefix_bulk=True),
+    "fresh_m128_n128_w8_s3_paired_prefix_bulk": _F(block_m=128, block_n=128, num_warps=8, paired=True, prefix_bulk=True),
 }
 
 

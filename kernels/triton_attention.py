@@ -163,7 +163,7 @@ class FreshTuning:
     packed: bool = False
     paired: bool = False
     prefix_stages: int = 2
-    overlap: bool = False
+    prefix_bulk: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -734,7 +734,7 @@ def _fresh_tile(
     stride_c_block, stride_c_slot, stride_c_head,
     GROUP: tl.constexpr, PACKED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PREFIX: tl.constexpr, PREFIX_STAGES: tl.constexpr, OVERLAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PREFIX: tl.constexpr, PREFIX_STAGES: tl.constexpr, PREFIX_BULK: tl.constexpr,
 ):
     """Query rows [q_tile_start, q_tile_start + BLOCK_Q) of one sequence x one query head (PACKED: the
     GROUP heads of KV head `head`): the cached prefix, then the fresh tokens up to the diagonal; the
@@ -756,7 +756,20 @@ def _fresh_tile(
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
 
     # the cached prefix [0, context_start): every row sees all of it; gathered through the block table
-    if PREFIX:
+    if PREFIX and PREFIX_BULK:  # whole tiles unmasked (block-aligned addresses), the rest masked by position
+        head_offset = kv_head.to(tl.int64) * stride_c_head
+        prefix_bulk = context_start // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_bulk(
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, 0, prefix_bulk,
+            dims, dims < D, scale_log2, stride_c_block, stride_c_slot, 0.0,
+            BLOCK_N, BLOCK_SIZE, DOT_PRECISION, False, BLOCK_N % BLOCK_SIZE == 0, True, True,
+        )
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, prefix_bulk,
+            context_start, context_start, context_start + row_token, dims, dims < D, scale_log2,
+            stride_c_block, stride_c_slot, 0, 0.0, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, False, False,
+        )
+    elif PREFIX:  # one loop, every tile masked: fewer registers (no spills for sm_90 at 64 x 64 tiles)
         head_offset = kv_head.to(tl.int64) * stride_c_head
         rows_n = tl.arange(0, BLOCK_N)
         for start in tl.range(0, context_start, BLOCK_N, num_stages=PREFIX_STAGES):
@@ -781,45 +794,17 @@ def _fresh_tile(
     fresh_lo = q_tile_start // BLOCK_N * BLOCK_N
     fresh_hi = tl.minimum(q_tile_start + BLOCK_Q, q_len)
     k_col = kv_head * D
-    if OVERLAP:
-        # the scores of tile j + 1 are issued (async wgmma) before tile j's softmax, so the tensor
-        # cores compute them while the softmax runs; the loop leaves the first diagonal tile's scores
-        s = tl.dot(q, tl.trans(k_desc.load([q_begin, k_col])), input_precision=DOT_PRECISION)
-        for j in tl.range(0, fresh_lo, BLOCK_N, num_stages=NUM_STAGES):
-            v = v_desc.load([q_begin + j, k_col])
-            k_next = k_desc.load([q_begin + j + BLOCK_N, k_col])
-            s_next = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
-            p = tl.exp2(s * scale_log2 - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-            m_i = m_new
-            s = s_next
-        diag_lo = fresh_lo + BLOCK_N
-        cols = fresh_lo + tl.arange(0, BLOCK_N)
-        v = v_desc.load([q_begin + fresh_lo, k_col])
-        s = tl.where(cols[None, :] <= row_token[:, None], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
+    for j in tl.range(0, fresh_lo, BLOCK_N, num_stages=NUM_STAGES):
+        k = k_desc.load([q_begin + j, k_col])
+        v = v_desc.load([q_begin + j, k_col])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
-    else:
-        for j in tl.range(0, fresh_lo, BLOCK_N, num_stages=NUM_STAGES):
-            k = k_desc.load([q_begin + j, k_col])
-            v = v_desc.load([q_begin + j, k_col])
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
-            p = tl.exp2(s * scale_log2 - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-            m_i = m_new
-        diag_lo = fresh_lo
-    for j in tl.range(diag_lo, fresh_hi, BLOCK_N):
+    for j in tl.range(fresh_lo, fresh_hi, BLOCK_N):
         cols = j + tl.arange(0, BLOCK_N)
         k = k_desc.load([q_begin + j, k_col])
         v = v_desc.load([q_begin + j, k_col])  # rows past the sequence: weight 0, finite (fresh_kv)
@@ -849,7 +834,7 @@ def _fresh_prefill_kernel(
     GROUP: tl.constexpr, PACKED: tl.constexpr, PAIRED: tl.constexpr, SEQ_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PREFIX: tl.constexpr, PREFIX_STAGES: tl.constexpr, OVERLAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PREFIX: tl.constexpr, PREFIX_STAGES: tl.constexpr, PREFIX_BULK: tl.constexpr,
 ):
     """One program: query tiles of BLOCK_Q tokens of one sequence with q_len >= 2 (decode rows are the
     decode launch's) x one query head (PACKED: the GROUP heads of one KV head, rows r = t * GROUP + g).
@@ -891,7 +876,7 @@ def _fresh_prefill_kernel(
                 q_len, context_start, q_tile_start, head, scale_log2, stride_o_tok, stride_o_head,
                 stride_c_block, stride_c_slot, stride_c_head,
                 GROUP, PACKED, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_SIZE, D, NUM_STAGES, DOT_PRECISION, PREFIX,
-                PREFIX_STAGES, OVERLAP,
+                PREFIX_STAGES, PREFIX_BULK,
             )
     else:
         _fresh_tile(
@@ -899,7 +884,7 @@ def _fresh_prefill_kernel(
             context_start, program * BLOCK_Q, head, scale_log2, stride_o_tok, stride_o_head,
             stride_c_block, stride_c_slot, stride_c_head,
             GROUP, PACKED, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_SIZE, D, NUM_STAGES, DOT_PRECISION, PREFIX,
-            PREFIX_STAGES, OVERLAP,
+            PREFIX_STAGES, PREFIX_BULK,
         )
 
 
@@ -949,6 +934,6 @@ def fresh_prefill(
         BLOCK_N=tuning.block_n,
         BLOCK_SIZE=block_size, D=head_dim, NUM_STAGES=tuning.num_stages,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PREFIX=prefix,
-        PREFIX_STAGES=tuning.prefix_stages, OVERLAP=tuning.overlap,
+        PREFIX_STAGES=tuning.prefix_stages, PREFIX_BULK=tuning.prefix_bulk,
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )

@@ -31,8 +31,8 @@ SMALL_PACKED = FreshTuning(block_m=16, block_n=16, num_warps=1, num_stages=1, pa
 WIDE_N = FreshTuning(block_m=16, block_n=32, num_warps=1, num_stages=1)
 SMALL_PAIRED = FreshTuning(block_m=16, block_n=16, num_warps=1, num_stages=1, paired=True)
 PACKED_PAIRED = FreshTuning(block_m=16, block_n=16, num_warps=1, num_stages=1, packed=True, paired=True)
-OVERLAP = FreshTuning(block_m=16, block_n=16, num_warps=1, num_stages=1, overlap=True)
-OVERLAP_WIDE_M = FreshTuning(block_m=32, block_n=16, num_warps=1, num_stages=1, paired=True, overlap=True)
+BULK_PREFIX = FreshTuning(block_m=16, block_n=16, num_warps=1, num_stages=1, prefix_bulk=True)
+BULK_WIDE_M = FreshTuning(block_m=32, block_n=16, num_warps=1, num_stages=1, paired=True, prefix_bulk=True)
 
 # (seq_lens, query_lens): a prompt without prefix, a chunk after a 45-token cached prefix (not a
 # multiple of the tile), two decode rows, a two-token chunk after a long prefix
@@ -58,8 +58,8 @@ def run(case, q, k, v, tuning, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "tuning", [SMALL, SMALL_PACKED, WIDE_N, SMALL_PAIRED, PACKED_PAIRED, OVERLAP, OVERLAP_WIDE_M],
-    ids=["per_head", "packed", "block_n_32", "paired", "packed_paired", "overlap", "overlap_paired_m32"],
+    "tuning", [SMALL, SMALL_PACKED, WIDE_N, SMALL_PAIRED, PACKED_PAIRED, BULK_PREFIX, BULK_WIDE_M],
+    ids=["per_head", "packed", "block_n_32", "paired", "packed_paired", "prefix_bulk", "prefix_bulk_paired_m32"],
 )
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: the GPU test (the interpreter)
