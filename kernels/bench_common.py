@@ -15,6 +15,27 @@ def time_ms(fn, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def time_graph_ms(fn, rep: int = 100) -> float:
+    """time_ms of fn captured in a CUDA graph and replayed, as the engine runs its steps: the GPU's
+    time without the host's launch cost (a Triton launch with TMA descriptors costs the host more than
+    the kernel of a short step runs). Where capture fails (or without CUDA), time_ms of fn itself."""
+    if not torch.cuda.is_available():
+        return time_ms(fn, rep)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile, settle the allocator
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return time_ms(fn, rep)
+    return time_ms(graph.replay, rep)
+
+
 def contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[B, kv_heads, context, dim] copy of the paged cache, for SDPA."""
     batch = block_tables.shape[0]

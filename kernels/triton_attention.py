@@ -178,11 +178,12 @@ class FreshTuning:
                 raise ValueError(f"FreshTuning.{name} must be 1..8, got {value!r}")
 
 
-# H100 sweep (docs/benchmarks.md "Prefill"): 64-row tiles of one head, 4 warps, 3 stages are the fastest
-# at 4 x 2048 (332 us; 128 x 128 tiles 365) and 16 x 512; 128 x 128 tiles with 8 warps at 1 x 8192
-# (1,130 us; 64-row 1,230)
+# H100 sweep (docs/benchmarks.md "Prefill", graph-timed): 64-row tiles of one head, 4 warps, 3 stages are
+# the fastest at 4 x 2048 (~340 us; 128 x 128 tiles ~355) and 16 x 512 (140; 128-row tiles 170-185);
+# 128 x 128 tiles with 8 warps, paired, at 1 x 8192 (1,010-1,053 us; unpaired 1,079-1,096, 64-row
+# 1,147-1,248)
 DEFAULT_FRESH_TUNING = FreshTuning()
-LONG_FRESH_TUNING = FreshTuning(block_m=128, block_n=128, num_warps=8)
+LONG_FRESH_TUNING = FreshTuning(block_m=128, block_n=128, num_warps=8, paired=True)
 LONG_FRESH_MIN_TOKENS_PER_SEQ = 4096
 
 

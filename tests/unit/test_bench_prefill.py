@@ -29,7 +29,7 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(bench_prefill, "DTYPE", torch.float32)
     heads = dict(num_heads=4, num_kv_heads=2, head_dim=32, num_layers=1)
     monkeypatch.setattr(bench_prefill, "LLAMA3_8B", heads)
-    monkeypatch.setattr(bench_prefill, "time_ms", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench_prefill, "time_graph_ms", lambda fn: (fn(), 1.0)[1])
     monkeypatch.setattr(bench_prefill, "PREFILL_CANDIDATES", {
         "default": {},
         "small_tuned": dict(prefill_tuning=triton_attention.PrefillTuning(

@@ -108,6 +108,24 @@ def test_prefill_rows_read_the_fresh_kv_not_the_cache(seed):
     assert not torch.allclose(out[prefill_rows], plain[prefill_rows], atol=1e-2)
 
 
+@pytest.mark.parametrize("tuning", [SMALL, SMALL_PAIRED], ids=["per_head", "paired"])
+def test_prefix_free_compile_when_no_row_has_a_prefix(seed, tuning):
+    """fresh_prefill(prefix=False), for a caller that knows no prefill row has a cached prefix: the
+    kernel compiled without the prefix loop writes the same rows as with it."""
+    case = make_paged_case([40, 17, 64], [40, 17, 64], 8, 2, 16, 16, torch.float32, "cpu", seed)
+    q, k, v = fresh_views(case, 8, 2, 16)
+    outs = []
+    for prefix in (True, False):
+        out = torch.full_like(q, 7.0)
+        triton_attention.fresh_prefill(
+            out, q, k, v, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+            case.query_start_loc, case.scale, tuning, prefix=prefix,
+        )
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert relative_error(outs[1], reference.paged_attention(*case.args())) < 1e-5
+
+
 def test_decode_launch_skips_prefill_rows():
     """A mixed step's decode launch writes only the rows of one-token sequences."""
     case = make_paged_case(*MIXED, 4, 2, 16, 16, torch.float32, "cpu", 3)
@@ -160,7 +178,8 @@ def test_unusable_fresh_kv_falls_back(why):
 
 
 def test_fresh_tuning_validates():
-    for bad in (dict(block_m=24), dict(block_n=512), dict(num_warps=3), dict(num_stages=0)):
+    for bad in (dict(block_m=24), dict(block_n=512), dict(num_warps=3), dict(num_stages=0),
+                dict(prefix_stages=9), dict(prefix_stages=1.5)):
         with pytest.raises(ValueError):
             FreshTuning(**bad)
     case = make_paged_case(*MIXED, 4, 2, 16, 16, torch.float32, "cpu", 1)
