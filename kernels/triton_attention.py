@@ -47,19 +47,21 @@ decode launch of a bf16/fp16 cache, while an FP8 cache's decode launch takes _at
 tiles, one warp, six stages: H100 0.60 -> 0.58 of the bf16 cache's time at 256 x 1024).
 
 Fresh K/V (`fresh_kv=`): the step's own K/V as the QKV projection left them (strided [T, KV, D]
-views, the keys rotated: rotary_and_cache(rotate_key_in_place=True)). The engine's attention layers
-do not pass it yet: with them passing it, an fp32 model's CUDA graph capture was invalidated and the
-mixed-graph pool outgrew its reserve on the H100, after other tests in the same process, and with
-CUDA_MODULE_LOADING=EAGER both passed (a kernel first loaded lazily inside a capture, not yet found;
-docs/benchmarks.md "Prefill"). Where
-fresh_kv_usable (a cache in the query's dtype, no window or softcap, not deterministic, a power-of-two
-head_dim, sm_90+), a prefill or mixed launch becomes two: the decode launch for the sequences of one
-query token (its kernel skips the others) and _fresh_prefill_kernel for the rest, whose programs
-(BLOCK_M tokens of one query head, or packed GQA rows) read the cached prefix through the block table
-(_attend_bulk) and the fresh tokens as whole [BLOCK_N, D] TMA tiles from rows q_begin + j of the
-views: no block-table gather for the keys the step itself wrote, and the Hopper TMA unit moves the
-tiles into shared memory. Tiles that run past a sequence's end read the next sequence's rows (or
-zeros past the tensor) and are masked by the causal test.
+views, the keys rotated: rotary_and_cache(rotate_key_in_place=True)). Where fresh_kv_usable (a cache
+in the query's dtype, no window or softcap, not deterministic, a power-of-two head_dim, sm_90+), a
+prefill or mixed launch becomes two: the decode launch for the sequences of one query token (its
+kernel skips the others) and _fresh_prefill_kernel for the rest, whose programs (BLOCK_M tokens of
+one query head, or packed GQA rows; FreshTuning.paired: query tiles p and n - 1 - p of a sequence,
+equal causal work a program) read the cached prefix through the block table (one masked loop: the
+unmasked _attend_bulk loop before it spilled 960 bytes a thread for sm_90) and the fresh tokens as
+whole [BLOCK_N, D] TMA tiles from rows q_begin + j of the views: no block-table gather for the keys
+the step itself wrote, and the Hopper TMA unit moves the tiles into shared memory. Tiles that run past
+a sequence's end read the next sequence's rows (or zeros past the tensor) and are masked by the
+causal test. H100, graph-timed: 0.79-0.82 / 0.95-0.96 / 0.73 / 1.07 of SDPA's speed at 4 x 2048 /
+1 x 8192 / 16 x 512 / 4 x 1024 after 1,024 cached, 1.13-1.30x the varlen kernel without a prefix and
+0.84x with one. The engine's layers keep the varlen launch: on sharegpt serving the two launches were
+0.8 % slower a step (its mixed steps are mostly decode rows), and a rule by shapes cannot single out
+long prompts without a prefix inside the mixed-step graphs (docs/benchmarks.md "Prefill").
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
