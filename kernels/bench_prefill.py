@@ -82,7 +82,8 @@ FRESH_CANDIDATES: dict[str, object] = {
     "fresh_packed_m128_n64_w4_s3": _F(block_m=128, packed=True),
     "fresh_packed_m128_n64_w8_s3": _F(block_m=128, num_warps=8, packed=True),
     "fresh_packed_m128_n128_w8_s3": _F(block_m=128, block_n=128, num_warps=8, packed=True),
-    # paired: a program owns query tiles p and n - 1 - p of its sequence (equal causal work, half the programs)
+    # paired: a program owns query tiles p and n - 1 - p of its sequence (equal causal work, half the
+    # programs)
     "fresh_m64_n64_w4_s3_paired": _F(paired=True),
     "fresh_m64_n64_w4_s4_paired": _F(num_stages=4, paired=True),
     "fresh_m128_n64_w8_s3_paired": _F(block_m=128, num_warps=8, paired=True),
@@ -90,7 +91,9 @@ FRESH_CANDIDATES: dict[str, object] = {
     "fresh_packed_m128_n64_w8_s3_paired": _F(block_m=128, num_warps=8, packed=True, paired=True),
     # the cached prefix through _attend_bulk's unmasked tiles (block-aligned addresses) and a masked rest
     "fresh_m64_n64_w4_s3_prefix_bulk": _F(prefix_bulk=True),
-    "fresh_m128_n128_w8_s3_paired_prefix_bulk": _F(block_m=128, block_n=128, num_warps=8, paired=True, prefix_bulk=True),
+    "fresh_m128_n128_w8_s3_paired_prefix_bulk": _F(
+        block_m=128, block_n=128, num_warps=8, paired=True, prefix_bulk=True,
+    ),
 }
 
 

@@ -783,7 +783,9 @@ def _fresh_tile(
             # past the prefix: rows of block 0, K masked out of the scores, V zeroed (a cache's unused
             # rows may hold anything, NaN included, and 0 * NaN is NaN)
             k = tl.load(key_cache_ptr + kv_offset[:, None] + dims[None, :])
-            v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=in_prefix[:, None], other=0.0)
+            v = tl.load(
+                value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=in_prefix[:, None], other=0.0
+            )
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             s = tl.where(in_prefix[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile holds a prefix position

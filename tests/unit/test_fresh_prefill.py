@@ -59,7 +59,8 @@ def run(case, q, k, v, tuning, **kwargs):
 
 @pytest.mark.parametrize(
     "tuning", [SMALL, SMALL_PACKED, WIDE_N, SMALL_PAIRED, PACKED_PAIRED, BULK_PREFIX, BULK_WIDE_M],
-    ids=["per_head", "packed", "block_n_32", "paired", "packed_paired", "prefix_bulk", "prefix_bulk_paired_m32"],
+    ids=["per_head", "packed", "block_n_32", "paired", "packed_paired", "prefix_bulk",
+         "prefix_bulk_paired_m32"],
 )
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: the GPU test (the interpreter)
