@@ -103,6 +103,34 @@ def test_paged_attention_splits_each_context_evenly(seed, seq_lens, query_lens, 
     assert err < 1e-5, f"seed {seed}: relative error {err}"
 
 
+def test_split_decode_launch_caps_registers(monkeypatch):
+    """The decode launch with even splits is held to EVEN_SPLIT_DECODE_MAXNREG registers (Triton gives
+    it ~166 for sm_90, three programs an SM where the split rule counts four: 16 x 16384 took 424 us
+    against 375 capped on an H100); the unsplit launch keeps the compiler's choice."""
+    real = triton_attention._paged_attention_kernel
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def call(*args, **kwargs):
+                seen.append((grid[2], kwargs["EVEN_SPLITS"], kwargs.get("maxnreg")))
+                return launch(*args, **kwargs)
+            return call
+
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Recorder())
+    case = make_paged_case([600, 150, 70, 1], [1, 1, 1, 1], 8, 1, 32, 16, torch.float32, "cpu", 4)
+    case = dataclasses.replace(case, max_seq_len=4096)  # as a decode graph: the split rule splits
+    ref = reference.paged_attention(*case.args())
+    for kwargs in ({}, {"num_splits": 1}):
+        out = triton_attention.paged_attention(*case.args(), **kwargs)
+        assert relative_error(out, ref) < 1e-5
+    (splits, even, maxnreg), (one, even_unsplit, maxnreg_unsplit) = seen
+    assert splits > 1 and even and maxnreg == triton_attention.EVEN_SPLIT_DECODE_MAXNREG == 128
+    assert one == 1 and not even_unsplit and maxnreg_unsplit is None
+
+
 def test_split_count_follows_grid_size():
     choose = triton_attention.choose_num_splits
     assert choose(num_programs=512, max_seq_len=4096, num_slots=264) == 1  # a wave or more: no split
