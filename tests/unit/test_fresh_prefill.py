@@ -4,6 +4,7 @@ cached prefix through the block table and the step's own K/V from strided views 
 the model's projection leaves them), decode rows of a mixed step go through the decode launch.
 """
 
+import dataclasses
 import importlib
 import os
 import random
@@ -125,6 +126,34 @@ def test_prefix_free_compile_when_no_row_has_a_prefix(seed, tuning):
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert relative_error(outs[1], reference.paged_attention(*case.args())) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "tuning", [SMALL, BULK_PREFIX, WIDE_N], ids=["per_head", "prefix_bulk", "block_n_32"]
+)
+def test_cache_slots_outside_the_sequences_may_hold_nan(seed, tuning):
+    """A prefix tile that runs past the prefix reads rows it then masks out (block 0's for positions
+    past the prefix): their V rows must weigh nothing even when the cache holds NaN there (a cache's
+    unused slots are never cleared). Every slot outside the sequences' positions is NaN here."""
+    case = make_paged_case(*MIXED, 8, 2, 16, 16, torch.float32, "cpu", seed)
+    # block 0's contents move to a new last block: block 0, where masked rows read, is then unused
+    spare = case.key_cache.shape[0]
+    case = dataclasses.replace(
+        case, key_cache=torch.cat([case.key_cache, case.key_cache[:1]]),
+        value_cache=torch.cat([case.value_cache, case.value_cache[:1]]),
+        block_tables=torch.where(case.block_tables == 0, spare, case.block_tables).to(torch.int32),
+    )
+    block_size = case.key_cache.shape[1]
+    live = torch.zeros(case.key_cache.shape[0] * block_size, dtype=torch.bool)
+    for seq, seq_len in enumerate(case.seq_lens.tolist()):
+        pos = torch.arange(seq_len)
+        live[case.block_tables[seq, pos // block_size].long() * block_size + pos % block_size] = True
+    for cache in (case.key_cache, case.value_cache):
+        cache.view(-1, *cache.shape[2:])[~live] = float("nan")
+    q, k, v = fresh_views(case, 8, 2, 16)
+    out = run(case, q, k, v, tuning)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, reference.paged_attention(*case.args())) < 1e-5
 
 
 def test_decode_launch_skips_prefill_rows():
