@@ -553,20 +553,23 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_slots: int) -> in
     """Split-K count for a grid of num_programs (tiles x KV heads); num_slots from split_slots().
 
     A grid of at least 3/4 of num_slots programs is left alone. A smaller one is split into the
-    fewest partitions that give at least 1.5 x num_slots programs, in waves of num_slots the last at
-    least 90 % full. Partitions stay >= _MIN_PARTITION positions (of max_seq_len; the kernel splits
-    each context evenly into the count chosen here).
+    fewest partitions that give at least 0.9 x num_slots programs (about a wave of two programs an
+    SM). Partitions stay >= _MIN_PARTITION positions (of max_seq_len; the kernel splits each context
+    evenly into the count chosen here).
 
     The 3/4: on an H100 (264 slots), 32 sequences of 1024 positions x 8 KV heads = 256 programs took
-    1689 us of attention per llama3-8b decode step unsplit and 1832 us split in two; 24 sequences
-    (192 programs) 1356 us split in four, 1520 us with one working partition (docs/benchmarks.md)."""
+    1689 us of attention per llama3-8b decode step unsplit and 1832 us split in two. The 0.9: the split
+    launch held to 128 registers (EVEN_SPLIT_DECODE_MAXNREG, four programs an SM), H100, one layer,
+    1,024 / 4,096 / 16,384 positions: 24 sequences 54.5 / 153.0 / 545.8 us split in two against
+    57.2 / 163.1 / 578.7 in four (the rule before, 1.5 x num_slots programs); 20 sequences 48.5 /
+    131.6 / 463.3 in two against 49.8 / 134.6 / 470.8 in three; 16 sequences 42.0 / 111.5 / 381.5 in
+    two, 43.5 / 111.5 / 375.4 in four; 8 sequences 27.6 / 66.5 / 201.2 in four, 28.1 / 66.4 / 198.8
+    in eight (docs/benchmarks.md, "Paged decode attention")."""
     if num_programs >= 0.75 * num_slots:
         return 1
     max_splits = max(1, math.ceil(max_seq_len / _MIN_PARTITION))
     for splits in range(2, max_splits + 1):
-        programs = num_programs * splits
-        waves = math.ceil(programs / num_slots)
-        if programs >= 1.5 * num_slots and programs >= 0.9 * waves * num_slots:
+        if num_programs * splits >= 0.9 * num_slots:
             return splits
     return max_splits
 
