@@ -140,6 +140,9 @@ def test_split_count_follows_grid_size():
     assert choose(num_programs=96, max_seq_len=16384, num_slots=264) == 3  # 192 < 237.6 <= 288
     assert choose(num_programs=32, max_seq_len=16384, num_slots=264) == 8  # 4 sequences: 256 programs
     assert choose(num_programs=8, max_seq_len=300, num_slots=264) == 2  # capped by the partition size
+    # the FP8 cache's one-warp decode tile: 1.5 x num_slots programs, the last wave >= 90 % full
+    assert choose(num_programs=128, max_seq_len=16384, num_slots=264, fp8_decode=True) == 4
+    assert choose(num_programs=190, max_seq_len=16384, num_slots=264, fp8_decode=True) == 4
 
 
 def test_reshape_and_cache_matches_reference(seed):
