@@ -102,6 +102,26 @@ def _is_pow2(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
 
 
+def _check_launch(tuning, tiles, max_tile, stage_fields, flags) -> None:
+    """ValueError for a tuning whose tile sizes (powers of two >= 16, <= max_tile if given), num_warps
+    (1..16, a power of two), pipelining depths (1..8) or switches (bools) no launch can take."""
+    kind = type(tuning).__name__
+    for name in tiles:
+        value = getattr(tuning, name)
+        if not _is_pow2(value) or value < 16 or (max_tile is not None and value > max_tile):
+            bound = ">= 16" if max_tile is None else f"in [16, {max_tile}]"
+            raise ValueError(f"{kind}.{name} must be a power of two {bound}, got {value!r}")
+    if not _is_pow2(tuning.num_warps) or tuning.num_warps > 16:
+        raise ValueError(f"{kind}.num_warps must be 1, 2, 4, 8 or 16, got {tuning.num_warps!r}")
+    for name in stage_fields:
+        value = getattr(tuning, name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 8:
+            raise ValueError(f"{kind}.{name} must be 1..8, got {value!r}")
+    for name in flags:
+        if not isinstance(getattr(tuning, name), bool):
+            raise ValueError(f"{kind}.{name} must be True or False, got {getattr(tuning, name)!r}")
+
+
 @dataclass(frozen=True)
 class PrefillTuning:
     """The launch of a prefill or mixed step (max_query_len > 1) through the tuned code path
@@ -139,14 +159,8 @@ class PrefillTuning:
     maxnreg: int | None = None
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "bulk_block_n"):
-            value = getattr(self, name)
-            if not _is_pow2(value) or value < 16:
-                raise ValueError(f"PrefillTuning.{name} must be a power of two >= 16, got {value!r}")
-        if not _is_pow2(self.num_warps) or self.num_warps > 16:
-            raise ValueError(f"PrefillTuning.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"PrefillTuning.num_stages must be 1..8, got {self.num_stages!r}")
+        _check_launch(self, ("block_m", "block_n", "bulk_block_n"), None, ("num_stages",),
+                      ("block_addressing", "fma_softmax"))
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 32 <= self.maxnreg <= 255):
             raise ValueError(f"PrefillTuning.maxnreg must be 32..255 or None, got {self.maxnreg!r}")
 
@@ -168,16 +182,8 @@ class FreshTuning:
     prefix_bulk: bool = False
 
     def __post_init__(self):
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if not _is_pow2(value) or not 16 <= value <= 256:
-                raise ValueError(f"FreshTuning.{name} must be a power of two in [16, 256], got {value!r}")
-        if not _is_pow2(self.num_warps) or self.num_warps > 16:
-            raise ValueError(f"FreshTuning.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        for name in ("num_stages", "prefix_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or not 1 <= value <= 8:
-                raise ValueError(f"FreshTuning.{name} must be 1..8, got {value!r}")
+        _check_launch(self, ("block_m", "block_n"), 256, ("num_stages", "prefix_stages"),
+                      ("packed", "paired", "prefix_bulk"))
 
 
 # H100 sweep (docs/benchmarks.md "Prefill", graph-timed): 64-row tiles of one head, 4 warps, 3 stages are

@@ -209,7 +209,8 @@ def test_unusable_fresh_kv_falls_back(why):
 
 def test_fresh_tuning_validates():
     for bad in (dict(block_m=24), dict(block_n=512), dict(num_warps=3), dict(num_stages=0),
-                dict(prefix_stages=9), dict(prefix_stages=1.5)):
+                dict(prefix_stages=9), dict(prefix_stages=1.5), dict(num_stages=True), dict(paired="yes"),
+                dict(prefix_bulk=1), dict(packed=None)):
         with pytest.raises(ValueError):
             FreshTuning(**bad)
     case = make_paged_case(*MIXED, 4, 2, 16, 16, torch.float32, "cpu", 1)

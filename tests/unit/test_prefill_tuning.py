@@ -144,6 +144,7 @@ def test_tuning_refused_with_deterministic_tile_or_block_m():
 @pytest.mark.parametrize("bad", [
     dict(block_m=48), dict(block_n=8), dict(bulk_block_n=0), dict(block_m=True), dict(num_warps=3),
     dict(num_warps=32), dict(num_stages=0), dict(num_stages=9), dict(maxnreg=300), dict(maxnreg=16),
+    dict(num_stages=True), dict(block_addressing="yes"), dict(fma_softmax=1),
 ])
 def test_prefill_tuning_checks_its_fields(bad):
     with pytest.raises(ValueError, match="PrefillTuning." + next(iter(bad))):
