@@ -1,0 +1,334 @@
+"""Causal prefill attention over a step's own K/V on Hopper (sm_90), warp-specialized, in Gluon.
+
+Triton's `tl` kernels (kernels/triton_attention.py `_fresh_prefill_kernel`) leave the tensor cores idle
+while a program computes its softmax, and pay every tile's start-up (sequence lookup, Q load, first
+K/V loads) with nothing to hide it: 0.73-0.82x SDPA at 16 x 512 and 4 x 2048 on the H100. This
+kernel splits the work the way Hopper's asynchronous units allow:
+
+- a persistent grid (one program an SM) walks work items (a 128-row query tile x one query head),
+  heaviest tiles of each sequence first;
+- a producer warp issues the TMA loads: the two 64-row halves of each item's Q tile (double-buffered
+  across items, so the next item's Q arrives while this one finishes) and the K/V tiles into a ring
+  of STAGES stages, each guarded by ready / empty mbarriers;
+- two consumer warpgroups each own one 64-row half of the tile. Each issues tile j's scores
+  (Q K_j^T) and tile j - 1's P V together as asynchronous wgmmas, then computes tile j's softmax
+  while the P V runs; with PINGPONG the two warpgroups take turns issuing (an mbarrier token passed
+  back and forth), so one's softmax runs while the other's matmuls use the tensor cores.
+
+Scope: query rows of sequences with >= 2 query tokens and no cached prefix (each sequence's keys
+are its own rows of `key` / `value`, positions 0 .. q_len - 1), bf16 / fp16, head_dim 64 or 128,
+GQA by a query head's KV head = head // (H / KV). Rows of one-token sequences are not written (the
+decode launch's). As in fresh_prefill, tiles may read past a sequence's end (the next sequence's
+rows, or TMA's zero fill past the tensor): those keys are masked by the causal test and their
+values get weight 0, so they must be finite.
+
+How we know it works: tests/gpu/test_gluon_prefill_gpu.py against a plain-torch reference (mixed
+lengths, GQA, ragged tails, one-token rows left alone, a CUDA graph); the figure it must reach:
+>= 0.9x the fastest SDPA form on the prefill bench's causal shapes (python -m kernels.bench --only
+prefill, docs/benchmarks.md "Prefill").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; without it (or without sm_90) callers use the tl kernels
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+_GL_DTYPES = {}
+if HAVE_GLUON:
+    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def supported(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether this kernel can run these tensors here: Hopper, bf16 / fp16, head_dim 64 or 128,
+    rows contiguous in the last dimension and 16-byte aligned (TMA)."""
+    if not (HAVE_GLUON and query.is_cuda and torch.cuda.get_device_capability(query.device) == (9, 0)):
+        return False
+    if query.dtype not in _GL_DTYPES or key.dtype != query.dtype or query.shape[-1] not in (64, 128):
+        return False
+    elem = query.element_size()
+    for t in (query, key):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or (t.stride(0) * elem) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _work_item(query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, w,
+                   BLOCK_M: gl.constexpr):
+        """Work item w -> (head, q_begin, q_len, q_start, valid). Items run heads fastest (the GQA
+        group's heads share K/V in L2) and tile slots from the last: slot t of sequence i is
+        t - (query_start_loc[i] // BLOCK_M + i), so a sequence's last (longest) tiles come first."""
+        head = w % num_heads
+        tile_id = num_slots - 1 - w // num_heads
+        lo = tile_id * 0
+        hi = lo + num_seqs
+        for _ in range(num_search_steps):  # largest i with query_start_loc[i] // BLOCK_M + i <= tile_id
+            mid = (lo + hi) // 2
+            right = gl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= tile_id
+            lo = gl.where(right, mid, lo)
+            hi = gl.where(right, hi, mid)
+        q_begin = gl.load(query_start_loc_ptr + lo)
+        q_len = gl.load(query_start_loc_ptr + lo + 1) - q_begin
+        q_start = (tile_id - (q_begin // BLOCK_M + lo)) * BLOCK_M
+        valid = (q_len >= 2) & (q_start < q_len)
+        return head, q_begin, q_len, q_start, valid
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                  kv_empty, query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads,
+                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """One warp: TMA loads of every item's Q halves and K/V tiles, in the consumers' order."""
+        HALF: gl.constexpr = BLOCK_M // 2
+        q_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
+        k_bytes: gl.constexpr = k_desc.block_type.nbytes
+        v_bytes: gl.constexpr = v_desc.block_type.nbytes
+        q_count = 0
+        kv_count = 0
+        for w in range(gl.program_id(0), num_slots * num_heads, gl.num_programs(0)):
+            head, q_begin, q_len, q_start, valid = _work_item(
+                query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, w, BLOCK_M
+            )
+            if valid:
+                qb = q_count % 2
+                mbarrier.wait(q_empty.index(qb), ((q_count // 2) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(qb), q_bytes)
+                row = q_begin + q_start
+                tma.async_copy_global_to_shared(q_desc, [row, head * D], q_ready.index(qb), q_smem.index(2 * qb))
+                tma.async_copy_global_to_shared(
+                    q_desc, [row + HALF, head * D], q_ready.index(qb), q_smem.index(2 * qb + 1)
+                )
+                q_count += 1
+                kv_col = (head // GROUP) * D
+                num_kv = gl.cdiv(gl.minimum(q_start + BLOCK_M, q_len), BLOCK_N)
+                for j in range(num_kv):
+                    s = kv_count % STAGES
+                    mbarrier.wait(kv_empty.index(s), ((kv_count // STAGES) & 1) ^ 1)
+                    mbarrier.expect(k_ready.index(s), k_bytes)
+                    tma.async_copy_global_to_shared(
+                        k_desc, [q_begin + j * BLOCK_N, kv_col], k_ready.index(s), k_smem.index(s)
+                    )
+                    mbarrier.expect(v_ready.index(s), v_bytes)
+                    tma.async_copy_global_to_shared(
+                        v_desc, [q_begin + j * BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s)
+                    )
+                    kv_count += 1
+
+    @gluon.jit
+    def _softmax_tile(s, m_i, l_i, j, row_pos, cols, diagonal_from, scale_log2, BLOCK_N: gl.constexpr):
+        """Online-softmax step over one score tile: (p, new max, new sum, rescale factor)."""
+        if j * BLOCK_N + BLOCK_N - 1 > diagonal_from:  # a tile crossing the diagonal: causal mask
+            s = gl.where((j * BLOCK_N + cols)[None, :] <= row_pos[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)  # finite: key 0 is every row's
+        p = gl.exp2(s * scale_log2 - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+        return p, m_new, l_new, alpha
+
+    @gluon.jit
+    def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                  query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, scale_log2,
+                  stride_o_tok, stride_o_head, WG: gl.constexpr, PINGPONG: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup: rows [64 WG, 64 WG + 64) of every item's query tile."""
+        HALF: gl.constexpr = BLOCK_M // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        dtype: gl.constexpr = k_smem.dtype
+        rows = gl.arange(0, HALF, layout=row_layout)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        out_rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
+        out_dims = gl.arange(0, D, layout=gl.SliceLayout(0, out_layout))
+        zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+        q_count = 0
+        kv_count = 0
+        turns = 0
+        for w in range(gl.program_id(0), num_slots * num_heads, gl.num_programs(0)):
+            head, q_begin, q_len, q_start, valid = _work_item(
+                query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, w, BLOCK_M
+            )
+            if valid:
+                qb = q_count % 2
+                mbarrier.wait(q_ready.index(qb), (q_count // 2) & 1)
+                q = q_smem.index(2 * qb + WG)
+                q_count += 1
+                first_row = q_start + WG * HALF
+                row_pos = first_row + rows
+                num_kv_loaded = gl.cdiv(gl.minimum(q_start + BLOCK_M, q_len), BLOCK_N)  # the producer's
+                num_kv = gl.cdiv(gl.minimum(first_row + HALF, q_len), BLOCK_N)  # this half's: up to its last row
+                m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
+                l_i = gl.zeros([HALF], gl.float32, row_layout)
+                acc = gl.zeros([HALF, D], gl.float32, o_layout)
+
+                # tile 0: scores only
+                s = kv_count % STAGES
+                mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
+                scores = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
+                    turns += 1
+                scores = warpgroup_mma_wait(0, deps=(scores,))
+                p, m_i, l_i, alpha = _softmax_tile(scores, m_i, l_i, 0, row_pos, cols, first_row, scale_log2, BLOCK_N)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                prev = s
+                prev_phase = (kv_count // STAGES) & 1
+                kv_count += 1
+
+                # tile j's scores and tile j - 1's P V in flight together
+                for j in range(1, num_kv):
+                    s = kv_count % STAGES
+                    mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
+                    mbarrier.wait(v_ready.index(prev), prev_phase)
+                    if PINGPONG:
+                        mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
+                    scores = warpgroup_mma(
+                        q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
+                    )
+                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                    if PINGPONG:
+                        mbarrier.arrive(turn.index(1 - WG), count=1)
+                        turns += 1
+                    scores = warpgroup_mma_wait(1, deps=(scores,))
+                    p, m_i, l_i, alpha = _softmax_tile(
+                        scores, m_i, l_i, j, row_pos, cols, first_row, scale_log2, BLOCK_N
+                    )
+                    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    prev = s
+                    prev_phase = (kv_count // STAGES) & 1
+                    kv_count += 1
+
+                mbarrier.arrive(q_empty.index(qb), count=1)  # this item's score matmuls are done
+                mbarrier.wait(v_ready.index(prev), prev_phase)
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                mbarrier.arrive(kv_empty.index(prev), count=1)
+                # tiles wholly after this half's last row (the upper half's, BLOCK_N < BLOCK_M): released
+                # once loaded, so that a stage's release counts one round at a time; turns kept in step
+                for j in range(num_kv, num_kv_loaded):
+                    s = kv_count % STAGES
+                    mbarrier.wait(v_ready.index(s), (kv_count // STAGES) & 1)
+                    if PINGPONG:
+                        mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
+                        mbarrier.arrive(turn.index(1 - WG), count=1)
+                        turns += 1
+                    mbarrier.arrive(kv_empty.index(s), count=1)
+                    kv_count += 1
+
+                l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+                o = gl.convert_layout((acc / l_o[:, None]).to(dtype), out_layout)
+                tok = first_row + out_rows
+                ptrs = (
+                    out_ptr
+                    + (q_begin + tok).to(gl.int64)[:, None] * stride_o_tok
+                    + head * stride_o_head
+                    + out_dims[None, :]
+                )
+                gl.store(ptrs, o, mask=(tok < q_len)[:, None])
+
+    @gluon.jit
+    def _gluon_fresh_prefill_kernel(
+        out_ptr, q_desc, k_desc, v_desc, query_start_loc_ptr, scale_log2, num_seqs, num_search_steps,
+        num_slots, num_heads, stride_o_tok, stride_o_head,
+        GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+        STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ):
+        HALF: gl.constexpr = BLOCK_M // 2
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [4, HALF, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release it
+            mbarrier.init(turn.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+        # (literal tuples: Gluon keeps their constexprs; a tuple built with + does not)
+        gl.warp_specialize(
+            [
+                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                             query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, scale_log2,
+                             stride_o_tok, stride_o_head, 0, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                             query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, scale_log2,
+                             stride_o_tok, stride_o_head, 1, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             kv_empty, query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads,
+                             GROUP, BLOCK_M, BLOCK_N, D, STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gluon_fresh_prefill(
+    out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    query_start_loc: torch.Tensor, scale: float, *, block_n: int = 128, stages: int = 2,
+    pingpong: bool = True, consumer_regs: int = 240, num_programs: int | None = None,
+) -> None:
+    """out[rows of sequences with >= 2 query tokens] = causal attention of those rows over their own
+    sequence's rows of key / value ([T, KV, D] views; no cached prefix). query [T, H, D], out
+    [T, H, D] (last dim contiguous), query_start_loc [num_seqs + 1] int32 on the device."""
+    if not supported(query, key) or not supported(query, value):
+        raise ValueError("gluon_fresh_prefill: needs sm_90, bf16/fp16, head_dim 64/128, TMA-aligned rows")
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if num_heads % num_kv_heads or out.shape != query.shape or out.stride(2) != 1:
+        raise ValueError("gluon_fresh_prefill: heads must be a multiple of KV heads; out shaped like query")
+    block_m = 128
+    half = block_m // 2
+    dtype = _GL_DTYPES[query.dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([half, head_dim], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
+    q_desc = TensorDescriptor(query, [num_tokens, num_heads * head_dim], [query.stride(0), 1], [half, head_dim], q_layout)
+    k_desc = TensorDescriptor(key, [num_tokens, num_kv_heads * head_dim], [key.stride(0), 1], [block_n, head_dim], kv_layout)
+    v_desc = TensorDescriptor(value, [num_tokens, num_kv_heads * head_dim], [value.stride(0), 1], [block_n, head_dim], kv_layout)
+    num_seqs = query_start_loc.shape[0] - 1
+    num_slots = num_tokens // block_m + num_seqs
+    programs = num_programs or _sm_count(query.device)
+    _gluon_fresh_prefill_kernel[(max(1, min(programs, num_slots * num_heads)),)](
+        out, q_desc, k_desc, v_desc, query_start_loc, scale * math.log2(math.e), num_seqs,
+        max(0, (num_seqs - 1).bit_length()), num_slots, num_heads, out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, D=head_dim, STAGES=stages,
+        PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, num_warps=4,
+    )
