@@ -14,12 +14,13 @@ cost (two Triton launches, three TMA descriptors), 140-300 us for a kernel of 14
 
 "ours" is paged_attention with the step's own K/V (`fresh_kv`, strided views of a QKV projection
 output holding what the cache holds for the new tokens, as a model's attention layer has them), so
-the new tokens' K/V are read as TMA tiles and the cached prefix through the block table; "varlen" is
-the same call without fresh_kv, the one-kernel path the engine's layers still take (they do not
-pass fresh_kv yet: inside the executor's CUDA graph captures two GPU checks failed, docs/benchmarks.md
-"Prefill"). With
-`sweep`, every entry of PREFILL_CANDIDATES (the varlen kernel's) and FRESH_CANDIDATES is timed on
-every shape too.
+the new tokens' K/V are read as TMA tiles and the cached prefix through the block table; on the
+shapes without a cached prefix it is told so (`no_cached_prefix=True`), which on sm_90 runs the
+warp-specialized Gluon kernel (kernels/gluon_prefill.py). "fresh_tl" is the fresh-K/V call without
+that hint (_fresh_prefill_kernel, its prefix loop compiled in); "varlen" is the call without
+fresh_kv, the one-kernel path the engine's layers take (docs/benchmarks.md "Prefill"). With
+`sweep`, every entry of PREFILL_CANDIDATES (the varlen kernel's), FRESH_CANDIDATES and, without a
+prefix, GLUON_CANDIDATES is timed on every shape too.
 """
 
 import warnings
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels import triton_attention
+from kernels import gluon_prefill, triton_attention
 from kernels.bench_common import BLOCK_SIZE, DEV, DTYPE, LLAMA3_8B, contiguous_kv, paged_kv, time_graph_ms
 from kernels.testing import relative_error
 
@@ -94,6 +95,15 @@ FRESH_CANDIDATES: dict[str, object] = {
     "fresh_m128_n128_w8_s3_paired_prefix_bulk": _F(
         block_m=128, block_n=128, num_warps=8, paired=True, prefix_bulk=True,
     ),
+}
+
+# name: gluon_prefill.gluon_fresh_prefill's options (no cached prefix, sm_90)
+GLUON_CANDIDATES: dict[str, dict] = {
+    "gluon_n128_s2": dict(block_n=128, stages=2, pingpong=False),  # tuning_for: >= 1024 tokens a sequence
+    "gluon_n128_s2_pingpong": dict(block_n=128, stages=2, pingpong=True),
+    "gluon_n64_s3_pingpong": dict(block_n=64, stages=3, pingpong=True),  # tuning_for: shorter
+    "gluon_n64_s3": dict(block_n=64, stages=3, pingpong=False),
+    "gluon_n64_s4_pingpong": dict(block_n=64, stages=4, pingpong=True),
 }
 
 
@@ -225,7 +235,10 @@ def bench_prefill_shape(name: str, batch: int, new_tokens: int, prefix: int, gen
         return dict(ms=ms, speed_vs_sdpa=sdpa_all[sdpa_form] / ms, tflops=_tflops(pairs, ms),
                     rel_error_vs_sdpa=relative_error(out, sdpa_out))
 
-    ours = measure({}, fresh=True)
+    # ours: what a caller who knows the prompts have no cached prefix gets (the Gluon kernel on sm_90);
+    # fresh_tl: the fresh-K/V launch without that knowledge (_fresh_prefill_kernel with its prefix loop)
+    ours = measure(dict(no_cached_prefix=prefix == 0), fresh=True)
+    fresh_tl = ours if prefix else measure({}, fresh=True)
     varlen = measure({})
     row = dict(
         shape=name, batch=batch, prompt=new_tokens, prefix=prefix, causal_pairs=pairs,
@@ -233,6 +246,7 @@ def bench_prefill_shape(name: str, batch: int, new_tokens: int, prefix: int, gen
         speed_vs_sdpa=ours["speed_vs_sdpa"], ours_tflops=ours["tflops"],
         sdpa_tflops=_tflops(pairs, sdpa_all[sdpa_form]), rel_error_vs_sdpa=ours["rel_error_vs_sdpa"],
         varlen_ms=varlen["ms"], varlen_speed_vs_sdpa=varlen["speed_vs_sdpa"],
+        fresh_tl_ms=fresh_tl["ms"], fresh_tl_speed_vs_sdpa=fresh_tl["speed_vs_sdpa"],
     )
     if sweep:
         row["sweep"] = {}
@@ -241,6 +255,19 @@ def bench_prefill_shape(name: str, batch: int, new_tokens: int, prefix: int, gen
                 row["sweep"][variant] = measure(dict(fresh_tuning=tuning), fresh=True)
             except Exception as exc:  # a variant that does not compile or launch here (e.g. shared memory)
                 row["sweep"][variant] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            print(f"  {name} {variant}: {row['sweep'][variant]}", flush=True)
+        for variant, options in GLUON_CANDIDATES.items() if prefix == 0 and gluon_prefill.supported(
+                fresh_query, *fresh_kv) else ():
+            def run(options=options):
+                out = torch.empty_like(fresh_query)
+                gluon_prefill.gluon_fresh_prefill(out, fresh_query, *fresh_kv, args[5], args[8], **options)
+                return out
+            out = run()
+            ms = time_graph_ms(run)
+            row["sweep"][variant] = dict(
+                ms=ms, speed_vs_sdpa=sdpa_all[sdpa_form] / ms, tflops=_tflops(pairs, ms),
+                rel_error_vs_sdpa=relative_error(out, sdpa_out),
+            )
             print(f"  {name} {variant}: {row['sweep'][variant]}", flush=True)
         for variant, kwargs in PREFILL_CANDIDATES.items():
             try:

@@ -54,15 +54,19 @@ if HAVE_GLUON:
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def supported(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether this kernel can run these tensors here: Hopper, bf16 / fp16, head_dim 64 or 128,
-    rows contiguous in the last dimension and 16-byte aligned (TMA)."""
+def supported(query: torch.Tensor, *kv: torch.Tensor) -> bool:
+    """Whether this kernel can run these tensors here (query [T, H, D], then key and / or value
+    [T, KV, D]): Hopper, bf16 / fp16, head_dim 64 or 128, rows contiguous in the last dimension and
+    16-byte aligned (TMA)."""
     if not (HAVE_GLUON and query.is_cuda and torch.cuda.get_device_capability(query.device) == (9, 0)):
         return False
-    if query.dtype not in _GL_DTYPES or key.dtype != query.dtype or query.shape[-1] not in (64, 128):
+    if query.dtype not in _GL_DTYPES or query.shape[-1] not in (64, 128):
+        return False
+    if any(t.dtype != query.dtype or t.shape[0] != query.shape[0] or t.shape[2] != query.shape[2]
+           for t in kv):
         return False
     elem = query.element_size()
-    for t in (query, key):
+    for t in (query, *kv):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2] or (t.stride(0) * elem) % 16 or t.data_ptr() % 16:
             return False
     return True
@@ -112,7 +116,9 @@ if HAVE_GLUON:
                 mbarrier.wait(q_empty.index(qb), ((q_count // 2) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(qb), q_bytes)
                 row = q_begin + q_start
-                tma.async_copy_global_to_shared(q_desc, [row, head * D], q_ready.index(qb), q_smem.index(2 * qb))
+                tma.async_copy_global_to_shared(
+                    q_desc, [row, head * D], q_ready.index(qb), q_smem.index(2 * qb)
+                )
                 tma.async_copy_global_to_shared(
                     q_desc, [row + HALF, head * D], q_ready.index(qb), q_smem.index(2 * qb + 1)
                 )
@@ -153,7 +159,9 @@ if HAVE_GLUON:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+        )
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -178,7 +186,7 @@ if HAVE_GLUON:
                 first_row = q_start + WG * HALF
                 row_pos = first_row + rows
                 num_kv_loaded = gl.cdiv(gl.minimum(q_start + BLOCK_M, q_len), BLOCK_N)  # the producer's
-                num_kv = gl.cdiv(gl.minimum(first_row + HALF, q_len), BLOCK_N)  # this half's: up to its last row
+                num_kv = gl.cdiv(gl.minimum(first_row + HALF, q_len), BLOCK_N)  # this half's, to its last row
                 m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
                 l_i = gl.zeros([HALF], gl.float32, row_layout)
                 acc = gl.zeros([HALF, D], gl.float32, o_layout)
@@ -188,27 +196,34 @@ if HAVE_GLUON:
                 mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
                 if PINGPONG:
                     mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
-                scores = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                scores = warpgroup_mma(
+                    q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
+                )
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - WG), count=1)
                     turns += 1
                 scores = warpgroup_mma_wait(0, deps=(scores,))
-                p, m_i, l_i, alpha = _softmax_tile(scores, m_i, l_i, 0, row_pos, cols, first_row, scale_log2, BLOCK_N)
+                p, m_i, l_i, alpha = _softmax_tile(
+                    scores, m_i, l_i, 0, row_pos, cols, first_row, scale_log2, BLOCK_N
+                )
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
+                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
                 prev = s
                 prev_phase = (kv_count // STAGES) & 1
                 kv_count += 1
 
-                # tile j's scores and tile j - 1's P V in flight together
+                # tile j's scores and tile j - 1's P V in flight together; the accumulator's rescale
+                # for tile j - 1 and P_j's conversion to bf16 done while a matmul runs (not between)
                 for j in range(1, num_kv):
                     s = kv_count % STAGES
                     mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
-                    mbarrier.wait(v_ready.index(prev), prev_phase)
                     if PINGPONG:
                         mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
                     scores = warpgroup_mma(
                         q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
                     )
+                    acc = acc * alpha_o[:, None]
+                    mbarrier.wait(v_ready.index(prev), prev_phase)
                     acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                     if PINGPONG:
                         mbarrier.arrive(turn.index(1 - WG), count=1)
@@ -217,22 +232,24 @@ if HAVE_GLUON:
                     p, m_i, l_i, alpha = _softmax_tile(
                         scores, m_i, l_i, j, row_pos, cols, first_row, scale_log2, BLOCK_N
                     )
+                    p_next = gl.convert_layout(p.to(dtype), p_layout)
+                    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
                     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                     mbarrier.arrive(kv_empty.index(prev), count=1)
-                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    p_op = p_next
                     prev = s
                     prev_phase = (kv_count // STAGES) & 1
                     kv_count += 1
 
                 mbarrier.arrive(q_empty.index(qb), count=1)  # this item's score matmuls are done
+                acc = acc * alpha_o[:, None]
                 mbarrier.wait(v_ready.index(prev), prev_phase)
                 acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 mbarrier.arrive(kv_empty.index(prev), count=1)
                 # tiles wholly after this half's last row (the upper half's, BLOCK_N < BLOCK_M): released
                 # once loaded, so that a stage's release counts one round at a time; turns kept in step
-                for j in range(num_kv, num_kv_loaded):
+                for _ in range(num_kv, num_kv_loaded):
                     s = kv_count % STAGES
                     mbarrier.wait(v_ready.index(s), (kv_count // STAGES) & 1)
                     if PINGPONG:
@@ -282,19 +299,39 @@ if HAVE_GLUON:
         # (literal tuples: Gluon keeps their constexprs; a tuple built with + does not)
         gl.warp_specialize(
             [
-                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                             query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, scale_log2,
-                             stride_o_tok, stride_o_head, 0, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
-                (_consumer, (out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                             query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, scale_log2,
-                             stride_o_tok, stride_o_head, 1, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                             kv_empty, query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads,
-                             GROUP, BLOCK_M, BLOCK_N, D, STAGES)),
+                (_consumer, (
+                    out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                    query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, scale_log2,
+                    stride_o_tok, stride_o_head, 0, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
+                )),
+                (_consumer, (
+                    out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                    query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, scale_log2,
+                    stride_o_tok, stride_o_head, 1, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
+                )),
+                (_producer, (
+                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                    kv_empty, query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads,
+                    GROUP, BLOCK_M, BLOCK_N, D, STAGES,
+                )),
             ],
             [4, 1],
             [CONSUMER_REGS, 24],
         )
+
+
+# sequences averaging this many query tokens take K/V tiles of 128 keys, two stages, no ping-pong;
+# shorter ones tiles of 64 (the upper half of a 128-row tile skips the one wholly after its rows),
+# three stages, ping-pong. H100, graph-timed, one call (docs/benchmarks.md "Prefill"): 4 x 2048
+# 299.6 vs 305.1 us, 1 x 8192 1,003 vs 1,040, 16 x 512 117.9 vs 114.9 (128-key vs 64-key tiles)
+LONG_TOKENS_PER_SEQ = 1024
+
+
+def tuning_for(num_tokens: int, num_seqs: int) -> dict:
+    """gluon_fresh_prefill's options for a launch of num_tokens over num_seqs sequences."""
+    if num_tokens >= LONG_TOKENS_PER_SEQ * max(1, num_seqs):
+        return dict(block_n=128, stages=2, pingpong=False)
+    return dict(block_n=64, stages=3, pingpong=True)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -309,20 +346,32 @@ def gluon_fresh_prefill(
     """out[rows of sequences with >= 2 query tokens] = causal attention of those rows over their own
     sequence's rows of key / value ([T, KV, D] views; no cached prefix). query [T, H, D], out
     [T, H, D] (last dim contiguous), query_start_loc [num_seqs + 1] int32 on the device."""
-    if not supported(query, key) or not supported(query, value):
+    if not supported(query, key, value):
         raise ValueError("gluon_fresh_prefill: needs sm_90, bf16/fp16, head_dim 64/128, TMA-aligned rows")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    if num_heads % num_kv_heads or out.shape != query.shape or out.stride(2) != 1:
+    if block_n not in (64, 128) or not 2 <= stages <= (4 if block_n == 64 else 2):
+        raise ValueError(f"gluon_fresh_prefill: block_n 64 (2-4 stages) or 128 (2 stages; more exceed "
+                         f"shared memory), got block_n={block_n}, stages={stages}")
+    if consumer_regs % 8 or not 24 <= consumer_regs <= 256 or (num_programs is not None and num_programs < 1):
+        raise ValueError(f"gluon_fresh_prefill: consumer_regs a multiple of 8 in [24, 256] (setmaxnreg), "
+                         f"num_programs >= 1; got {consumer_regs}, {num_programs}")
+    if (num_heads % num_kv_heads or out.shape != query.shape or out.dtype != query.dtype
+            or out.stride(2) != 1):
         raise ValueError("gluon_fresh_prefill: heads must be a multiple of KV heads; out shaped like query")
     block_m = 128
     half = block_m // 2
     dtype = _GL_DTYPES[query.dtype]
     q_layout = gl.NVMMASharedLayout.get_default_for([half, head_dim], dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
-    q_desc = TensorDescriptor(query, [num_tokens, num_heads * head_dim], [query.stride(0), 1], [half, head_dim], q_layout)
-    k_desc = TensorDescriptor(key, [num_tokens, num_kv_heads * head_dim], [key.stride(0), 1], [block_n, head_dim], kv_layout)
-    v_desc = TensorDescriptor(value, [num_tokens, num_kv_heads * head_dim], [value.stride(0), 1], [block_n, head_dim], kv_layout)
+
+    def descriptor(t: torch.Tensor, rows: int, layout) -> TensorDescriptor:  # [T, heads * D], [rows, D] boxes
+        shape = [num_tokens, t.shape[1] * head_dim]
+        return TensorDescriptor(t, shape, [t.stride(0), 1], [rows, head_dim], layout)
+
+    q_desc = descriptor(query, half, q_layout)
+    k_desc = descriptor(key, block_n, kv_layout)
+    v_desc = descriptor(value, block_n, kv_layout)
     num_seqs = query_start_loc.shape[0] - 1
     num_slots = num_tokens // block_m + num_seqs
     programs = num_programs or _sm_count(query.device)

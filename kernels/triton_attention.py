@@ -91,6 +91,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gluon_prefill
 from kernels.reference import check_scales
 
 F16_MAX = tl.constexpr(65504.0)
@@ -594,7 +595,7 @@ def paged_attention(
     k_scale: float = 1.0, v_scale: float = 1.0, fp8_f16: bool | None = None,
     prefill_tuning: PrefillTuning | None = None,
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None, fresh_tuning: FreshTuning | None = None,
-    out: torch.Tensor | None = None,
+    no_cached_prefix: bool = False, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
     the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
@@ -613,8 +614,12 @@ def paged_attention(
     fresh_kv_usable, a prefill or mixed launch runs its decode rows through the decode launch and its
     prefill rows through _fresh_prefill_kernel (TMA tiles of the fresh K/V, the cached prefix through
     the block table), with fresh_tuning or fresh_tuning_for's choice; not with num_splits, tile,
-    block_m or prefill_tuning (the varlen kernel's sweeps). out: write into this [T, H, D] tensor
-    instead of a new one."""
+    block_m or prefill_tuning (the varlen kernel's sweeps). no_cached_prefix (with fresh_kv): the
+    caller knows no prefill row's sequence has a cached prefix (seq_len == its query length; a
+    caller that is wrong gets rows that ignore the prefix): the prefill rows then run the
+    warp-specialized Gluon kernel on sm_90 (kernels/gluon_prefill.py; unless fresh_tuning forces a
+    _fresh_prefill_kernel tuning), else _fresh_prefill_kernel compiled without its prefix loop.
+    out: write into this [T, H, D] tensor instead of a new one."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -637,11 +642,18 @@ def paged_attention(
         # Not split: a split's reduce runs over every token of the step (4 x 2048 tokens: 3x the time)
         paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, 1,
                         max_seq_len, scale, num_splits=1, out=out)
+        if no_cached_prefix and fresh_tuning is None and gluon_prefill.supported(query, *fresh_kv):
+            gluon_prefill.gluon_fresh_prefill(out, query, fresh_kv[0], fresh_kv[1], query_start_loc, scale,
+                                              **gluon_prefill.tuning_for(num_tokens, num_seqs))
+            return out
         fresh_prefill(out, query, fresh_kv[0], fresh_kv[1], key_cache, value_cache, block_tables, seq_lens,
-                      query_start_loc, scale, fresh_tuning or fresh_tuning_for(num_tokens, num_seqs))
+                      query_start_loc, scale, fresh_tuning or fresh_tuning_for(num_tokens, num_seqs),
+                      prefix=not no_cached_prefix)
         return out
     if fresh_tuning is not None:
         raise ValueError("fresh_tuning needs a prefill launch that can read fresh_kv (fresh_kv_usable)")
+    if no_cached_prefix and fresh_kv is None:
+        raise ValueError("no_cached_prefix describes fresh_kv's prefill rows; it needs fresh_kv")
 
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)

@@ -33,7 +33,7 @@ def _case(dtype, lens=LENS, heads=HEADS, kv_heads=KV_HEADS, dim=DIM, seed=0):
 
 def _prefill_rows(case) -> torch.Tensor:
     starts = case.query_start_loc.tolist()
-    rows = [torch.arange(a, b) for a, b in zip(starts[:-1], starts[1:]) if b - a >= 2]
+    rows = [torch.arange(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True) if b - a >= 2]
     return torch.cat(rows).cuda()
 
 
@@ -110,3 +110,25 @@ def test_refuses_what_it_cannot_run():
         gluon_fresh_prefill(q.float(), q.float(), k.float(), v.float(), case.query_start_loc, case.scale)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         gluon_fresh_prefill(q[:, :30], q[:, :30].contiguous(), k, v, case.query_start_loc, case.scale)
+
+
+@needs_hopper
+def test_paged_attention_takes_it_for_a_mixed_step_without_prefixes(monkeypatch):
+    """paged_attention(fresh_kv, no_cached_prefix=True): decode rows over their cached context through
+    the decode launch, the prompts through the Gluon kernel (counted), every row as the reference."""
+    from kernels import gluon_prefill, reference, triton_attention
+    from kernels.testing import fresh_qkv, make_paged_case, relative_error
+
+    case = make_paged_case([2048, 700, 33, 1000, 37], [2048, 700, 33, 1, 1], HEADS, KV_HEADS, DIM, BLOCK,
+                           torch.bfloat16, "cuda", 5)
+    q, k, v = fresh_qkv(case)
+    calls = []
+    real = gluon_prefill.gluon_fresh_prefill
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_prefill, "gluon_fresh_prefill", counted)
+    out = triton_attention.paged_attention(q, *case.args()[1:], fresh_kv=(k, v), no_cached_prefix=True)
+    assert calls == [1]
+    assert relative_error(out, reference.paged_attention(*case.args())) < 1e-2

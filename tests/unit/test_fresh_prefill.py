@@ -281,3 +281,42 @@ def test_an_out_tensor_of_the_wrong_shape_or_dtype_is_refused(bad):
     out = out[:-1] if bad == "shape" else out.to(torch.float16)
     with pytest.raises(ValueError, match="out must be"):
         triton_attention.paged_attention(*case.args(), out=out)
+
+
+def test_no_cached_prefix_hint(seed):
+    """paged_attention(fresh_kv, no_cached_prefix=True): prompts without a cached prefix and a decode
+    row; on the CPU (no sm_90, so not the Gluon kernel) the prefix-free compile, the same rows as
+    without the hint; with a forced fresh_tuning too."""
+    case = make_paged_case([40, 1, 17, 64], [40, 1, 17, 64], 8, 2, 16, 16, torch.float32, "cpu", seed)
+    q, k, v = fresh_views(case, 8, 2, 16)
+    ref = reference.paged_attention(*case.args())
+    plain = triton_attention.paged_attention(q, *case.args()[1:], fresh_kv=(k, v), fresh_tuning=SMALL)
+    hinted = triton_attention.paged_attention(
+        q, *case.args()[1:], fresh_kv=(k, v), fresh_tuning=SMALL, no_cached_prefix=True
+    )
+    assert torch.equal(plain, hinted)
+    assert relative_error(hinted, ref) < 1e-5
+    auto = triton_attention.paged_attention(q, *case.args()[1:], fresh_kv=(k, v), no_cached_prefix=True)
+    assert relative_error(auto, ref) < 1e-5
+
+
+def test_no_cached_prefix_needs_fresh_kv():
+    case = make_paged_case([40, 17], [40, 17], 4, 2, 16, 16, torch.float32, "cpu", 0)
+    with pytest.raises(ValueError, match="needs fresh_kv"):
+        triton_attention.paged_attention(*case.args(), no_cached_prefix=True)
+
+
+def test_gluon_kernel_is_sm90_only_and_validates():
+    """kernels/gluon_prefill.py: not for CPU tensors (a clear error, and paged_attention does not pick
+    it); its launch options by shape; the GPU test (tests/gpu/test_gluon_prefill_gpu.py) runs it."""
+    from kernels import gluon_prefill
+
+    case = make_paged_case([40, 17], [40, 17], 8, 2, 16, 16, torch.bfloat16, "cpu", 0)
+    q, k, v = fresh_views(case, 8, 2, 16)
+    assert not gluon_prefill.supported(q, k)
+    with pytest.raises(ValueError, match="needs sm_90"):
+        gluon_prefill.gluon_fresh_prefill(torch.empty_like(q), q, k, v, case.query_start_loc, case.scale)
+    assert gluon_prefill.tuning_for(4 * 2048, 4)["block_n"] == 128
+    assert gluon_prefill.tuning_for(8192, 1)["block_n"] == 128
+    assert gluon_prefill.tuning_for(16 * 512, 16) == dict(block_n=64, stages=3, pingpong=True)
+    assert gluon_prefill.tuning_for(1023, 1)["block_n"] == 64
