@@ -97,10 +97,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                  kv_empty, query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads,
+                  kv_empty, info, query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads,
                   GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                   STAGES: gl.constexpr):
-        """One warp: TMA loads of every item's Q halves and K/V tiles, in the consumers' order."""
+        """One warp: walks the work items, hands each valid one to the consumers (`info`, beside its Q
+        tile) and issues the TMA loads of its Q halves and K/V tiles; then an item of q_len 0."""
         HALF: gl.constexpr = BLOCK_M // 2
         q_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
         k_bytes: gl.constexpr = k_desc.block_type.nbytes
@@ -114,6 +115,7 @@ if HAVE_GLUON:
             if valid:
                 qb = q_count % 2
                 mbarrier.wait(q_empty.index(qb), ((q_count // 2) & 1) ^ 1)
+                _put_item(info.index(qb), head, q_begin, q_len, q_start)
                 mbarrier.expect(q_ready.index(qb), q_bytes)
                 row = q_begin + q_start
                 tma.async_copy_global_to_shared(
@@ -137,6 +139,32 @@ if HAVE_GLUON:
                         v_desc, [q_begin + j * BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s)
                     )
                     kv_count += 1
+        # the end: an item of q_len 0
+        qb = q_count % 2
+        mbarrier.wait(q_empty.index(qb), ((q_count // 2) & 1) ^ 1)
+        _put_item(info.index(qb), 0, 0, 0, 0)
+        mbarrier.arrive(q_ready.index(qb), count=1)
+
+    @gluon.jit
+    def _put_item(slot, head, q_begin, q_len, q_start):
+        """The producer's item for the consumers: (head, q_begin, q_len, q_start) into an int32[4] of
+        shared memory, visible to them once the q_ready arrival that follows completes."""
+        layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
+        k = gl.arange(0, 4, layout=layout)
+        item = gl.where(k == 0, head, gl.where(k == 1, q_begin, gl.where(k == 2, q_len, q_start)))
+        slot.store(item)
+        gl.thread_barrier()  # every lane's store before the arrival (which one lane makes)
+
+    @gluon.jit
+    def _get_item(slot):
+        layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        item = slot.load(layout)
+        k = gl.arange(0, 4, layout=layout)
+        head = gl.sum(gl.where(k == 0, item, 0), axis=0)
+        q_begin = gl.sum(gl.where(k == 1, item, 0), axis=0)
+        q_len = gl.sum(gl.where(k == 2, item, 0), axis=0)
+        q_start = gl.sum(gl.where(k == 3, item, 0), axis=0)
+        return head, q_begin, q_len, q_start
 
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, j, row_pos, cols, diagonal_from, scale_log2, BLOCK_N: gl.constexpr):
@@ -150,8 +178,8 @@ if HAVE_GLUON:
         return p, m_new, l_new, alpha
 
     @gluon.jit
-    def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                  query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, scale_log2,
+    def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
+                  scale_log2,
                   stride_o_tok, stride_o_head, WG: gl.constexpr, PINGPONG: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
         """One warpgroup: rows [64 WG, 64 WG + 64) of every item's query tile."""
@@ -174,24 +202,43 @@ if HAVE_GLUON:
         q_count = 0
         kv_count = 0
         turns = 0
-        for w in range(gl.program_id(0), num_slots * num_heads, gl.num_programs(0)):
-            head, q_begin, q_len, q_start, valid = _work_item(
-                query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, w, BLOCK_M
-            )
-            if valid:
-                qb = q_count % 2
-                mbarrier.wait(q_ready.index(qb), (q_count // 2) & 1)
-                q = q_smem.index(2 * qb + WG)
-                q_count += 1
-                first_row = q_start + WG * HALF
-                row_pos = first_row + rows
-                num_kv_loaded = gl.cdiv(gl.minimum(q_start + BLOCK_M, q_len), BLOCK_N)  # the producer's
-                num_kv = gl.cdiv(gl.minimum(first_row + HALF, q_len), BLOCK_N)  # this half's, to its last row
-                m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
-                l_i = gl.zeros([HALF], gl.float32, row_layout)
-                acc = gl.zeros([HALF, D], gl.float32, o_layout)
+        mbarrier.wait(q_ready.index(0), 0)
+        head, q_begin, q_len, q_start = _get_item(info.index(0))
+        while q_len > 0:
+            qb = q_count % 2
+            q = q_smem.index(2 * qb + WG)
+            first_row = q_start + WG * HALF
+            row_pos = first_row + rows
+            num_kv_loaded = gl.cdiv(gl.minimum(q_start + BLOCK_M, q_len), BLOCK_N)  # the producer's
+            num_kv = gl.cdiv(gl.minimum(first_row + HALF, q_len), BLOCK_N)  # this half's, to its last row
+            m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
+            l_i = gl.zeros([HALF], gl.float32, row_layout)
+            acc = gl.zeros([HALF, D], gl.float32, o_layout)
 
-                # tile 0: scores only
+            # tile 0: scores only
+            s = kv_count % STAGES
+            mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
+            scores = warpgroup_mma(
+                q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG), count=1)
+                turns += 1
+            scores = warpgroup_mma_wait(0, deps=(scores,))
+            p, m_i, l_i, alpha = _softmax_tile(
+                scores, m_i, l_i, 0, row_pos, cols, first_row, scale_log2, BLOCK_N
+            )
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+            prev = s
+            prev_phase = (kv_count // STAGES) & 1
+            kv_count += 1
+
+            # tile j's scores and tile j - 1's P V in flight together; the accumulator's rescale
+            # for tile j - 1 and P_j's conversion to bf16 done while a matmul runs (not between)
+            for j in range(1, num_kv):
                 s = kv_count % STAGES
                 mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
                 if PINGPONG:
@@ -199,76 +246,56 @@ if HAVE_GLUON:
                 scores = warpgroup_mma(
                     q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
                 )
+                acc = acc * alpha_o[:, None]
+                mbarrier.wait(v_ready.index(prev), prev_phase)
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - WG), count=1)
                     turns += 1
-                scores = warpgroup_mma_wait(0, deps=(scores,))
+                scores = warpgroup_mma_wait(1, deps=(scores,))
                 p, m_i, l_i, alpha = _softmax_tile(
-                    scores, m_i, l_i, 0, row_pos, cols, first_row, scale_log2, BLOCK_N
+                    scores, m_i, l_i, j, row_pos, cols, first_row, scale_log2, BLOCK_N
                 )
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                p_next = gl.convert_layout(p.to(dtype), p_layout)
                 alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                mbarrier.arrive(kv_empty.index(prev), count=1)
+                p_op = p_next
                 prev = s
                 prev_phase = (kv_count // STAGES) & 1
                 kv_count += 1
 
-                # tile j's scores and tile j - 1's P V in flight together; the accumulator's rescale
-                # for tile j - 1 and P_j's conversion to bf16 done while a matmul runs (not between)
-                for j in range(1, num_kv):
-                    s = kv_count % STAGES
-                    mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
-                    if PINGPONG:
-                        mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
-                    scores = warpgroup_mma(
-                        q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
-                    )
-                    acc = acc * alpha_o[:, None]
-                    mbarrier.wait(v_ready.index(prev), prev_phase)
-                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                    if PINGPONG:
-                        mbarrier.arrive(turn.index(1 - WG), count=1)
-                        turns += 1
-                    scores = warpgroup_mma_wait(1, deps=(scores,))
-                    p, m_i, l_i, alpha = _softmax_tile(
-                        scores, m_i, l_i, j, row_pos, cols, first_row, scale_log2, BLOCK_N
-                    )
-                    p_next = gl.convert_layout(p.to(dtype), p_layout)
-                    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-                    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-                    mbarrier.arrive(kv_empty.index(prev), count=1)
-                    p_op = p_next
-                    prev = s
-                    prev_phase = (kv_count // STAGES) & 1
-                    kv_count += 1
+            mbarrier.arrive(q_empty.index(qb), count=1)  # this item's score matmuls are done
+            acc = acc * alpha_o[:, None]
+            mbarrier.wait(v_ready.index(prev), prev_phase)
+            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(kv_empty.index(prev), count=1)
+            # tiles wholly after this half's last row (the upper half's, BLOCK_N < BLOCK_M): released
+            # once loaded, so that a stage's release counts one round at a time; turns kept in step
+            for _ in range(num_kv, num_kv_loaded):
+                s = kv_count % STAGES
+                mbarrier.wait(v_ready.index(s), (kv_count // STAGES) & 1)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
+                    turns += 1
+                mbarrier.arrive(kv_empty.index(s), count=1)
+                kv_count += 1
 
-                mbarrier.arrive(q_empty.index(qb), count=1)  # this item's score matmuls are done
-                acc = acc * alpha_o[:, None]
-                mbarrier.wait(v_ready.index(prev), prev_phase)
-                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-                mbarrier.arrive(kv_empty.index(prev), count=1)
-                # tiles wholly after this half's last row (the upper half's, BLOCK_N < BLOCK_M): released
-                # once loaded, so that a stage's release counts one round at a time; turns kept in step
-                for _ in range(num_kv, num_kv_loaded):
-                    s = kv_count % STAGES
-                    mbarrier.wait(v_ready.index(s), (kv_count // STAGES) & 1)
-                    if PINGPONG:
-                        mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
-                        mbarrier.arrive(turn.index(1 - WG), count=1)
-                        turns += 1
-                    mbarrier.arrive(kv_empty.index(s), count=1)
-                    kv_count += 1
-
-                l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-                o = gl.convert_layout((acc / l_o[:, None]).to(dtype), out_layout)
-                tok = first_row + out_rows
-                ptrs = (
-                    out_ptr
-                    + (q_begin + tok).to(gl.int64)[:, None] * stride_o_tok
-                    + head * stride_o_head
-                    + out_dims[None, :]
-                )
-                gl.store(ptrs, o, mask=(tok < q_len)[:, None])
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            o = gl.convert_layout((acc / l_o[:, None]).to(dtype), out_layout)
+            tok = first_row + out_rows
+            ptrs = (
+                out_ptr
+                + (q_begin + tok).to(gl.int64)[:, None] * stride_o_tok
+                + head * stride_o_head
+                + out_dims[None, :]
+            )
+            gl.store(ptrs, o, mask=(tok < q_len)[:, None])
+            q_count += 1
+            mbarrier.wait(q_ready.index(q_count % 2), (q_count // 2) & 1)
+            head, q_begin, q_len, q_start = _get_item(info.index(q_count % 2))
 
     @gluon.jit
     def _gluon_fresh_prefill_kernel(
@@ -288,6 +315,7 @@ if HAVE_GLUON:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        info = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release it
@@ -300,18 +328,18 @@ if HAVE_GLUON:
         gl.warp_specialize(
             [
                 (_consumer, (
-                    out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                    query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, scale_log2,
+                    out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
+                    scale_log2,
                     stride_o_tok, stride_o_head, 0, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )),
                 (_consumer, (
-                    out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                    query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, scale_log2,
+                    out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
+                    scale_log2,
                     stride_o_tok, stride_o_head, 1, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                    kv_empty, query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads,
+                    kv_empty, info, query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads,
                     GROUP, BLOCK_M, BLOCK_N, D, STAGES,
                 )),
             ],
