@@ -3,17 +3,25 @@
 Triton's `tl` kernels (kernels/triton_attention.py `_fresh_prefill_kernel`) leave the tensor cores idle
 while a program computes its softmax, and pay every tile's start-up (sequence lookup, Q load, first
 K/V loads) with nothing to hide it: 0.73-0.82x SDPA at 16 x 512 and 4 x 2048 on the H100. This
-kernel splits the work the way Hopper's asynchronous units allow:
+kernel splits the work the way Hopper's asynchronous units allow (H100: 0.95-0.98x SDPA on those
+shapes, docs/benchmarks.md "Prefill"):
 
-- a persistent grid (one program an SM) walks work items (a 128-row query tile x one query head),
-  heaviest tiles of each sequence first;
-- a producer warp issues the TMA loads: the two 64-row halves of each item's Q tile (double-buffered
-  across items, so the next item's Q arrives while this one finishes) and the K/V tiles into a ring
-  of STAGES stages, each guarded by ready / empty mbarriers;
+- a persistent grid (one program an SM) works through work items (a 128-row query tile x one query
+  head; heads fastest, so a GQA group's heads share K/V in L2, and each sequence's last, longest
+  tiles first). A program claims its next item from a global counter when it is ready for one
+  (a relaxed atomic), so programs that drew light items take more: a fixed round-robin left the
+  slowest program 6-15 % more work than the mean on the bench's shapes (4 x 2048: 296 -> 271 us);
+- a producer warp claims the items, looks up their sequence, hands each valid one to the consumers
+  through shared memory beside its Q tile (consumers never search or skip), and issues the TMA
+  loads: the two 64-row halves of the item's Q tile (double-buffered across items, so the next
+  item's Q arrives while this one finishes) and the K/V tiles into a ring of STAGES stages, each
+  guarded by ready / empty mbarriers;
 - two consumer warpgroups each own one 64-row half of the tile. Each issues tile j's scores
-  (Q K_j^T) and tile j - 1's P V together as asynchronous wgmmas, then computes tile j's softmax
-  while the P V runs; with PINGPONG the two warpgroups take turns issuing (an mbarrier token passed
-  back and forth), so one's softmax runs while the other's matmuls use the tensor cores.
+  (Q K_j^T) and tile j - 1's P V together as asynchronous wgmmas, rescales its accumulator while
+  the score matmul runs and computes tile j's softmax while the P V runs; the upper half skips the
+  K/V tiles wholly after its rows (with 64-key tiles, the default); with PINGPONG the two warpgroups
+  take turns issuing (an mbarrier token passed back and forth), so one's softmax runs while the
+  other's matmuls use the tensor cores.
 
 Scope: query rows of sequences with >= 2 query tokens and no cached prefix (each sequence's keys
 are its own rows of `key` / `value`, positions 0 .. q_len - 1), bf16 / fp16, head_dim 64 or 128,
@@ -97,9 +105,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                  kv_empty, info, query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads,
-                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  kv_empty, info, counter_ptr, query_start_loc_ptr, num_seqs, num_search_steps, num_slots,
+                  num_heads, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr):
         """One warp: walks the work items, hands each valid one to the consumers (`info`, beside its Q
         tile) and issues the TMA loads of its Q halves and K/V tiles; then an item of q_len 0."""
         HALF: gl.constexpr = BLOCK_M // 2
@@ -108,7 +116,11 @@ if HAVE_GLUON:
         v_bytes: gl.constexpr = v_desc.block_type.nbytes
         q_count = 0
         kv_count = 0
-        for w in range(gl.program_id(0), num_slots * num_heads, gl.num_programs(0)):
+        num_items = num_slots * num_heads
+        # the next unclaimed item: programs free sooner take more. Relaxed: the index is all it hands
+        # out (an acquiring atomic would also empty this SM's L1, and the lookups behind it would miss)
+        w = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+        while w < num_items:
             head, q_begin, q_len, q_start, valid = _work_item(
                 query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, w, BLOCK_M
             )
@@ -139,11 +151,17 @@ if HAVE_GLUON:
                         v_desc, [q_begin + j * BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s)
                     )
                     kv_count += 1
+            w = gl.atomic_add(counter_ptr, 1, sem="relaxed")
         # the end: an item of q_len 0
         qb = q_count % 2
         mbarrier.wait(q_empty.index(qb), ((q_count // 2) & 1) ^ 1)
         _put_item(info.index(qb), 0, 0, 0, 0)
         mbarrier.arrive(q_ready.index(qb), count=1)
+        # the last program to stop claiming zeroes the counters for the next launch (acquire-release:
+        # every program's last claim is ordered before its count here, so before the reset)
+        if gl.atomic_add(counter_ptr + 1, 1, sem="acq_rel") == gl.num_programs(0) - 1:
+            gl.store(counter_ptr, 0)
+            gl.store(counter_ptr + 1, 0)
 
     @gluon.jit
     def _put_item(slot, head, q_begin, q_len, q_start):
@@ -299,8 +317,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gluon_fresh_prefill_kernel(
-        out_ptr, q_desc, k_desc, v_desc, query_start_loc_ptr, scale_log2, num_seqs, num_search_steps,
-        num_slots, num_heads, stride_o_tok, stride_o_head,
+        out_ptr, q_desc, k_desc, v_desc, query_start_loc_ptr, counter_ptr, scale_log2, num_seqs,
+        num_search_steps, num_slots, num_heads, stride_o_tok, stride_o_head,
         GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
         STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):
@@ -339,8 +357,8 @@ if HAVE_GLUON:
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                    kv_empty, info, query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads,
-                    GROUP, BLOCK_M, BLOCK_N, D, STAGES,
+                    kv_empty, info, counter_ptr, query_start_loc_ptr, num_seqs, num_search_steps, num_slots,
+                    num_heads, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
                 )),
             ],
             [4, 1],
@@ -348,18 +366,17 @@ if HAVE_GLUON:
         )
 
 
-# sequences averaging this many query tokens take K/V tiles of 128 keys, two stages, no ping-pong;
-# shorter ones tiles of 64 (the upper half of a 128-row tile skips the one wholly after its rows),
-# three stages, ping-pong. H100, graph-timed, one call (docs/benchmarks.md "Prefill"): 4 x 2048
-# 299.6 vs 305.1 us, 1 x 8192 1,003 vs 1,040, 16 x 512 117.9 vs 114.9 (128-key vs 64-key tiles)
-LONG_TOKENS_PER_SEQ = 1024
+# per device: [next unclaimed item, programs done claiming], zero between launches (the kernel's last
+# program resets them). Launches on one device must not overlap in time (one stream, or graphs
+# replayed one at a time, as the engine and the benches run them).
+_CLAIM_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def tuning_for(num_tokens: int, num_seqs: int) -> dict:
-    """gluon_fresh_prefill's options for a launch of num_tokens over num_seqs sequences."""
-    if num_tokens >= LONG_TOKENS_PER_SEQ * max(1, num_seqs):
-        return dict(block_n=128, stages=2, pingpong=False)
-    return dict(block_n=64, stages=3, pingpong=True)
+def _claim_counter(device: torch.device) -> torch.Tensor:
+    counter = _CLAIM_COUNTERS.get(device)
+    if counter is None:
+        counter = _CLAIM_COUNTERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
 
 
 def _sm_count(device: torch.device) -> int:
@@ -368,7 +385,7 @@ def _sm_count(device: torch.device) -> int:
 
 def gluon_fresh_prefill(
     out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    query_start_loc: torch.Tensor, scale: float, *, block_n: int = 128, stages: int = 2,
+    query_start_loc: torch.Tensor, scale: float, *, block_n: int = 64, stages: int = 3,
     pingpong: bool = True, consumer_regs: int = 240, num_programs: int | None = None,
 ) -> None:
     """out[rows of sequences with >= 2 query tokens] = causal attention of those rows over their own
@@ -404,7 +421,8 @@ def gluon_fresh_prefill(
     num_slots = num_tokens // block_m + num_seqs
     programs = num_programs or _sm_count(query.device)
     _gluon_fresh_prefill_kernel[(max(1, min(programs, num_slots * num_heads)),)](
-        out, q_desc, k_desc, v_desc, query_start_loc, scale * math.log2(math.e), num_seqs,
+        out, q_desc, k_desc, v_desc, query_start_loc, _claim_counter(query.device), scale * math.log2(math.e),
+        num_seqs,
         max(0, (num_seqs - 1).bit_length()), num_slots, num_heads, out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, D=head_dim, STAGES=stages,
         PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, num_warps=4,

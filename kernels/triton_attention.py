@@ -643,8 +643,7 @@ def paged_attention(
         paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, 1,
                         max_seq_len, scale, num_splits=1, out=out)
         if no_cached_prefix and fresh_tuning is None and gluon_prefill.supported(query, *fresh_kv):
-            gluon_prefill.gluon_fresh_prefill(out, query, fresh_kv[0], fresh_kv[1], query_start_loc, scale,
-                                              **gluon_prefill.tuning_for(num_tokens, num_seqs))
+            gluon_prefill.gluon_fresh_prefill(out, query, fresh_kv[0], fresh_kv[1], query_start_loc, scale)
             return out
         fresh_prefill(out, query, fresh_kv[0], fresh_kv[1], key_cache, value_cache, block_tables, seq_lens,
                       query_start_loc, scale, fresh_tuning or fresh_tuning_for(num_tokens, num_seqs),

@@ -308,7 +308,7 @@ def test_no_cached_prefix_needs_fresh_kv():
 
 def test_gluon_kernel_is_sm90_only_and_validates():
     """kernels/gluon_prefill.py: not for CPU tensors (a clear error, and paged_attention does not pick
-    it); its launch options by shape; the GPU test (tests/gpu/test_gluon_prefill_gpu.py) runs it."""
+    it); the GPU test (tests/gpu/test_gluon_prefill_gpu.py) runs it."""
     from kernels import gluon_prefill
 
     case = make_paged_case([40, 17], [40, 17], 8, 2, 16, 16, torch.bfloat16, "cpu", 0)
@@ -316,7 +316,3 @@ def test_gluon_kernel_is_sm90_only_and_validates():
     assert not gluon_prefill.supported(q, k)
     with pytest.raises(ValueError, match="needs sm_90"):
         gluon_prefill.gluon_fresh_prefill(torch.empty_like(q), q, k, v, case.query_start_loc, case.scale)
-    assert gluon_prefill.tuning_for(4 * 2048, 4)["block_n"] == 128
-    assert gluon_prefill.tuning_for(8192, 1)["block_n"] == 128
-    assert gluon_prefill.tuning_for(16 * 512, 16) == dict(block_n=64, stages=3, pingpong=True)
-    assert gluon_prefill.tuning_for(1023, 1)["block_n"] == 64
