@@ -91,7 +91,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gluon_prefill
 from kernels.reference import check_scales
 
 F16_MAX = tl.constexpr(65504.0)
@@ -642,9 +641,12 @@ def paged_attention(
         # Not split: a split's reduce runs over every token of the step (4 x 2048 tokens: 3x the time)
         paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, 1,
                         max_seq_len, scale, num_splits=1, out=out)
-        if no_cached_prefix and fresh_tuning is None and gluon_prefill.supported(query, *fresh_kv):
-            gluon_prefill.gluon_fresh_prefill(out, query, fresh_kv[0], fresh_kv[1], query_start_loc, scale)
-            return out
+        if no_cached_prefix and fresh_tuning is None and query.is_cuda:
+            from kernels import gluon_prefill  # (imported here: the layers' path does not import Gluon)
+
+            if gluon_prefill.supported(query, *fresh_kv):
+                gluon_prefill.gluon_fresh_prefill(out, query, *fresh_kv, query_start_loc, scale)
+                return out
         fresh_prefill(out, query, fresh_kv[0], fresh_kv[1], key_cache, value_cache, block_tables, seq_lens,
                       query_start_loc, scale, fresh_tuning or fresh_tuning_for(num_tokens, num_seqs),
                       prefix=not no_cached_prefix)
