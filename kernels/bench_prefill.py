@@ -99,9 +99,9 @@ FRESH_CANDIDATES: dict[str, object] = {
 
 # name: gluon_prefill.gluon_fresh_prefill's options (no cached prefix, sm_90)
 GLUON_CANDIDATES: dict[str, dict] = {
-    "gluon_n64_s3_pingpong": dict(block_n=64, stages=3, pingpong=True),  # the default
+    "gluon_n64_s4_pingpong": dict(block_n=64, stages=4, pingpong=True),  # the default
+    "gluon_n64_s3_pingpong": dict(block_n=64, stages=3, pingpong=True),
     "gluon_n64_s3": dict(block_n=64, stages=3, pingpong=False),
-    "gluon_n64_s4_pingpong": dict(block_n=64, stages=4, pingpong=True),
     "gluon_n128_s2": dict(block_n=128, stages=2, pingpong=False),
     "gluon_n128_s2_pingpong": dict(block_n=128, stages=2, pingpong=True),
 }

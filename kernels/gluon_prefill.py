@@ -385,12 +385,17 @@ def _sm_count(device: torch.device) -> int:
 
 def gluon_fresh_prefill(
     out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    query_start_loc: torch.Tensor, scale: float, *, block_n: int = 64, stages: int = 3,
+    query_start_loc: torch.Tensor, scale: float, *, block_n: int = 64, stages: int = 4,
     pingpong: bool = True, consumer_regs: int = 240, num_programs: int | None = None,
 ) -> None:
     """out[rows of sequences with >= 2 query tokens] = causal attention of those rows over their own
     sequence's rows of key / value ([T, KV, D] views; no cached prefix). query [T, H, D], out
-    [T, H, D] (last dim contiguous), query_start_loc [num_seqs + 1] int32 on the device."""
+    [T, H, D] (last dim contiguous), query_start_loc [num_seqs + 1] int32 on the device.
+    block_n: keys a K/V tile (64, or 128 with two stages: more exceed shared memory); stages: the
+    K/V ring's depth; pingpong: the consumer warpgroups take turns issuing their matmuls;
+    consumer_regs: their register budget (setmaxnreg); num_programs: the persistent grid (default one
+    program an SM). The defaults are the H100's fastest on the prefill bench (docs/benchmarks.md).
+    Launches on one device must not run concurrently (they share the work-claiming counter)."""
     if not supported(query, key, value):
         raise ValueError("gluon_fresh_prefill: needs sm_90, bf16/fp16, head_dim 64/128, TMA-aligned rows")
     num_tokens, num_heads, head_dim = query.shape

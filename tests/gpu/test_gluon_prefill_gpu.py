@@ -1,9 +1,10 @@
 """kernels/gluon_prefill.py on the GPU (skipped without an sm_90 device): the warp-specialized prefill
 kernel against the torch reference at llama3-8b's heads (32 q / 8 KV, d 128) and at d 64: mixed
 sequence lengths (ragged tile tails, a two-token prompt), one-token rows left untouched, every
-option (ping-pong on and off, K/V tiles of 64 and 128, two and three stages), a persistent grid far
-smaller than the work (one program walks every item: the barriers' phases over many items), fp16,
-inside a CUDA graph, and the refusals."""
+option (ping-pong on and off, K/V tiles of 64 and 128, two to four stages), a persistent grid far
+smaller than the work (one program claims every item: the barriers' phases over many items; and
+launch after launch, the claiming counter reset by the kernel), fp16, inside a CUDA graph, through
+paged_attention(no_cached_prefix=True), and the refusals."""
 
 from __future__ import annotations
 
@@ -61,10 +62,13 @@ def _check(case, out, tol=1e-2):
 @pytest.mark.parametrize("options", [
     dict(),
     dict(pingpong=False),
-    dict(block_n=64),
-    dict(block_n=64, stages=3),
+    dict(stages=3),
+    dict(stages=2, pingpong=False),
+    dict(block_n=128, stages=2),
+    dict(block_n=128, stages=2, pingpong=False),
     dict(num_programs=1),
     dict(num_programs=7, pingpong=False),
+    dict(num_programs=5, block_n=128, stages=2),
 ])
 def test_matches_reference(options):
     case, (q, k, v) = _case(torch.bfloat16)
@@ -110,6 +114,11 @@ def test_refuses_what_it_cannot_run():
         gluon_fresh_prefill(q.float(), q.float(), k.float(), v.float(), case.query_start_loc, case.scale)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         gluon_fresh_prefill(q[:, :30], q[:, :30].contiguous(), k, v, case.query_start_loc, case.scale)
+    with pytest.raises(ValueError, match="block_n"):
+        gluon_fresh_prefill(torch.empty_like(q), q, k, v, case.query_start_loc, case.scale, block_n=128,
+                            stages=3)
+    with pytest.raises(ValueError, match="consumer_regs"):
+        gluon_fresh_prefill(torch.empty_like(q), q, k, v, case.query_start_loc, case.scale, consumer_regs=250)
 
 
 @needs_hopper
