@@ -366,16 +366,18 @@ if HAVE_GLUON:
         )
 
 
-# per device: [next unclaimed item, programs done claiming], zero between launches (the kernel's last
-# program resets them). Launches on one device must not overlap in time (one stream, or graphs
-# replayed one at a time, as the engine and the benches run them).
-_CLAIM_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# per (device, stream): [next unclaimed item, programs done claiming], zero between launches (the
+# kernel's last program resets them). Launches sharing a counter must not overlap in time: one
+# stream's launches run in order (a CUDA graph keeps the counter of the stream it was captured on,
+# and must not be replayed beside another launch on that stream's counter).
+_CLAIM_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _claim_counter(device: torch.device) -> torch.Tensor:
-    counter = _CLAIM_COUNTERS.get(device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    counter = _CLAIM_COUNTERS.get(key)
     if counter is None:
-        counter = _CLAIM_COUNTERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
+        counter = _CLAIM_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
     return counter
 
 
@@ -395,7 +397,8 @@ def gluon_fresh_prefill(
     K/V ring's depth; pingpong: the consumer warpgroups take turns issuing their matmuls;
     consumer_regs: their register budget (setmaxnreg); num_programs: the persistent grid (default one
     program an SM). The defaults are the H100's fastest on the prefill bench (docs/benchmarks.md).
-    Launches on one device must not run concurrently (they share the work-claiming counter)."""
+    Launches on one stream share a work-claiming counter (so a graph replayed beside another launch
+    of the stream it was captured on is not supported)."""
     if not supported(query, key, value):
         raise ValueError("gluon_fresh_prefill: needs sm_90, bf16/fp16, head_dim 64/128, TMA-aligned rows")
     num_tokens, num_heads, head_dim = query.shape
