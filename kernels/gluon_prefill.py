@@ -412,6 +412,12 @@ def gluon_fresh_prefill(
     if (num_heads % num_kv_heads or out.shape != query.shape or out.dtype != query.dtype
             or out.stride(2) != 1):
         raise ValueError("gluon_fresh_prefill: heads must be a multiple of KV heads; out shaped like query")
+    starts = query_start_loc
+    if starts.dtype != torch.int32 or starts.dim() != 1 or not starts.shape[0] or starts.device != query.device:
+        raise ValueError("gluon_fresh_prefill: query_start_loc must be 1-d int32 on the query's device")
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return
     block_m = 128
     half = block_m // 2
     dtype = _GL_DTYPES[query.dtype]
@@ -425,7 +431,6 @@ def gluon_fresh_prefill(
     q_desc = descriptor(query, half, q_layout)
     k_desc = descriptor(key, block_n, kv_layout)
     v_desc = descriptor(value, block_n, kv_layout)
-    num_seqs = query_start_loc.shape[0] - 1
     num_slots = num_tokens // block_m + num_seqs
     programs = num_programs or _sm_count(query.device)
     _gluon_fresh_prefill_kernel[(max(1, min(programs, num_slots * num_heads)),)](

@@ -117,6 +117,10 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="block_n"):
         gluon_fresh_prefill(torch.empty_like(q), q, k, v, case.query_start_loc, case.scale, block_n=128,
                             stages=3)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        gluon_fresh_prefill(torch.empty_like(q), q, k, v, case.query_start_loc.long(), case.scale)
+    empty = q[:0]
+    gluon_fresh_prefill(empty, empty, k[:0], v[:0], case.query_start_loc[:1], case.scale)  # nothing to do
     with pytest.raises(ValueError, match="consumer_regs"):
         gluon_fresh_prefill(torch.empty_like(q), q, k, v, case.query_start_loc, case.scale, consumer_regs=250)
 
