@@ -413,7 +413,7 @@ def gluon_fresh_prefill(
             or out.stride(2) != 1):
         raise ValueError("gluon_fresh_prefill: heads must be a multiple of KV heads; out shaped like query")
     starts = query_start_loc
-    if starts.dtype != torch.int32 or starts.dim() != 1 or not starts.shape[0] or starts.device != query.device:
+    if starts.dtype != torch.int32 or starts.dim() != 1 or not len(starts) or starts.device != query.device:
         raise ValueError("gluon_fresh_prefill: query_start_loc must be 1-d int32 on the query's device")
     num_seqs = query_start_loc.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
