@@ -46,6 +46,7 @@ try:  # Gluon ships with Triton >= 3.5; without it (or without sm_90) callers us
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -85,7 +86,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _work_item(query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, w,
                    BLOCK_M: gl.constexpr):
-        """Work item w -> (head, q_begin, q_len, q_start, valid). Items run heads fastest (the GQA
+        """Work item w -> (seq, head, q_begin, q_len, q_start, valid). Items run heads fastest (the GQA
         group's heads share K/V in L2) and tile slots from the last: slot t of sequence i is
         t - (query_start_loc[i] // BLOCK_M + i), so a sequence's last (longest) tiles come first."""
         head = w % num_heads
@@ -101,16 +102,19 @@ if HAVE_GLUON:
         q_len = gl.load(query_start_loc_ptr + lo + 1) - q_begin
         q_start = (tile_id - (q_begin // BLOCK_M + lo)) * BLOCK_M
         valid = (q_len >= 2) & (q_start < q_len)
-        return head, q_begin, q_len, q_start, valid
+        return lo, head, q_begin, q_len, q_start, valid
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                  kv_empty, info, counter_ptr, query_start_loc_ptr, num_seqs, num_search_steps, num_slots,
-                  num_heads, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  D: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: walks the work items, hands each valid one to the consumers (`info`, beside its Q
-        tile) and issues the TMA loads of its Q halves and K/V tiles; then an item of q_len 0."""
+    def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
+                  k_ready, v_ready, kv_empty, info, counter_ptr, query_start_loc_ptr, seq_lens_ptr,
+                  block_tables_ptr, stride_bt, num_seqs, num_search_steps, num_slots, num_heads,
+                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, PREFIX: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+        """One warp: claims the work items, hands each valid one to the consumers (`info`, beside its
+        Q tile) and issues the TMA loads of its Q halves, its cached prefix's K/V tiles (PREFIX: one
+        box a cache block, through the block table) and its fresh K/V tiles; then an item of q_len 0."""
         HALF: gl.constexpr = BLOCK_M // 2
+        BOXES: gl.constexpr = BLOCK_N // BLOCK_SIZE
         q_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
         k_bytes: gl.constexpr = k_desc.block_type.nbytes
         v_bytes: gl.constexpr = v_desc.block_type.nbytes
@@ -121,13 +125,16 @@ if HAVE_GLUON:
         # out (an acquiring atomic would also empty this SM's L1, and the lookups behind it would miss)
         w = gl.atomic_add(counter_ptr, 1, sem="relaxed")
         while w < num_items:
-            head, q_begin, q_len, q_start, valid = _work_item(
+            seq, head, q_begin, q_len, q_start, valid = _work_item(
                 query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, w, BLOCK_M
             )
             if valid:
+                context_start = q_len * 0
+                if PREFIX:
+                    context_start = gl.load(seq_lens_ptr + seq) - q_len
                 qb = q_count % 2
                 mbarrier.wait(q_empty.index(qb), ((q_count // 2) & 1) ^ 1)
-                _put_item(info.index(qb), head, q_begin, q_len, q_start)
+                _put_item(info.index(qb), head, q_begin, q_len, q_start, context_start)
                 mbarrier.expect(q_ready.index(qb), q_bytes)
                 row = q_begin + q_start
                 tma.async_copy_global_to_shared(
@@ -138,6 +145,29 @@ if HAVE_GLUON:
                 )
                 q_count += 1
                 kv_col = (head // GROUP) * D
+                if PREFIX:
+                    # tiles of BLOCK_N cached positions, a box per cache block; a tile's blocks at or
+                    # past the prefix's end load the prefix's last block instead (always a valid entry):
+                    # those keys are masked and their value rows zeroed by the consumers
+                    block_table = block_tables_ptr + seq.to(gl.int64) * stride_bt
+                    last_block = (context_start - 1) // BLOCK_SIZE
+                    for t in range(gl.cdiv(context_start, BLOCK_N)):
+                        s = kv_count % STAGES
+                        mbarrier.wait(kv_empty.index(s), ((kv_count // STAGES) & 1) ^ 1)
+                        mbarrier.expect(k_ready.index(s), k_bytes)
+                        mbarrier.expect(v_ready.index(s), v_bytes)
+                        for i in gl.static_range(BOXES):
+                            index = gl.minimum(t * BOXES + i, last_block)
+                            block = gl.load(block_table + index)
+                            tma.async_copy_global_to_shared(
+                                kc_desc, [block * BLOCK_SIZE, kv_col], k_ready.index(s),
+                                k_smem.index(s).slice(i * BLOCK_SIZE, BLOCK_SIZE),
+                            )
+                            tma.async_copy_global_to_shared(
+                                vc_desc, [block * BLOCK_SIZE, kv_col], v_ready.index(s),
+                                v_smem.index(s).slice(i * BLOCK_SIZE, BLOCK_SIZE),
+                            )
+                        kv_count += 1
                 num_kv = gl.cdiv(gl.minimum(q_start + BLOCK_M, q_len), BLOCK_N)
                 for j in range(num_kv):
                     s = kv_count % STAGES
@@ -155,7 +185,7 @@ if HAVE_GLUON:
         # the end: an item of q_len 0
         qb = q_count % 2
         mbarrier.wait(q_empty.index(qb), ((q_count // 2) & 1) ^ 1)
-        _put_item(info.index(qb), 0, 0, 0, 0)
+        _put_item(info.index(qb), 0, 0, 0, 0, 0)
         mbarrier.arrive(q_ready.index(qb), count=1)
         # the last program to stop claiming zeroes the counters for the next launch (acquire-release:
         # every program's last claim is ordered before its count here, so before the reset)
@@ -164,31 +194,41 @@ if HAVE_GLUON:
             gl.store(counter_ptr + 1, 0)
 
     @gluon.jit
-    def _put_item(slot, head, q_begin, q_len, q_start):
-        """The producer's item for the consumers: (head, q_begin, q_len, q_start) into an int32[4] of
-        shared memory, visible to them once the q_ready arrival that follows completes."""
-        layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
-        k = gl.arange(0, 4, layout=layout)
-        item = gl.where(k == 0, head, gl.where(k == 1, q_begin, gl.where(k == 2, q_len, q_start)))
+    def _put_item(slot, head, q_begin, q_len, q_start, context_start):
+        """The producer's item for the consumers: (head, q_begin, q_len, q_start, context_start) into
+        an int32[8] of shared memory, visible to them once the q_ready arrival that follows completes."""
+        layout: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
+        k = gl.arange(0, 8, layout=layout)
+        item = gl.where(k == 0, head, gl.where(k == 1, q_begin, gl.where(k == 2, q_len, gl.where(
+            k == 3, q_start, context_start))))
         slot.store(item)
         gl.thread_barrier()  # every lane's store before the arrival (which one lane makes)
 
     @gluon.jit
     def _get_item(slot):
-        layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
         item = slot.load(layout)
-        k = gl.arange(0, 4, layout=layout)
+        k = gl.arange(0, 8, layout=layout)
         head = gl.sum(gl.where(k == 0, item, 0), axis=0)
         q_begin = gl.sum(gl.where(k == 1, item, 0), axis=0)
         q_len = gl.sum(gl.where(k == 2, item, 0), axis=0)
         q_start = gl.sum(gl.where(k == 3, item, 0), axis=0)
-        return head, q_begin, q_len, q_start
+        context_start = gl.sum(gl.where(k == 4, item, 0), axis=0)
+        return head, q_begin, q_len, q_start, context_start
 
     @gluon.jit
-    def _softmax_tile(s, m_i, l_i, j, row_pos, cols, diagonal_from, scale_log2, BLOCK_N: gl.constexpr):
-        """Online-softmax step over one score tile: (p, new max, new sum, rescale factor)."""
-        if j * BLOCK_N + BLOCK_N - 1 > diagonal_from:  # a tile crossing the diagonal: causal mask
-            s = gl.where((j * BLOCK_N + cols)[None, :] <= row_pos[:, None], s, float("-inf"))
+    def _softmax_tile(s, m_i, l_i, t, num_prefix, context_start, row_pos, cols, first_row, scale_log2,
+                      BLOCK_N: gl.constexpr):
+        """Online-softmax step over score tile t (tiles [0, num_prefix) of the cached prefix, then the
+        fresh ones): (p, new max, new sum, rescale factor). Prefix tiles mask positions at or past
+        the prefix's end (the last one only); fresh tiles the causal diagonal."""
+        if t < num_prefix:
+            if (t + 1) * BLOCK_N > context_start:
+                s = gl.where((t * BLOCK_N + cols)[None, :] < context_start, s, float("-inf"))
+        else:
+            j = t - num_prefix
+            if j * BLOCK_N + BLOCK_N - 1 > first_row:  # a tile crossing the diagonal
+                s = gl.where((j * BLOCK_N + cols)[None, :] <= row_pos[:, None], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)  # finite: key 0 is every row's
         p = gl.exp2(s * scale_log2 - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
@@ -196,11 +236,27 @@ if HAVE_GLUON:
         return p, m_new, l_new, alpha
 
     @gluon.jit
+    def _zero_past_prefix(v_tile, t, context_start, clean, cleans, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                          D: gl.constexpr):
+        """The prefix's last value tile: rows at or past the prefix's end (other cache slots, which may
+        hold anything, NaN included: 0 * NaN is NaN) set to zero, this warpgroup's half of the rows;
+        then both halves done (the `clean` mbarrier) before either multiplies by the tile."""
+        ROWS: gl.constexpr = BLOCK_N // 2
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        half = v_tile.slice(WG * ROWS, ROWS)
+        rows = t * BLOCK_N + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        v = half.load(layout)
+        half.store(gl.where((rows < context_start)[:, None], v, gl.zeros_like(v)))
+        fence_async_shared()  # these stores before the asynchronous proxy's (the wgmma's) reads
+        mbarrier.arrive(clean, count=1)
+        mbarrier.wait(clean, cleans & 1)
+
+    @gluon.jit
     def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
-                  scale_log2,
-                  stride_o_tok, stride_o_head, WG: gl.constexpr, PINGPONG: gl.constexpr,
+                  clean, scale_log2, stride_o_tok, stride_o_head, WG: gl.constexpr, PINGPONG: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-        """One warpgroup: rows [64 WG, 64 WG + 64) of every item's query tile."""
+        """One warpgroup: rows [64 WG, 64 WG + 64) of every item's query tile, over its cached prefix's
+        tiles and then its fresh ones."""
         HALF: gl.constexpr = BLOCK_M // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -220,15 +276,18 @@ if HAVE_GLUON:
         q_count = 0
         kv_count = 0
         turns = 0
+        cleans = 0
         mbarrier.wait(q_ready.index(0), 0)
-        head, q_begin, q_len, q_start = _get_item(info.index(0))
+        head, q_begin, q_len, q_start, context_start = _get_item(info.index(0))
         while q_len > 0:
             qb = q_count % 2
             q = q_smem.index(2 * qb + WG)
             first_row = q_start + WG * HALF
             row_pos = first_row + rows
-            num_kv_loaded = gl.cdiv(gl.minimum(q_start + BLOCK_M, q_len), BLOCK_N)  # the producer's
-            num_kv = gl.cdiv(gl.minimum(first_row + HALF, q_len), BLOCK_N)  # this half's, to its last row
+            num_prefix = gl.cdiv(context_start, BLOCK_N)
+            # the producer's tiles, and this half's (its fresh tiles up to its last row)
+            num_loaded = num_prefix + gl.cdiv(gl.minimum(q_start + BLOCK_M, q_len), BLOCK_N)
+            num_tiles = num_prefix + gl.cdiv(gl.minimum(first_row + HALF, q_len), BLOCK_N)
             m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
             l_i = gl.zeros([HALF], gl.float32, row_layout)
             acc = gl.zeros([HALF, D], gl.float32, o_layout)
@@ -246,7 +305,7 @@ if HAVE_GLUON:
                 turns += 1
             scores = warpgroup_mma_wait(0, deps=(scores,))
             p, m_i, l_i, alpha = _softmax_tile(
-                scores, m_i, l_i, 0, row_pos, cols, first_row, scale_log2, BLOCK_N
+                scores, m_i, l_i, 0, num_prefix, context_start, row_pos, cols, first_row, scale_log2, BLOCK_N
             )
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
@@ -254,25 +313,29 @@ if HAVE_GLUON:
             prev_phase = (kv_count // STAGES) & 1
             kv_count += 1
 
-            # tile j's scores and tile j - 1's P V in flight together; the accumulator's rescale
-            # for tile j - 1 and P_j's conversion to bf16 done while a matmul runs (not between)
-            for j in range(1, num_kv):
+            # tile t's scores and tile t - 1's P V in flight together; the accumulator's rescale
+            # for tile t - 1 and P_t's conversion to bf16 done while a matmul runs (not between)
+            for t in range(1, num_tiles):
                 s = kv_count % STAGES
                 mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), prev_phase)
+                if t == num_prefix and context_start % BLOCK_N != 0:  # tile t - 1: the prefix's last
+                    _zero_past_prefix(v_smem.index(prev), t - 1, context_start, clean, cleans, WG, BLOCK_N, D)
+                    cleans += 1
                 if PINGPONG:
                     mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
                 scores = warpgroup_mma(
                     q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
                 )
                 acc = acc * alpha_o[:, None]
-                mbarrier.wait(v_ready.index(prev), prev_phase)
                 acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - WG), count=1)
                     turns += 1
                 scores = warpgroup_mma_wait(1, deps=(scores,))
                 p, m_i, l_i, alpha = _softmax_tile(
-                    scores, m_i, l_i, j, row_pos, cols, first_row, scale_log2, BLOCK_N
+                    scores, m_i, l_i, t, num_prefix, context_start, row_pos, cols, first_row, scale_log2,
+                    BLOCK_N,
                 )
                 p_next = gl.convert_layout(p.to(dtype), p_layout)
                 alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
@@ -291,7 +354,7 @@ if HAVE_GLUON:
             mbarrier.arrive(kv_empty.index(prev), count=1)
             # tiles wholly after this half's last row (the upper half's, BLOCK_N < BLOCK_M): released
             # once loaded, so that a stage's release counts one round at a time; turns kept in step
-            for _ in range(num_kv, num_kv_loaded):
+            for _ in range(num_tiles, num_loaded):
                 s = kv_count % STAGES
                 mbarrier.wait(v_ready.index(s), (kv_count // STAGES) & 1)
                 if PINGPONG:
@@ -313,14 +376,16 @@ if HAVE_GLUON:
             gl.store(ptrs, o, mask=(tok < q_len)[:, None])
             q_count += 1
             mbarrier.wait(q_ready.index(q_count % 2), (q_count // 2) & 1)
-            head, q_begin, q_len, q_start = _get_item(info.index(q_count % 2))
+            head, q_begin, q_len, q_start, context_start = _get_item(info.index(q_count % 2))
 
     @gluon.jit
     def _gluon_fresh_prefill_kernel(
-        out_ptr, q_desc, k_desc, v_desc, query_start_loc_ptr, counter_ptr, scale_log2, num_seqs,
-        num_search_steps, num_slots, num_heads, stride_o_tok, stride_o_head,
+        out_ptr, q_desc, k_desc, v_desc, kc_desc, vc_desc, query_start_loc_ptr, seq_lens_ptr,
+        block_tables_ptr, counter_ptr, scale_log2, stride_bt, num_seqs, num_search_steps, num_slots,
+        num_heads, stride_o_tok, stride_o_head,
         GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-        STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFIX: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr,
     ):
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
@@ -333,7 +398,8 @@ if HAVE_GLUON:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        info = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        clean = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        info = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release it
@@ -342,23 +408,23 @@ if HAVE_GLUON:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)
+        mbarrier.init(clean, count=2)
         # (literal tuples: Gluon keeps their constexprs; a tuple built with + does not)
         gl.warp_specialize(
             [
                 (_consumer, (
                     out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
-                    scale_log2,
-                    stride_o_tok, stride_o_head, 0, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
+                    clean, scale_log2, stride_o_tok, stride_o_head, 0, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )),
                 (_consumer, (
                     out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
-                    scale_log2,
-                    stride_o_tok, stride_o_head, 1, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
+                    clean, scale_log2, stride_o_tok, stride_o_head, 1, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )),
                 (_producer, (
-                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                    kv_empty, info, counter_ptr, query_start_loc_ptr, num_seqs, num_search_steps, num_slots,
-                    num_heads, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
+                    q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
+                    k_ready, v_ready, kv_empty, info, counter_ptr, query_start_loc_ptr, seq_lens_ptr,
+                    block_tables_ptr, stride_bt, num_seqs, num_search_steps, num_slots, num_heads,
+                    GROUP, BLOCK_M, BLOCK_N, D, STAGES, PREFIX, BLOCK_SIZE,
                 )),
             ],
             [4, 1],
@@ -387,12 +453,17 @@ def _sm_count(device: torch.device) -> int:
 
 def gluon_fresh_prefill(
     out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    query_start_loc: torch.Tensor, scale: float, *, block_n: int = 64, stages: int = 4,
+    query_start_loc: torch.Tensor, scale: float, *, key_cache: torch.Tensor | None = None,
+    value_cache: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None, block_n: int = 64, stages: int = 4,
     pingpong: bool = True, consumer_regs: int = 240, num_programs: int | None = None,
 ) -> None:
-    """out[rows of sequences with >= 2 query tokens] = causal attention of those rows over their own
-    sequence's rows of key / value ([T, KV, D] views; no cached prefix). query [T, H, D], out
-    [T, H, D] (last dim contiguous), query_start_loc [num_seqs + 1] int32 on the device.
+    """out[rows of sequences with >= 2 query tokens] = causal attention of those rows over their
+    sequence's keys: the cached prefix [0, seq_len - q_len) from key_cache / value_cache through
+    block_tables (when given; else no sequence has one), then its own rows of key / value ([T, KV,
+    D] views, e.g. of the QKV projection's output). query [T, H, D], out [T, H, D] (last dim
+    contiguous), query_start_loc [num_seqs + 1] and seq_lens [num_seqs] int32 on the device, the
+    caches [num_blocks, block_size, KV, D] in the query's dtype with block_size 8, 16, 32 or 64.
     block_n: keys a K/V tile (64, or 128 with two stages: more exceed shared memory); stages: the
     K/V ring's depth; pingpong: the consumer warpgroups take turns issuing their matmuls;
     consumer_regs: their register budget (setmaxnreg); num_programs: the persistent grid (default one
@@ -416,6 +487,9 @@ def gluon_fresh_prefill(
     if starts.dtype != torch.int32 or starts.dim() != 1 or not len(starts) or starts.device != query.device:
         raise ValueError("gluon_fresh_prefill: query_start_loc must be 1-d int32 on the query's device")
     num_seqs = query_start_loc.shape[0] - 1
+    prefix = key_cache is not None
+    if prefix:
+        _check_cache(query, key_cache, value_cache, block_tables, seq_lens, num_seqs, block_n)
     if num_tokens == 0 or num_seqs == 0:
         return
     block_m = 128
@@ -424,19 +498,54 @@ def gluon_fresh_prefill(
     q_layout = gl.NVMMASharedLayout.get_default_for([half, head_dim], dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
 
-    def descriptor(t: torch.Tensor, rows: int, layout) -> TensorDescriptor:  # [T, heads * D], [rows, D] boxes
-        shape = [num_tokens, t.shape[1] * head_dim]
+    def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:  # [len(t), heads * D], [rows, D] boxes
+        shape = [t.shape[0], t.shape[1] * head_dim]
+        layout = q_layout if t is query else kv_layout
         return TensorDescriptor(t, shape, [t.stride(0), 1], [rows, head_dim], layout)
 
-    q_desc = descriptor(query, half, q_layout)
-    k_desc = descriptor(key, block_n, kv_layout)
-    v_desc = descriptor(value, block_n, kv_layout)
+    q_desc = descriptor(query, half)
+    k_desc = descriptor(key, block_n)
+    v_desc = descriptor(value, block_n)
+    if prefix:  # the caches as [num_blocks * block_size, KV * D], a box a block
+        block_size = key_cache.shape[1]
+        kc_desc = descriptor(key_cache.view(-1, num_kv_heads, head_dim), block_size)
+        vc_desc = descriptor(value_cache.view(-1, num_kv_heads, head_dim), block_size)
+    else:  # (unused: compiled out)
+        block_size, kc_desc, vc_desc, block_tables, seq_lens = block_n, k_desc, v_desc, starts, starts
     num_slots = num_tokens // block_m + num_seqs
     programs = num_programs or _sm_count(query.device)
     _gluon_fresh_prefill_kernel[(max(1, min(programs, num_slots * num_heads)),)](
-        out, q_desc, k_desc, v_desc, query_start_loc, _claim_counter(query.device), scale * math.log2(math.e),
-        num_seqs,
-        max(0, (num_seqs - 1).bit_length()), num_slots, num_heads, out.stride(0), out.stride(1),
+        out, q_desc, k_desc, v_desc, kc_desc, vc_desc, query_start_loc, seq_lens,
+        block_tables, _claim_counter(query.device), scale * math.log2(math.e),
+        block_tables.stride(0) if prefix else 0, num_seqs, max(0, (num_seqs - 1).bit_length()), num_slots,
+        num_heads, out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, D=head_dim, STAGES=stages,
-        PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, num_warps=4,
+        PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, PREFIX=prefix, BLOCK_SIZE=block_size, num_warps=4,
     )
+
+
+def cache_supported(key_cache: torch.Tensor, block_n: int = 64) -> bool:
+    """Whether the kernel can read a cached prefix from this cache (its block size a TMA box's rows)."""
+    size = key_cache.shape[1] if key_cache.dim() == 4 else 0
+    return size in (8, 16, 32, 64) and block_n % size == 0
+
+
+def _check_cache(query, key_cache, value_cache, block_tables, seq_lens, num_seqs, block_n) -> None:
+    """ValueError unless the cached prefix's inputs are what the kernel reads."""
+    if value_cache is None or block_tables is None or seq_lens is None:
+        raise ValueError("gluon_fresh_prefill: key_cache needs value_cache, block_tables and seq_lens")
+    num_kv = key_cache.shape[2] if key_cache.dim() == 4 else -1
+    for cache in (key_cache, value_cache):
+        if (cache.dim() != 4 or cache.shape != key_cache.shape or cache.dtype != query.dtype
+                or not cache.is_contiguous() or cache.shape[3] != query.shape[2] or cache.data_ptr() % 16
+                or cache.device != query.device):
+            raise ValueError("gluon_fresh_prefill: the caches must be contiguous [num_blocks, block_size, "
+                             "KV, D] tensors in the query's dtype, on its device")
+    if key_cache.shape[1] not in (8, 16, 32, 64) or block_n % key_cache.shape[1] or num_kv < 1:
+        raise ValueError(f"gluon_fresh_prefill: block_size must be 8, 16, 32 or 64 and divide block_n "
+                         f"({block_n}), got {key_cache.shape[1]}")
+    if (block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1
+            or block_tables.shape[0] < num_seqs or seq_lens.dtype != torch.int32 or seq_lens.dim() != 1
+            or seq_lens.shape[0] < num_seqs):
+        raise ValueError("gluon_fresh_prefill: block_tables [num_seqs, max_blocks] and seq_lens [num_seqs] "
+                         "must be int32, the block table's rows contiguous")

@@ -613,11 +613,12 @@ def paged_attention(
     fresh_kv_usable, a prefill or mixed launch runs its decode rows through the decode launch and its
     prefill rows through _fresh_prefill_kernel (TMA tiles of the fresh K/V, the cached prefix through
     the block table), with fresh_tuning or fresh_tuning_for's choice; not with num_splits, tile,
-    block_m or prefill_tuning (the varlen kernel's sweeps). no_cached_prefix (with fresh_kv): the
-    caller knows no prefill row's sequence has a cached prefix (seq_len == its query length; a
-    caller that is wrong gets rows that ignore the prefix): the prefill rows then run the
-    warp-specialized Gluon kernel on sm_90 (kernels/gluon_prefill.py; unless fresh_tuning forces a
-    _fresh_prefill_kernel tuning), else _fresh_prefill_kernel compiled without its prefix loop.
+    block_m or prefill_tuning (the varlen kernel's sweeps). On sm_90 (without a forced fresh_tuning)
+    the prefill rows run the warp-specialized Gluon kernel instead (kernels/gluon_prefill.py: the
+    cached prefix through the block table, then the fresh K/V), where it takes the cache (block size
+    8-64). no_cached_prefix (with fresh_kv): the caller knows no prefill row's sequence has a cached
+    prefix (seq_len == its query length; a caller that is wrong gets rows that ignore the prefix):
+    those kernels are compiled without their prefix code.
     out: write into this [T, H, D] tensor instead of a new one."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -641,11 +642,17 @@ def paged_attention(
         # Not split: a split's reduce runs over every token of the step (4 x 2048 tokens: 3x the time)
         paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, 1,
                         max_seq_len, scale, num_splits=1, out=out)
-        if no_cached_prefix and fresh_tuning is None and query.is_cuda:
-            from kernels import gluon_prefill  # (imported here: the layers' path does not import Gluon)
+        hopper = query.is_cuda and torch.cuda.get_device_capability(query.device) == (9, 0)
+        if fresh_tuning is None and hopper:
+            from kernels import gluon_prefill  # (imported here: only on sm_90, and only with fresh_kv)
 
-            if gluon_prefill.supported(query, *fresh_kv):
-                gluon_prefill.gluon_fresh_prefill(out, query, *fresh_kv, query_start_loc, scale)
+            if gluon_prefill.supported(query, *fresh_kv) and (
+                    no_cached_prefix or gluon_prefill.cache_supported(key_cache)):
+                cache = {} if no_cached_prefix else dict(
+                    key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                    seq_lens=seq_lens,
+                )
+                gluon_prefill.gluon_fresh_prefill(out, query, *fresh_kv, query_start_loc, scale, **cache)
                 return out
         fresh_prefill(out, query, fresh_kv[0], fresh_kv[1], key_cache, value_cache, block_tables, seq_lens,
                       query_start_loc, scale, fresh_tuning or fresh_tuning_for(num_tokens, num_seqs),

@@ -2,7 +2,8 @@
 sm_90): paged_attention with `fresh_kv` (the step's K/V as strided views of a QKV buffer) against the
 torch reference and the varlen kernel, at llama3-8b's heads (32 q / 8 KV, d 128, blocks of 16): a
 mixed step (a 2,048-token prompt, a chunk after a cached prefix, short prompts, decode rows), every
-FreshTuning the sweep offers, fp16 and fp32, inside a CUDA graph, and the launch counted.
+FreshTuning the sweep offers (and "auto": on sm_90 the Gluon kernel, kernels/gluon_prefill.py), fp16
+and fp32, inside a CUDA graph, and the launch counted.
 """
 
 from __future__ import annotations
@@ -69,16 +70,27 @@ def test_other_dtypes(dtype):
 
 @pytest.mark.skipif(not _tma(), reason="TMA needs sm_90+")
 def test_fresh_launch_is_used(monkeypatch):
-    from kernels import triton_attention
+    """With fresh_kv the prefill rows take the Gluon kernel on sm_90 (the tl fresh launch elsewhere,
+    or when a fresh_tuning forces it); without fresh_kv neither."""
+    from kernels import gluon_prefill, triton_attention
 
     calls = []
-    real = triton_attention.fresh_prefill
-    monkeypatch.setattr(triton_attention, "fresh_prefill", lambda *a, **kw: (calls.append(1), real(*a, **kw)))
+
+    def counted(module, name):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: (calls.append(name), real(*a, **kw)))
+
+    counted(triton_attention, "fresh_prefill")
+    counted(gluon_prefill, "gluon_fresh_prefill")
     case, (q, k, v) = _case(torch.bfloat16, seq_lens=[64, 1], query_lens=[64, 1])
     triton_attention.paged_attention(q, *case.args()[1:], fresh_kv=(k, v))
-    assert calls == [1]
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert calls == ["gluon_fresh_prefill" if hopper else "fresh_prefill"]
+    triton_attention.paged_attention(q, *case.args()[1:], fresh_kv=(k, v),
+                                     fresh_tuning=triton_attention.DEFAULT_FRESH_TUNING)
+    assert calls[1:] == ["fresh_prefill"]
     triton_attention.paged_attention(*case.args())  # no fresh_kv: the varlen kernel
-    assert calls == [1]
+    assert len(calls) == 2
 
 
 @pytest.mark.skipif(not _tma(), reason="TMA needs sm_90+")

@@ -145,3 +145,109 @@ def test_paged_attention_takes_it_for_a_mixed_step_without_prefixes(monkeypatch)
     out = triton_attention.paged_attention(q, *case.args()[1:], fresh_kv=(k, v), no_cached_prefix=True)
     assert calls == [1]
     assert relative_error(out, reference.paged_attention(*case.args())) < 1e-2
+
+
+# with cached prefixes: a 500-token chunk after 1,000 cached (1,000 % 64 = 40: the prefix's last tile
+# straddles its end), a 30-token chunk after 45, a 2-token chunk after 700, a prompt, decode rows
+PREFIX_SEQ_LENS = [1500, 75, 702, 300, 1000, 37]
+PREFIX_QUERY_LENS = [500, 30, 2, 300, 1, 1]
+
+
+def _prefix_case(dtype=torch.bfloat16, block=BLOCK, seed=0, nan_outside=False):
+    import dataclasses
+
+    from kernels.testing import fresh_qkv, make_paged_case
+
+    case = make_paged_case(PREFIX_SEQ_LENS, PREFIX_QUERY_LENS, HEADS, KV_HEADS, DIM, block, dtype, "cuda",
+                           seed)
+    if nan_outside:  # every cache slot outside the sequences' positions NaN (block 0's moved away first)
+        spare = case.key_cache.shape[0]
+        case = dataclasses.replace(
+            case, key_cache=torch.cat([case.key_cache, case.key_cache[:1]]),
+            value_cache=torch.cat([case.value_cache, case.value_cache[:1]]),
+            block_tables=torch.where(case.block_tables == 0, spare, case.block_tables).to(torch.int32),
+        )
+        live = torch.zeros(case.key_cache.shape[0] * block, dtype=torch.bool, device="cuda")
+        for seq, seq_len in enumerate(case.seq_lens.tolist()):
+            pos = torch.arange(seq_len, device="cuda")
+            live[case.block_tables[seq, pos // block].long() * block + pos % block] = True
+        for cache in (case.key_cache, case.value_cache):
+            cache.view(-1, *cache.shape[2:])[~live] = float("nan")
+    return case, fresh_qkv(case)
+
+
+def _run_prefix(case, q, k, v, **options):
+    from kernels.gluon_prefill import gluon_fresh_prefill
+
+    out = torch.full_like(q, 7.0)
+    gluon_fresh_prefill(out, q, k, v, case.query_start_loc, case.scale, key_cache=case.key_cache,
+                        value_cache=case.value_cache, block_tables=case.block_tables, seq_lens=case.seq_lens,
+                        **options)
+    return out
+
+
+@needs_hopper
+@pytest.mark.parametrize("options", [dict(), dict(pingpong=False, stages=3), dict(block_n=128, stages=2),
+                                     dict(num_programs=3)])
+def test_cached_prefix_matches_reference(options):
+    case, (q, k, v) = _prefix_case()
+    _check(case, _run_prefix(case, q, k, v, **options))
+
+
+@needs_hopper
+@pytest.mark.parametrize("block", [8, 32, 64])
+def test_cached_prefix_other_block_sizes(block):
+    case, (q, k, v) = _prefix_case(block=block, seed=block)
+    _check(case, _run_prefix(case, q, k, v))
+
+
+@needs_hopper
+def test_cache_slots_outside_the_sequences_may_hold_nan():
+    """The prefix's last tile reads cache rows past the prefix's end (and the last block's slots past
+    the sequence): masked, and their value rows zeroed before the P V, so NaN there weighs nothing."""
+    case, (q, k, v) = _prefix_case(seed=4, nan_outside=True)
+    out = _run_prefix(case, q, k, v)
+    assert torch.isfinite(out[_prefill_rows(case)]).all()
+    _check(case, out)
+
+
+@needs_hopper
+def test_paged_attention_mixed_step_with_prefixes_in_a_graph():
+    """paged_attention(fresh_kv) on sm_90: decode rows through the decode launch, prefill rows (with
+    and without cached prefixes) through the Gluon kernel; eager and graph replay bit-equal."""
+    from kernels import reference, triton_attention
+    from kernels.testing import relative_error
+
+    case, (q, k, v) = _prefix_case(seed=6)
+    args = (q,) + case.args()[1:]
+    eager = triton_attention.paged_attention(*args, fresh_kv=(k, v))
+    assert relative_error(eager, reference.paged_attention(*case.args())) < 1e-2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        triton_attention.paged_attention(*args, fresh_kv=(k, v))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_attention.paged_attention(*args, fresh_kv=(k, v))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@needs_hopper
+def test_cache_refusals():
+    from kernels.gluon_prefill import gluon_fresh_prefill
+
+    case, (q, k, v) = _prefix_case()
+    base = dict(key_cache=case.key_cache, value_cache=case.value_cache, block_tables=case.block_tables,
+                seq_lens=case.seq_lens)
+    bad = [
+        (dict(base, value_cache=None), "needs value_cache"),
+        (dict(base, key_cache=case.key_cache.half(), value_cache=case.value_cache.half()), "caches must be"),
+        (dict(base, block_tables=case.block_tables.long()), "block_tables"),
+        (dict(base, seq_lens=case.seq_lens[:1]), "seq_lens"),
+    ]
+    for options, message in bad:
+        with pytest.raises(ValueError, match=message):
+            gluon_fresh_prefill(torch.empty_like(q), q, k, v, case.query_start_loc, case.scale, **options)
