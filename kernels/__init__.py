@@ -22,6 +22,7 @@ __all__ = [
     "gemma_rms_norm",
     "layer_norm",
     "paged_attention",
+    "prefill_tile_starts",
     "reshape_and_cache",
     "rms_norm",
     "rotary_and_cache",
@@ -29,6 +30,22 @@ __all__ = [
     "silu_and_mul",
     "swap_blocks",
 ]
+
+
+# The Hopper prefill kernel's (kernels/gluon_prefill.py) query tile: its work list counts these.
+PREFILL_TILE_ROWS = 128
+
+
+def prefill_tile_starts(query_start_loc: torch.Tensor) -> torch.Tensor:
+    """int32 [B + 1] on query_start_loc's device: entry i = the PREFILL_TILE_ROWS-row query tiles of
+    sequences 0 .. i - 1 that have >= 2 query tokens (one-token sequences are the decode launch's), so
+    the prefill kernel's programs draw only real work. Host-built metadata computes it on the host
+    (executor_svc/runner/inputs.py) and sends it with the step; works on any device."""
+    lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
+    tiles = torch.where(lens >= 2, (lens + PREFILL_TILE_ROWS - 1) // PREFILL_TILE_ROWS, 0)
+    starts = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=query_start_loc.device)
+    torch.cumsum(tiles, 0, dtype=torch.int32, out=starts[1:])
+    return starts
 
 
 def _cuda_module(name: str):
@@ -49,18 +66,22 @@ def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
     sliding_window: int = 0, logit_softcap: float = 0.0, deterministic: bool = False,
     k_scale: float = 1.0, v_scale: float = 1.0, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    prefill_tile_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """deterministic: batch-invariant rows (kernels/triton_attention.py); the CPU reference ignores it.
     k_scale, v_scale: the scales the (FP8) cache was written with. fresh_kv: (key, value) [T, KV, D] of
-    this step's tokens, equal to what the cache holds for them: the CUDA kernel may read the prefill
-    rows' keys from there (TMA tiles); the reference reads the cache."""
+    this step's tokens, equal to what the cache holds for them and finite in every row: the CUDA kernel
+    may read the prefill rows' keys from there (TMA tiles); the reference reads the cache.
+    prefill_tile_starts: kernels.prefill_tile_starts(query_start_loc) on the query's device, when the
+    caller has it (the Hopper prefill kernel's work list; computed on the device otherwise)."""
     args = (
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         max_query_len, max_seq_len, scale, sliding_window, logit_softcap,
     )
     if query.is_cuda:
         return _cuda_module("triton_attention").paged_attention(
-            *args, deterministic=deterministic, k_scale=k_scale, v_scale=v_scale, fresh_kv=fresh_kv
+            *args, deterministic=deterministic, k_scale=k_scale, v_scale=v_scale, fresh_kv=fresh_kv,
+            prefill_tile_starts=prefill_tile_starts,
         )
     return reference.paged_attention(*args, k_scale, v_scale)
 

@@ -42,6 +42,8 @@ import math
 
 import torch
 
+from kernels import PREFILL_TILE_ROWS, prefill_tile_starts
+
 try:  # Gluon ships with Triton >= 3.5; without it (or without sm_90) callers use the tl kernels
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -84,30 +86,31 @@ def supported(query: torch.Tensor, *kv: torch.Tensor) -> bool:
 if HAVE_GLUON:
 
     @gluon.jit
-    def _work_item(query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, w,
+    def _work_item(query_start_loc_ptr, tile_starts_ptr, num_seqs, num_search_steps, num_tiles, num_heads, w,
                    BLOCK_M: gl.constexpr):
         """Work item w -> (seq, head, q_begin, q_len, q_start, valid). Items run heads fastest (the GQA
-        group's heads share K/V in L2) and tile slots from the last: slot t of sequence i is
-        t - (query_start_loc[i] // BLOCK_M + i), so a sequence's last (longest) tiles come first."""
+        group's heads share K/V in L2) and tiles from the last: tile t of sequence i is
+        tile_starts[i] + q_start // BLOCK_M (kernels.prefill_tile_starts: only sequences of >= 2 query
+        tokens have tiles), so a sequence's last (longest) tiles come first and no item is empty."""
         head = w % num_heads
-        tile_id = num_slots - 1 - w // num_heads
+        tile_id = num_tiles - 1 - w // num_heads
         lo = tile_id * 0
         hi = lo + num_seqs
-        for _ in range(num_search_steps):  # largest i with query_start_loc[i] // BLOCK_M + i <= tile_id
+        for _ in range(num_search_steps):  # largest i < num_seqs with tile_starts[i] <= tile_id
             mid = (lo + hi) // 2
-            right = gl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= tile_id
+            right = gl.load(tile_starts_ptr + mid) <= tile_id
             lo = gl.where(right, mid, lo)
             hi = gl.where(right, hi, mid)
         q_begin = gl.load(query_start_loc_ptr + lo)
         q_len = gl.load(query_start_loc_ptr + lo + 1) - q_begin
-        q_start = (tile_id - (q_begin // BLOCK_M + lo)) * BLOCK_M
-        valid = (q_len >= 2) & (q_start < q_len)
+        q_start = (tile_id - gl.load(tile_starts_ptr + lo)) * BLOCK_M
+        valid = (q_len >= 2) & (q_start < q_len)  # (false only for tile starts that do not match the queries)
         return lo, head, q_begin, q_len, q_start, valid
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
-                  k_ready, v_ready, kv_empty, info, counter_ptr, query_start_loc_ptr, seq_lens_ptr,
-                  block_tables_ptr, stride_bt, num_seqs, num_search_steps, num_slots, num_heads,
+                  k_ready, v_ready, kv_empty, info, counter_ptr, query_start_loc_ptr, tile_starts_ptr,
+                  seq_lens_ptr, block_tables_ptr, stride_bt, num_seqs, num_search_steps, num_heads,
                   GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                   STAGES: gl.constexpr, PREFIX: gl.constexpr, BLOCK_SIZE: gl.constexpr):
         """One warp: claims the work items, hands each valid one to the consumers (`info`, beside its
@@ -120,13 +123,15 @@ if HAVE_GLUON:
         v_bytes: gl.constexpr = v_desc.block_type.nbytes
         q_count = 0
         kv_count = 0
-        num_items = num_slots * num_heads
+        num_tiles = gl.load(tile_starts_ptr + num_seqs)
+        num_items = num_tiles * num_heads
         # the next unclaimed item: programs free sooner take more. Relaxed: the index is all it hands
         # out (an acquiring atomic would also empty this SM's L1, and the lookups behind it would miss)
         w = gl.atomic_add(counter_ptr, 1, sem="relaxed")
         while w < num_items:
             seq, head, q_begin, q_len, q_start, valid = _work_item(
-                query_start_loc_ptr, num_seqs, num_search_steps, num_slots, num_heads, w, BLOCK_M
+                query_start_loc_ptr, tile_starts_ptr, num_seqs, num_search_steps, num_tiles, num_heads, w,
+                BLOCK_M,
             )
             if valid:
                 context_start = q_len * 0
@@ -380,8 +385,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gluon_fresh_prefill_kernel(
-        out_ptr, q_desc, k_desc, v_desc, kc_desc, vc_desc, query_start_loc_ptr, seq_lens_ptr,
-        block_tables_ptr, counter_ptr, scale_log2, stride_bt, num_seqs, num_search_steps, num_slots,
+        out_ptr, q_desc, k_desc, v_desc, kc_desc, vc_desc, query_start_loc_ptr, tile_starts_ptr, seq_lens_ptr,
+        block_tables_ptr, counter_ptr, scale_log2, stride_bt, num_seqs, num_search_steps,
         num_heads, stride_o_tok, stride_o_head,
         GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
         STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFIX: gl.constexpr,
@@ -422,8 +427,8 @@ if HAVE_GLUON:
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
-                    k_ready, v_ready, kv_empty, info, counter_ptr, query_start_loc_ptr, seq_lens_ptr,
-                    block_tables_ptr, stride_bt, num_seqs, num_search_steps, num_slots, num_heads,
+                    k_ready, v_ready, kv_empty, info, counter_ptr, query_start_loc_ptr, tile_starts_ptr,
+                    seq_lens_ptr, block_tables_ptr, stride_bt, num_seqs, num_search_steps, num_heads,
                     GROUP, BLOCK_M, BLOCK_N, D, STAGES, PREFIX, BLOCK_SIZE,
                 )),
             ],
@@ -455,8 +460,8 @@ def gluon_fresh_prefill(
     out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     query_start_loc: torch.Tensor, scale: float, *, key_cache: torch.Tensor | None = None,
     value_cache: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
-    seq_lens: torch.Tensor | None = None, block_n: int = 64, stages: int = 4,
-    pingpong: bool = True, consumer_regs: int = 240, num_programs: int | None = None,
+    seq_lens: torch.Tensor | None = None, tile_starts: torch.Tensor | None = None, block_n: int = 64,
+    stages: int = 4, pingpong: bool = True, consumer_regs: int = 240, num_programs: int | None = None,
 ) -> None:
     """out[rows of sequences with >= 2 query tokens] = causal attention of those rows over their
     sequence's keys: the cached prefix [0, seq_len - q_len) from key_cache / value_cache through
@@ -464,6 +469,10 @@ def gluon_fresh_prefill(
     D] views, e.g. of the QKV projection's output). query [T, H, D], out [T, H, D] (last dim
     contiguous), query_start_loc [num_seqs + 1] and seq_lens [num_seqs] int32 on the device, the
     caches [num_blocks, block_size, KV, D] in the query's dtype with block_size 8, 16, 32 or 64.
+    tile_starts: kernels.prefill_tile_starts(query_start_loc) (int32 [num_seqs + 1] on the device),
+    the work list: callers that build their metadata on the host pass it (the engine's
+    AttentionMetadata.prefill_tile_starts); without it three small device ops compute it. Tile starts
+    that do not match query_start_loc leave rows unwritten.
     block_n: keys a K/V tile (64, or 128 with two stages: more exceed shared memory); stages: the
     K/V ring's depth; pingpong: the consumer warpgroups take turns issuing their matmuls;
     consumer_regs: their register budget (setmaxnreg); num_programs: the persistent grid (default one
@@ -487,12 +496,19 @@ def gluon_fresh_prefill(
     if starts.dtype != torch.int32 or starts.dim() != 1 or not len(starts) or starts.device != query.device:
         raise ValueError("gluon_fresh_prefill: query_start_loc must be 1-d int32 on the query's device")
     num_seqs = query_start_loc.shape[0] - 1
+    if tile_starts is None:
+        tile_starts = prefill_tile_starts(query_start_loc)
+    elif (tile_starts.dtype != torch.int32 or tile_starts.dim() != 1 or tile_starts.shape[0] != num_seqs + 1
+            or tile_starts.device != query.device):
+        raise ValueError(f"gluon_fresh_prefill: tile_starts must be int32 [{num_seqs + 1}] on the query's "
+                         f"device (kernels.prefill_tile_starts), got {tile_starts.dtype} "
+                         f"{tuple(tile_starts.shape)} on {tile_starts.device}")
     prefix = key_cache is not None
     if prefix:
         _check_cache(query, key_cache, value_cache, block_tables, seq_lens, num_seqs, block_n)
     if num_tokens == 0 or num_seqs == 0:
         return
-    block_m = 128
+    block_m = PREFILL_TILE_ROWS
     half = block_m // 2
     dtype = _GL_DTYPES[query.dtype]
     q_layout = gl.NVMMASharedLayout.get_default_for([half, head_dim], dtype)
@@ -512,13 +528,13 @@ def gluon_fresh_prefill(
         vc_desc = descriptor(value_cache.view(-1, num_kv_heads, head_dim), block_size)
     else:  # (unused: compiled out)
         block_size, kc_desc, vc_desc, block_tables, seq_lens = block_n, k_desc, v_desc, starts, starts
-    num_slots = num_tokens // block_m + num_seqs
+    max_tiles = num_tokens // block_m + num_seqs  # >= the sum of ceil(q_len / block_m)
     programs = num_programs or _sm_count(query.device)
-    _gluon_fresh_prefill_kernel[(max(1, min(programs, num_slots * num_heads)),)](
-        out, q_desc, k_desc, v_desc, kc_desc, vc_desc, query_start_loc, seq_lens,
+    _gluon_fresh_prefill_kernel[(max(1, min(programs, max_tiles * num_heads)),)](
+        out, q_desc, k_desc, v_desc, kc_desc, vc_desc, query_start_loc, tile_starts, seq_lens,
         block_tables, _claim_counter(query.device), scale * math.log2(math.e),
-        block_tables.stride(0) if prefix else 0, num_seqs, max(0, (num_seqs - 1).bit_length()), num_slots,
-        num_heads, out.stride(0), out.stride(1),
+        block_tables.stride(0) if prefix else 0, num_seqs, max(0, (num_seqs - 1).bit_length()), num_heads,
+        out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, D=head_dim, STAGES=stages,
         PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, PREFIX=prefix, BLOCK_SIZE=block_size, num_warps=4,
     )

@@ -595,6 +595,7 @@ def paged_attention(
     prefill_tuning: PrefillTuning | None = None,
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None, fresh_tuning: FreshTuning | None = None,
     no_cached_prefix: bool = False, out: torch.Tensor | None = None,
+    prefill_tile_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
     the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
@@ -619,7 +620,8 @@ def paged_attention(
     8-64). no_cached_prefix (with fresh_kv): the caller knows no prefill row's sequence has a cached
     prefix (seq_len == its query length; a caller that is wrong gets rows that ignore the prefix):
     those kernels are compiled without their prefix code.
-    out: write into this [T, H, D] tensor instead of a new one."""
+    out: write into this [T, H, D] tensor instead of a new one. prefill_tile_starts: the Gluon kernel's
+    work list (kernels.prefill_tile_starts(query_start_loc)) when the caller has it."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -652,7 +654,9 @@ def paged_attention(
                     key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                     seq_lens=seq_lens,
                 )
-                gluon_prefill.gluon_fresh_prefill(out, query, *fresh_kv, query_start_loc, scale, **cache)
+                gluon_prefill.gluon_fresh_prefill(
+                    out, query, *fresh_kv, query_start_loc, scale, tile_starts=prefill_tile_starts, **cache
+                )
                 return out
         fresh_prefill(out, query, fresh_kv[0], fresh_kv[1], key_cache, value_cache, block_tables, seq_lens,
                       query_start_loc, scale, fresh_tuning or fresh_tuning_for(num_tokens, num_seqs),

@@ -35,6 +35,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     max_query_len: int
     max_seq_len: int
+    # kernels.prefill_tile_starts(query_start_loc) [B + 1] int32, built on the host with the rest (the
+    # Hopper prefill kernel's work list); None: the kernel computes it on the device
+    prefill_tile_starts: torch.Tensor | None = None
 
 
 class PagedAttention(nn.Module):
@@ -67,6 +70,7 @@ class PagedAttention(nn.Module):
         (kernels.rotary_and_cache, the same bits as rotary then reshape_and_cache). Without it q
         and k are used as they are (OPT). The rotated K exists only in the cache."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
+        fresh_kv = None
         if rotary is None:
             kernels.reshape_and_cache(
                 k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale
@@ -74,10 +78,14 @@ class PagedAttention(nn.Module):
         else:
             if positions is None:
                 raise ValueError("rotary attention needs the tokens' positions")
+            # a step with prompts: the rotated keys also go back into k (and padding tokens' K/V rows
+            # are zeroed), so the prefill kernel can read the step's own K/V from q/k/v's buffer
+            prefill = meta.max_query_len > 1
             q = kernels.rotary_and_cache(
                 positions, q, k, v, key_cache, value_cache, meta.slot_mapping,
-                rotary.cos_cache, rotary.sin_cache, self.k_scale, self.v_scale,
+                rotary.cos_cache, rotary.sin_cache, self.k_scale, self.v_scale, rotate_key_in_place=prefill,
             )  # [T, H, D]
+            fresh_kv = (k, v) if prefill else None
         out = kernels.paged_attention(
             q,
             key_cache,
@@ -93,5 +101,7 @@ class PagedAttention(nn.Module):
             deterministic=determinism.deterministic(),
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            fresh_kv=fresh_kv,
+            prefill_tile_starts=meta.prefill_tile_starts,
         )  # [T, H, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -19,6 +19,7 @@ table) runs eagerly. Every graph of a set reads its inputs from the same static 
     block_tables                         [S_max, M_max]   rows n..S stale (never read)
     seq_lens                             [S_max]          sequences n..S: 0, with query length 0:
     query_start_loc                      [S_max + 1]      query_start_loc[n..S] = R
+    prefill_tile_starts                  [S_max + 1]      [n..S] = its entry n (empty: no tiles)
 
 The attention kernel's tiles of an empty query exit before reading anything (seq_len included),
 so padding reads no K/V; the rows of the orphan tokens R..T are never written by it and hold
@@ -27,6 +28,9 @@ garbage (even NaN). That cannot reach a real row: every other op of every family
 (kernels/triton_moe.py) sorts all rows by expert, but its shapes depend only on T and each row's
 sums only on that row, so a NaN row only routes itself somewhere (torch.topk returns valid ids).
 tests/unit/test_mixed_graphs.py fills the orphan rows with NaN and checks every family's real rows.
+The prefill kernel that reads a step's own K/V from the QKV output (paged_attention's fresh_kv) may
+read orphan rows there, past the last sequence's end, with weight 0: rotary_and_cache zeroes the K/V
+rows of tokens without a slot, so those are finite whatever the orphan rows before them hold.
 
 Each graph is captured with max_seq_len = the model's max length, so the attention's split-K count
 (chosen on the host from max_seq_len and the grid, tiles = T // BLOCK_Q + S, fixed per bucket) is
@@ -56,6 +60,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import kernels
 from executor_svc.layers.attention import AttentionMetadata
 from executor_svc.runner.inputs import ModelInput
 from executor_svc.runner.kv_cache import KVCache
@@ -87,6 +92,7 @@ class StaticInputs:
     block_tables: torch.Tensor  # [S_max, M_max] int32
     seq_lens: torch.Tensor  # [S_max] int32
     query_start_loc: torch.Tensor  # [S_max + 1] int32
+    prefill_tile_starts: torch.Tensor  # [S_max + 1] int32 (kernels.prefill_tile_starts)
 
     @classmethod
     def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> StaticInputs:
@@ -99,6 +105,7 @@ class StaticInputs:
             block_tables=torch.zeros(max_seqs, max_blocks, **i32),
             seq_lens=torch.zeros(max_seqs, **i32),
             query_start_loc=torch.zeros(max_seqs + 1, **i32),
+            prefill_tile_starts=torch.zeros(max_seqs + 1, **i32),
         )
 
     @property
@@ -140,6 +147,11 @@ class StaticInputs:
         self.seq_lens[n:num_seqs].zero_()
         self.query_start_loc[: n + 1].copy_(attn.query_start_loc)
         self.query_start_loc[n + 1 : num_seqs + 1].fill_(real_tokens)
+        tile_starts = attn.prefill_tile_starts
+        if tile_starts is None:
+            tile_starts = kernels.prefill_tile_starts(attn.query_start_loc)
+        self.prefill_tile_starts[: n + 1].copy_(tile_starts)
+        self.prefill_tile_starts[n + 1 : num_seqs + 1].copy_(tile_starts[n:].expand(num_seqs - n))
 
     def clear(self) -> None:
         """Every sequence empty, no KV write (the state captures run in)."""
@@ -148,6 +160,7 @@ class StaticInputs:
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
         self.query_start_loc.zero_()
+        self.prefill_tile_starts.zero_()
 
     def metadata(
         self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
@@ -159,6 +172,7 @@ class StaticInputs:
             query_start_loc=self.query_start_loc[: num_seqs + 1],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            prefill_tile_starts=self.prefill_tile_starts[: num_seqs + 1],
         )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+import kernels
 from executor_svc.layers.attention import AttentionMetadata
 from executor_svc.runner.errors import PlanError
 from executor_svc.runner.host_to_device import pack_to_device
@@ -144,6 +145,7 @@ def build_model_input(
             "block_tables": block_tables.to(torch.int32),
             "seq_lens": seq_lens.to(torch.int32),
             "query_start_loc": query_start_loc.to(torch.int32),
+            "prefill_tile_starts": kernels.prefill_tile_starts(query_start_loc),
             "logits_indices": logits_indices,
             **{f"sampling.{name}": value for name, value in sampling_tensors.items()},
         },
@@ -156,6 +158,7 @@ def build_model_input(
         query_start_loc=on_device["query_start_loc"],
         max_query_len=int(q_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+        prefill_tile_starts=on_device["prefill_tile_starts"],
     )
     sampling_on_device: dict[str, Any] = {name: on_device[f"sampling.{name}"] for name in sampling_tensors}
     holes = (input_ids == PENDING_TOKEN).nonzero().flatten()  # [P] tokens planned ahead (async)

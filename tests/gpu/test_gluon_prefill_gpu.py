@@ -251,3 +251,56 @@ def test_cache_refusals():
     for options, message in bad:
         with pytest.raises(ValueError, match=message):
             gluon_fresh_prefill(torch.empty_like(q), q, k, v, case.query_start_loc, case.scale, **options)
+
+
+@needs_hopper
+def test_a_padded_decode_heavy_step_as_the_mixed_graphs_run_it():
+    """A mixed graph's step: 200 decode rows, a prompt and a chunk after a cached prefix, then empty
+    sequences and orphan tokens (query rows NaN; their K/V rows zeroed, as rotary_and_cache leaves
+    them). The work list (prefill_tile_starts) holds only the prompts' tiles; the real rows equal the
+    reference's, and the list given or computed on the device gives the same bits."""
+    import random
+
+    import kernels
+    from kernels import reference, triton_attention
+    from kernels.testing import fresh_qkv, make_paged_case, relative_error
+
+    rng = random.Random(11)
+    seq_lens = [rng.randrange(10, 600) for _ in range(200)] + [300, 577]
+    query_lens = [1] * 200 + [300, 77]
+    case = make_paged_case(seq_lens, query_lens, HEADS, KV_HEADS, DIM, BLOCK, torch.bfloat16, "cuda", 11)
+    q, k, v = fresh_qkv(case)
+    real, orphans, empty = q.shape[0], 50, 6
+    width = (HEADS + 2 * KV_HEADS) * DIM
+    qkv = torch.zeros(real + orphans, width, dtype=torch.bfloat16, device="cuda")
+    qp, kp, vp = (t.view(real + orphans, -1, DIM) for t in qkv.split([HEADS * DIM, KV_HEADS * DIM,
+                                                                      KV_HEADS * DIM], dim=-1))
+    qp[:real], kp[:real], vp[:real] = q, k, v
+    qp[real:] = float("nan")
+    i32 = dict(dtype=torch.int32, device="cuda")
+    starts = torch.cat([case.query_start_loc, torch.full((empty,), real, **i32)])
+    lens = torch.cat([case.seq_lens, torch.zeros(empty, **i32)])
+    tables = torch.cat([case.block_tables, torch.zeros(empty, case.block_tables.shape[1], **i32)])
+    tile_starts = kernels.prefill_tile_starts(starts)
+    assert tile_starts[-1].item() == 3 + 1  # 300 tokens: 3 tiles, 77: 1
+    args = (qp, case.key_cache, case.value_cache, tables, lens, starts, real + orphans, case.max_seq_len,
+            case.scale)
+    out = triton_attention.paged_attention(*args, fresh_kv=(kp, vp), prefill_tile_starts=tile_starts)
+    assert relative_error(out[:real], reference.paged_attention(*case.args())) < 1e-2
+    again = triton_attention.paged_attention(*args, fresh_kv=(kp, vp))
+    assert torch.equal(again[:real], out[:real])
+
+
+@needs_hopper
+def test_tile_starts_refusals():
+    from kernels import prefill_tile_starts
+    from kernels.gluon_prefill import gluon_fresh_prefill
+
+    case, (q, k, v) = _case(torch.bfloat16, lens=[300, 1, 64])
+    starts = prefill_tile_starts(case.query_start_loc)
+    assert starts.tolist() == [0, 3, 3, 4]
+    assert torch.equal(_run(case, q, k, v, tile_starts=starts), _run(case, q, k, v))
+    for bad in (starts.long(), starts[:-1], starts.cpu()):
+        with pytest.raises(ValueError, match="tile_starts must be int32"):
+            gluon_fresh_prefill(torch.empty_like(q), q, k, v, case.query_start_loc, case.scale,
+                                tile_starts=bad)

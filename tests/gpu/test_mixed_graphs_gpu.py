@@ -196,3 +196,48 @@ def test_the_profile_reserve_covers_the_graph_pool(model_dir):
         assert pool <= reserve + 24 * 2**20, (reserve, pool)
     finally:
         release(worker)
+
+
+def test_the_layers_prefill_through_the_fresh_kv_kernel(model_dir, monkeypatch):
+    """A mixed step's prompts go through paged_attention's fresh-K/V launch (on sm_90 the Gluon kernel,
+    counted: once a layer, given the step's prefill_tile_starts), eagerly and inside the graph, and give
+    the logits of the varlen kernel that reads everything from the cache (fresh_kv dropped)."""
+    import kernels
+    from kernels import gluon_prefill
+
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    worker = make_worker(model_dir, dtype="bfloat16")
+    try:
+        specs, bucket = CASES["bucket_384"]
+        batch = make_step(worker, specs, seed=7)
+        calls = []
+        real_gluon, real_attention = gluon_prefill.gluon_fresh_prefill, kernels.paged_attention
+
+        def counted(*args, **options):
+            calls.append(options.get("tile_starts"))
+            return real_gluon(*args, **options)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(gluon_prefill, "gluon_fresh_prefill", counted)
+            graph_logits, _, eager_logits, _, replays = graph_and_eager(worker, batch, monkeypatch)
+        assert replays == [bucket]
+        if hopper:  # the graph replays what was captured: only the eager pass calls the wrapper
+            assert len(calls) == 2 * SMALL["num_hidden_layers"]  # compute_logits and the hidden states
+            assert all(t is not None and torch.equal(t, batch.attn.prefill_tile_starts) for t in calls)
+
+        def without_fresh_kv(*args, **options):
+            options.pop("fresh_kv", None)
+            return real_attention(*args, **options)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "paged_attention", without_fresh_kv)
+            worker.runner.mixed_graphs, graphs = None, worker.runner.mixed_graphs
+            try:
+                varlen_logits = worker.runner.compute_logits(batch)
+            finally:
+                worker.runner.mixed_graphs = graphs
+        for logits in (graph_logits, eager_logits):
+            rel = (logits - varlen_logits).norm() / varlen_logits.norm()
+            assert rel < 2e-2, float(rel)
+    finally:
+        release(worker)

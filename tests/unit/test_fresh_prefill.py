@@ -6,6 +6,7 @@ the model's projection leaves them), decode rows of a mixed step go through the 
 
 import dataclasses
 import importlib
+import itertools
 import os
 import random
 
@@ -316,3 +317,18 @@ def test_gluon_kernel_is_sm90_only_and_validates():
     assert not gluon_prefill.supported(q, k)
     with pytest.raises(ValueError, match="needs sm_90"):
         gluon_prefill.gluon_fresh_prefill(torch.empty_like(q), q, k, v, case.query_start_loc, case.scale)
+
+
+def test_prefill_tile_starts_by_hand():
+    """The Gluon kernel's work list: 128-row query tiles of the sequences with >= 2 query tokens,
+    cumulative; decode rows and empty (padding) sequences have none."""
+    import kernels
+
+    assert kernels.PREFILL_TILE_ROWS == 128
+    lens = [1, 128, 129, 0, 2, 1, 300, 0]  # tiles 0, 1, 2, 0, 1, 0, 3, 0
+    starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    got = kernels.prefill_tile_starts(starts)
+    assert got.dtype == torch.int32 and got.tolist() == [0, 0, 1, 3, 3, 4, 4, 7, 7]
+    assert kernels.prefill_tile_starts(starts.long()).tolist() == got.tolist()  # int64 offsets too
+    assert kernels.prefill_tile_starts(torch.zeros(1, dtype=torch.int32)).tolist() == [0]  # no sequence
+

@@ -159,9 +159,15 @@ def test_the_static_inputs_are_padded_as_documented(tiny_llama_dir):
     assert (inputs.slot_mapping[19:32] == -1).all()  # orphans write no KV
     assert inputs.query_start_loc[:9].tolist() == [0, 1, 2, 9, 19, 19, 19, 19, 19]  # empty sequences
     assert inputs.seq_lens[:8].tolist() == [14, 7, 15, 18, 0, 0, 0, 0]
+    # the prefill kernel's work list: one 128-row tile each for the 7- and 10-token queries, none for
+    # the decode rows, and the empty sequences add none
+    tile_starts = kernels.prefill_tile_starts(batch.attn.query_start_loc)
+    assert torch.equal(batch.attn.prefill_tile_starts, tile_starts)
+    assert inputs.prefill_tile_starts[:9].tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2]
     width = batch.attn.block_tables.shape[1]
     assert torch.equal(inputs.block_tables[:4, :width], batch.attn.block_tables)
     meta = inputs.metadata(32, 8, 32, 2048)
+    assert meta.prefill_tile_starts.tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2]
     assert (meta.slot_mapping.shape, meta.block_tables.shape, meta.query_start_loc.shape) == ((32,), (8, 512),
                                                                                              (9,))
     with pytest.raises(ValueError, match="does not pad to 16 tokens"):
