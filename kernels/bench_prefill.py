@@ -12,13 +12,13 @@ sweep, each SDPA form) is of the call captured in a CUDA graph and replayed (ben
 as the engine runs its steps: timed eagerly, a 16 x 512 launch of ours measured the host's launch
 cost (two Triton launches, three TMA descriptors), 140-300 us for a kernel of 140 on the H100.
 
-"ours" is paged_attention with the step's own K/V (`fresh_kv`, strided views of a QKV projection
-output holding what the cache holds for the new tokens, as a model's attention layer has them), so
-the new tokens' K/V are read as TMA tiles and the cached prefix through the block table; on the
-shapes without a cached prefix it is told so (`no_cached_prefix=True`), which on sm_90 runs the
-warp-specialized Gluon kernel (kernels/gluon_prefill.py). "fresh_tl" is the fresh-K/V call without
-that hint (_fresh_prefill_kernel, its prefix loop compiled in); "varlen" is the call without
-fresh_kv, the one-kernel path the engine's layers take (docs/benchmarks.md "Prefill"). With
+"ours" is paged_attention as the engine's attention layer calls it: with the step's own K/V
+(`fresh_kv`, strided views of a QKV projection output holding what the cache holds for the new
+tokens) and the host-built work list (`prefill_tile_starts`), so the new tokens' K/V are read as TMA
+tiles and the cached prefix through the block table; on sm_90 that is the warp-specialized Gluon
+kernel (kernels/gluon_prefill.py). "fresh_tl" forces the `tl` fresh-K/V kernel (_fresh_prefill_kernel,
+by its FreshTuning: what other GPUs with TMA run); "varlen" is the call without fresh_kv, one kernel
+reading everything through the block table (what deterministic mode and FP8 caches take). With
 `sweep`, every entry of PREFILL_CANDIDATES (the varlen kernel's), FRESH_CANDIDATES and, without a
 prefix, GLUON_CANDIDATES is timed on every shape too.
 """
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+import kernels
 from kernels import gluon_prefill, triton_attention
 from kernels.bench_common import BLOCK_SIZE, DEV, DTYPE, LLAMA3_8B, contiguous_kv, paged_kv, time_graph_ms
 from kernels.testing import relative_error
@@ -235,10 +236,11 @@ def bench_prefill_shape(name: str, batch: int, new_tokens: int, prefix: int, gen
         return dict(ms=ms, speed_vs_sdpa=sdpa_all[sdpa_form] / ms, tflops=_tflops(pairs, ms),
                     rel_error_vs_sdpa=relative_error(out, sdpa_out))
 
-    # ours: what a caller who knows the prompts have no cached prefix gets (the Gluon kernel on sm_90);
-    # fresh_tl: the fresh-K/V launch without that knowledge (_fresh_prefill_kernel with its prefix loop)
-    ours = measure(dict(no_cached_prefix=prefix == 0), fresh=True)
-    fresh_tl = ours if prefix else measure({}, fresh=True)
+    # ours: the engine's call (the Gluon kernel on sm_90); fresh_tl: the tl kernel, forced by its tuning
+    tile_starts = kernels.prefill_tile_starts(args[5])
+    ours = measure(dict(prefill_tile_starts=tile_starts), fresh=True)
+    tl_tuning = triton_attention.fresh_tuning_for(batch * new_tokens, batch)
+    fresh_tl = measure(dict(fresh_tuning=tl_tuning), fresh=True)
     varlen = measure({})
     row = dict(
         shape=name, batch=batch, prompt=new_tokens, prefix=prefix, causal_pairs=pairs,
