@@ -125,8 +125,9 @@ class StaticInputs:
             and attn.block_tables.shape[1] <= self.block_tables.shape[1]
         )
 
-    def load(self, batch: ModelInput, num_tokens: int, num_seqs: int) -> None:
-        """Writes `batch` into the first num_tokens / num_seqs rows, padded (module docstring)."""
+    def load(self, batch: ModelInput, num_tokens: int, num_seqs: int, prefill: bool = True) -> None:
+        """Writes `batch` into the first num_tokens / num_seqs rows, padded (module docstring);
+        prefill=False (graphs of decode steps): not the prefill kernel's work list."""
         if not self.fits(batch, num_tokens, num_seqs):
             raise ValueError(
                 f"a step of {batch.num_tokens} tokens, {batch.attn.block_tables.shape} block tables does "
@@ -147,11 +148,12 @@ class StaticInputs:
         self.seq_lens[n:num_seqs].zero_()
         self.query_start_loc[: n + 1].copy_(attn.query_start_loc)
         self.query_start_loc[n + 1 : num_seqs + 1].fill_(real_tokens)
-        tile_starts = attn.prefill_tile_starts
-        if tile_starts is None:
-            tile_starts = kernels.prefill_tile_starts(attn.query_start_loc)
-        self.prefill_tile_starts[: n + 1].copy_(tile_starts)
-        self.prefill_tile_starts[n + 1 : num_seqs + 1].copy_(tile_starts[n:].expand(num_seqs - n))
+        if prefill:  # (decode graphs never read the prefill kernel's work list)
+            tile_starts = attn.prefill_tile_starts
+            if tile_starts is None:  # (a step of decodes alone has none: no prompt tiles)
+                tile_starts = kernels.prefill_tile_starts(attn.query_start_loc)
+            self.prefill_tile_starts[: n + 1].copy_(tile_starts)
+            self.prefill_tile_starts[n + 1 : num_seqs + 1].copy_(tile_starts[n:].expand(num_seqs - n))
 
     def clear(self) -> None:
         """Every sequence empty, no KV write (the state captures run in)."""
@@ -238,8 +240,8 @@ class _BucketGraphs:
     def _replay(self, batch: ModelInput, bucket: int) -> torch.Tensor:
         """The bucket's output for `batch` ([num_tokens, ...], a view of the static output, valid
         until the next replay)."""
-        num_tokens, num_seqs, _ = self.bucket_shape(bucket)
-        self.inputs.load(batch, num_tokens, num_seqs)
+        num_tokens, num_seqs, max_query_len = self.bucket_shape(bucket)
+        self.inputs.load(batch, num_tokens, num_seqs, prefill=max_query_len > 1)
         self.graphs[bucket].replay()
         return self.output[:num_tokens]
 

@@ -145,7 +145,9 @@ def build_model_input(
             "block_tables": block_tables.to(torch.int32),
             "seq_lens": seq_lens.to(torch.int32),
             "query_start_loc": query_start_loc.to(torch.int32),
-            "prefill_tile_starts": kernels.prefill_tile_starts(query_start_loc),
+            # the prefill kernel's work list (decode steps have no prompt tiles)
+            **({} if num_tokens == num_seqs else {"prefill_tile_starts": kernels.prefill_tile_starts(
+                query_start_loc)}),
             "logits_indices": logits_indices,
             **{f"sampling.{name}": value for name, value in sampling_tensors.items()},
         },
@@ -158,7 +160,7 @@ def build_model_input(
         query_start_loc=on_device["query_start_loc"],
         max_query_len=int(q_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
-        prefill_tile_starts=on_device["prefill_tile_starts"],
+        prefill_tile_starts=on_device.get("prefill_tile_starts"),  # (decode steps: no prompt tiles)
     )
     sampling_on_device: dict[str, Any] = {name: on_device[f"sampling.{name}"] for name in sampling_tensors}
     holes = (input_ids == PENDING_TOKEN).nonzero().flatten()  # [P] tokens planned ahead (async)
