@@ -223,22 +223,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, t, num_prefix, context_start, row_pos, cols, first_row, scale_log2,
-                      BLOCK_N: gl.constexpr, HAS_PREFIX: gl.constexpr):
+                      BLOCK_N: gl.constexpr):
         """Online-softmax step over score tile t (tiles [0, num_prefix) of the cached prefix, then the
         fresh ones): (p, new max, new sum, rescale factor). Prefix tiles mask positions at or past
-        the prefix's end (the last one only); fresh tiles the causal diagonal. Without HAS_PREFIX
-        (an item with no cached prefix: num_prefix 0) none of the prefix's tests are compiled."""
-        if HAS_PREFIX:
-            if t < num_prefix:
-                if (t + 1) * BLOCK_N > context_start:
-                    s = gl.where((t * BLOCK_N + cols)[None, :] < context_start, s, float("-inf"))
-            else:
-                j = t - num_prefix
-                if j * BLOCK_N + BLOCK_N - 1 > first_row:  # a tile crossing the diagonal
-                    s = gl.where((j * BLOCK_N + cols)[None, :] <= row_pos[:, None], s, float("-inf"))
+        the prefix's end (the last one only); fresh tiles the causal diagonal."""
+        if t < num_prefix:
+            if (t + 1) * BLOCK_N > context_start:
+                s = gl.where((t * BLOCK_N + cols)[None, :] < context_start, s, float("-inf"))
         else:
-            if t * BLOCK_N + BLOCK_N - 1 > first_row:
-                s = gl.where((t * BLOCK_N + cols)[None, :] <= row_pos[:, None], s, float("-inf"))
+            j = t - num_prefix
+            if j * BLOCK_N + BLOCK_N - 1 > first_row:  # a tile crossing the diagonal
+                s = gl.where((j * BLOCK_N + cols)[None, :] <= row_pos[:, None], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)  # finite: key 0 is every row's
         p = gl.exp2(s * scale_log2 - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
@@ -262,14 +257,11 @@ if HAVE_GLUON:
         mbarrier.wait(clean, cleans & 1)
 
     @gluon.jit
-    def _consume_item(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                      clean, scale_log2, stride_o_tok, stride_o_head, head, q_begin, q_len, q_start,
-                      context_start, q_count, kv_count, turns, cleans, WG: gl.constexpr,
-                      PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                      STAGES: gl.constexpr, HAS_PREFIX: gl.constexpr):
-        """One item for one warpgroup (its 64 rows): returns the updated (kv_count, turns, cleans).
-        HAS_PREFIX: compiled with the cached prefix's tiles; the consumer calls the variant without
-        them for items that have none, so prefix-free prompts run the prefix-free loop."""
+    def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
+                  clean, scale_log2, stride_o_tok, stride_o_head, WG: gl.constexpr, PINGPONG: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup: rows [64 WG, 64 WG + 64) of every item's query tile, over its cached prefix's
+        tiles and then its fresh ones."""
         HALF: gl.constexpr = BLOCK_M // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -286,113 +278,6 @@ if HAVE_GLUON:
         out_rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
         out_dims = gl.arange(0, D, layout=gl.SliceLayout(0, out_layout))
         zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
-        qb = q_count % 2
-        q = q_smem.index(2 * qb + WG)
-        first_row = q_start + WG * HALF
-        row_pos = first_row + rows
-        num_prefix = context_start * 0
-        if HAS_PREFIX:
-            num_prefix = gl.cdiv(context_start, BLOCK_N)
-        # the producer's tiles, and this half's (its fresh tiles up to its last row)
-        num_loaded = num_prefix + gl.cdiv(gl.minimum(q_start + BLOCK_M, q_len), BLOCK_N)
-        num_tiles = num_prefix + gl.cdiv(gl.minimum(first_row + HALF, q_len), BLOCK_N)
-        m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([HALF], gl.float32, row_layout)
-        acc = gl.zeros([HALF, D], gl.float32, o_layout)
-
-        # tile 0: scores only
-        s = kv_count % STAGES
-        mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
-        scores = warpgroup_mma(
-            q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
-        )
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-            turns += 1
-        scores = warpgroup_mma_wait(0, deps=(scores,))
-        p, m_i, l_i, alpha = _softmax_tile(
-            scores, m_i, l_i, 0, num_prefix, context_start, row_pos, cols, first_row, scale_log2, BLOCK_N,
-            HAS_PREFIX,
-        )
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-        prev = s
-        prev_phase = (kv_count // STAGES) & 1
-        kv_count += 1
-
-        # tile t's scores and tile t - 1's P V in flight together; the accumulator's rescale
-        # for tile t - 1 and P_t's conversion to bf16 done while a matmul runs (not between)
-        for t in range(1, num_tiles):
-            s = kv_count % STAGES
-            mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), prev_phase)
-            if HAS_PREFIX:  # noqa: SIM102 (a constexpr test: the variant without a prefix has no code here)
-                if t == num_prefix and context_start % BLOCK_N != 0:  # tile t - 1: the prefix's last
-                    _zero_past_prefix(v_smem.index(prev), t - 1, context_start, clean, cleans, WG, BLOCK_N, D)
-                    cleans += 1
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
-            scores = warpgroup_mma(
-                q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
-            )
-            acc = acc * alpha_o[:, None]
-            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG), count=1)
-                turns += 1
-            scores = warpgroup_mma_wait(1, deps=(scores,))
-            p, m_i, l_i, alpha = _softmax_tile(
-                scores, m_i, l_i, t, num_prefix, context_start, row_pos, cols, first_row, scale_log2,
-                BLOCK_N, HAS_PREFIX,
-            )
-            p_next = gl.convert_layout(p.to(dtype), p_layout)
-            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            mbarrier.arrive(kv_empty.index(prev), count=1)
-            p_op = p_next
-            prev = s
-            prev_phase = (kv_count // STAGES) & 1
-            kv_count += 1
-
-        mbarrier.arrive(q_empty.index(qb), count=1)  # this item's score matmuls are done
-        acc = acc * alpha_o[:, None]
-        mbarrier.wait(v_ready.index(prev), prev_phase)
-        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(kv_empty.index(prev), count=1)
-        # tiles wholly after this half's last row (the upper half's, BLOCK_N < BLOCK_M): released
-        # once loaded, so that a stage's release counts one round at a time; turns kept in step
-        for _ in range(num_tiles, num_loaded):
-            s = kv_count % STAGES
-            mbarrier.wait(v_ready.index(s), (kv_count // STAGES) & 1)
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
-                mbarrier.arrive(turn.index(1 - WG), count=1)
-                turns += 1
-            mbarrier.arrive(kv_empty.index(s), count=1)
-            kv_count += 1
-
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        o = gl.convert_layout((acc / l_o[:, None]).to(dtype), out_layout)
-        tok = first_row + out_rows
-        ptrs = (
-            out_ptr
-            + (q_begin + tok).to(gl.int64)[:, None] * stride_o_tok
-            + head * stride_o_head
-            + out_dims[None, :]
-        )
-        gl.store(ptrs, o, mask=(tok < q_len)[:, None])
-        return kv_count, turns, cleans
-
-    @gluon.jit
-    def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
-                  clean, scale_log2, stride_o_tok, stride_o_head, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                  PREFIX: gl.constexpr):
-        """One warpgroup: rows [64 WG, 64 WG + 64) of every item's query tile, over its cached prefix's
-        tiles and then its fresh ones."""
         q_count = 0
         kv_count = 0
         turns = 0
@@ -400,20 +285,100 @@ if HAVE_GLUON:
         mbarrier.wait(q_ready.index(0), 0)
         head, q_begin, q_len, q_start, context_start = _get_item(info.index(0))
         while q_len > 0:
-            if PREFIX and context_start > 0:
-                kv_count, turns, cleans = _consume_item(
-                    out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                    clean, scale_log2, stride_o_tok, stride_o_head, head, q_begin, q_len, q_start,
-                    context_start, q_count, kv_count, turns, cleans, WG, PINGPONG, BLOCK_M, BLOCK_N, D,
-                    STAGES, True,
+            qb = q_count % 2
+            q = q_smem.index(2 * qb + WG)
+            first_row = q_start + WG * HALF
+            row_pos = first_row + rows
+            num_prefix = gl.cdiv(context_start, BLOCK_N)
+            # the producer's tiles, and this half's (its fresh tiles up to its last row)
+            num_loaded = num_prefix + gl.cdiv(gl.minimum(q_start + BLOCK_M, q_len), BLOCK_N)
+            num_tiles = num_prefix + gl.cdiv(gl.minimum(first_row + HALF, q_len), BLOCK_N)
+            m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
+            l_i = gl.zeros([HALF], gl.float32, row_layout)
+            acc = gl.zeros([HALF, D], gl.float32, o_layout)
+
+            # tile 0: scores only
+            s = kv_count % STAGES
+            mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
+            scores = warpgroup_mma(
+                q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG), count=1)
+                turns += 1
+            scores = warpgroup_mma_wait(0, deps=(scores,))
+            p, m_i, l_i, alpha = _softmax_tile(
+                scores, m_i, l_i, 0, num_prefix, context_start, row_pos, cols, first_row, scale_log2, BLOCK_N
+            )
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+            prev = s
+            prev_phase = (kv_count // STAGES) & 1
+            kv_count += 1
+
+            # tile t's scores and tile t - 1's P V in flight together; the accumulator's rescale
+            # for tile t - 1 and P_t's conversion to bf16 done while a matmul runs (not between)
+            for t in range(1, num_tiles):
+                s = kv_count % STAGES
+                mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), prev_phase)
+                if t == num_prefix and context_start % BLOCK_N != 0:  # tile t - 1: the prefix's last
+                    _zero_past_prefix(v_smem.index(prev), t - 1, context_start, clean, cleans, WG, BLOCK_N, D)
+                    cleans += 1
+                if PINGPONG:
+                    mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
+                scores = warpgroup_mma(
+                    q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
                 )
-            else:
-                kv_count, turns, cleans = _consume_item(
-                    out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-                    clean, scale_log2, stride_o_tok, stride_o_head, head, q_begin, q_len, q_start,
-                    context_start, q_count, kv_count, turns, cleans, WG, PINGPONG, BLOCK_M, BLOCK_N, D,
-                    STAGES, False,
+                acc = acc * alpha_o[:, None]
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
+                    turns += 1
+                scores = warpgroup_mma_wait(1, deps=(scores,))
+                p, m_i, l_i, alpha = _softmax_tile(
+                    scores, m_i, l_i, t, num_prefix, context_start, row_pos, cols, first_row, scale_log2,
+                    BLOCK_N,
                 )
+                p_next = gl.convert_layout(p.to(dtype), p_layout)
+                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                mbarrier.arrive(kv_empty.index(prev), count=1)
+                p_op = p_next
+                prev = s
+                prev_phase = (kv_count // STAGES) & 1
+                kv_count += 1
+
+            mbarrier.arrive(q_empty.index(qb), count=1)  # this item's score matmuls are done
+            acc = acc * alpha_o[:, None]
+            mbarrier.wait(v_ready.index(prev), prev_phase)
+            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(kv_empty.index(prev), count=1)
+            # tiles wholly after this half's last row (the upper half's, BLOCK_N < BLOCK_M): released
+            # once loaded, so that a stage's release counts one round at a time; turns kept in step
+            for _ in range(num_tiles, num_loaded):
+                s = kv_count % STAGES
+                mbarrier.wait(v_ready.index(s), (kv_count // STAGES) & 1)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
+                    turns += 1
+                mbarrier.arrive(kv_empty.index(s), count=1)
+                kv_count += 1
+
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            o = gl.convert_layout((acc / l_o[:, None]).to(dtype), out_layout)
+            tok = first_row + out_rows
+            ptrs = (
+                out_ptr
+                + (q_begin + tok).to(gl.int64)[:, None] * stride_o_tok
+                + head * stride_o_head
+                + out_dims[None, :]
+            )
+            gl.store(ptrs, o, mask=(tok < q_len)[:, None])
             q_count += 1
             mbarrier.wait(q_ready.index(q_count % 2), (q_count // 2) & 1)
             head, q_begin, q_len, q_start, context_start = _get_item(info.index(q_count % 2))
@@ -455,12 +420,10 @@ if HAVE_GLUON:
                 (_consumer, (
                     out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
                     clean, scale_log2, stride_o_tok, stride_o_head, 0, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
-                    PREFIX,
                 )),
                 (_consumer, (
                     out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
                     clean, scale_log2, stride_o_tok, stride_o_head, 1, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
-                    PREFIX,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
