@@ -4,7 +4,7 @@ Triton's `tl` kernels (kernels/triton_attention.py `_fresh_prefill_kernel`) leav
 while a program computes its softmax, and pay every tile's start-up (sequence lookup, Q load, first
 K/V loads) with nothing to hide it: 0.73-0.82x SDPA at 16 x 512 and 4 x 2048 on the H100. This
 kernel splits the work the way Hopper's asynchronous units allow (H100: 0.95-0.98x SDPA on those
-shapes, docs/benchmarks.md "Prefill"):
+shapes before the prefix support, 0.84-0.96x with its code compiled in; docs/benchmarks.md "Prefill"):
 
 - a persistent grid (one program an SM) works through work items (a 128-row query tile x one query
   head; heads fastest, so a GQA group's heads share K/V in L2, and each sequence's last, longest
@@ -23,15 +23,21 @@ shapes, docs/benchmarks.md "Prefill"):
   take turns issuing (an mbarrier token passed back and forth), so one's softmax runs while the
   other's matmuls use the tensor cores.
 
-Scope: query rows of sequences with >= 2 query tokens and no cached prefix (each sequence's keys
-are its own rows of `key` / `value`, positions 0 .. q_len - 1), bf16 / fp16, head_dim 64 or 128,
-GQA by a query head's KV head = head // (H / KV). Rows of one-token sequences are not written (the
-decode launch's). As in fresh_prefill, tiles may read past a sequence's end (the next sequence's
+Scope: query rows of sequences with >= 2 query tokens, bf16 / fp16, head_dim 64 or 128, GQA by a
+query head's KV head = head // (H / KV). A sequence's keys are its cached prefix [0, seq_len - q_len)
+(with the caches: the producer loads one TMA box per cache block through the block table; the
+prefix's last tile is masked past its end and its value rows there zeroed in shared memory, since
+other cache slots may hold NaN) and then its own rows of `key` / `value`. Rows of one-token
+sequences are not written (the decode launch's). The programs draw only real work: items come from
+`tile_starts` (kernels.prefill_tile_starts: the cumulative 128-row tiles of the sequences with
+prompts), so decode rows and padding sequences cost nothing.
+As in fresh_prefill, tiles may read past a sequence's end (the next sequence's
 rows, or TMA's zero fill past the tensor): those keys are masked by the causal test and their
 values get weight 0, so they must be finite.
 
 How we know it works: tests/gpu/test_gluon_prefill_gpu.py against a plain-torch reference (mixed
-lengths, GQA, ragged tails, one-token rows left alone, a CUDA graph); the figure it must reach:
+lengths, GQA, ragged tails, one-token rows left alone, cached prefixes with block sizes 8-64 and NaN
+outside the sequences, a padded decode-heavy step, a CUDA graph); the figure it must reach:
 >= 0.9x the fastest SDPA form on the prefill bench's causal shapes (python -m kernels.bench --only
 prefill, docs/benchmarks.md "Prefill").
 """

@@ -59,9 +59,10 @@ the step itself wrote, and the Hopper TMA unit moves the tiles into shared memor
 a sequence's end read the next sequence's rows (or zeros past the tensor) and are masked by the
 causal test. H100, graph-timed: 0.79-0.82 / 0.95-0.96 / 0.73 / 1.07 of SDPA's speed at 4 x 2048 /
 1 x 8192 / 16 x 512 / 4 x 1024 after 1,024 cached, 1.13-1.30x the varlen kernel without a prefix and
-0.84x with one. The engine's layers keep the varlen launch: on sharegpt serving the two launches were
-0.8 % slower a step (its mixed steps are mostly decode rows), and a rule by shapes cannot single out
-long prompts without a prefix inside the mixed-step graphs (docs/benchmarks.md "Prefill").
+0.84x with one. On sm_90 the prefill rows run the warp-specialized Gluon kernel instead
+(kernels/gluon_prefill.py: 0.84-0.96x SDPA without a prefix, 1.65x with one), which the engine's
+attention layer takes for every step with prompts, with the host-built work list
+(prefill_tile_starts); docs/benchmarks.md "Prefill".
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
