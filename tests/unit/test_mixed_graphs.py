@@ -168,6 +168,16 @@ def test_the_static_inputs_are_padded_as_documented(tiny_llama_dir):
     assert torch.equal(inputs.block_tables[:4, :width], batch.attn.block_tables)
     meta = inputs.metadata(32, 8, 32, 2048)
     assert meta.prefill_tile_starts.tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2]
+    # a decode step builds no work list, and a decode graph's load leaves the buffer alone
+    tables = [[i * 9 + b for b in range(-(-9 // BS))] for i in range(3)]
+    states = [SequenceState([5] * 9, 8, table, GREEDY, 0, 9) for table in tables]
+    steps = [ScheduledSequence(i, state, 1) for i, state in enumerate(states)]
+    decode = build_model_input(steps, BS, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert decode.attn.prefill_tile_starts is None
+    inputs.load(decode, 4, 4, prefill=False)
+    assert inputs.prefill_tile_starts[:9].tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2]
+    inputs.load(decode, 4, 4)  # a mixed graph's load: computed from the offsets (no prompt tiles)
+    assert inputs.prefill_tile_starts[:5].tolist() == [0, 0, 0, 0, 0]
     assert (meta.slot_mapping.shape, meta.block_tables.shape, meta.query_start_loc.shape) == ((32,), (8, 512),
                                                                                              (9,))
     with pytest.raises(ValueError, match="does not pad to 16 tokens"):
