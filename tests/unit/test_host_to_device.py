@@ -251,4 +251,5 @@ def test_build_model_input_moves_the_step_with_one_copy(monkeypatch):
     moves = count_device_moves(monkeypatch)
     build_model_input(mixed_step(), BS, CPU, torch.Generator().manual_seed(0))
     assert len(moves) == 1
-    assert len(packs) == 1 and len(packs[0]) == 7 + 9  # the step's 7 columns, the sampler's 9
+    # the step's 7 columns, the prefill kernel's work list (a step with prompts), the sampler's 9
+    assert len(packs) == 1 and len(packs[0]) == 7 + 1 + 9 and "prefill_tile_starts" in packs[0]
