@@ -137,22 +137,19 @@ def build_model_input(
     sampling = _sampling_metadata([scheduled[i].state for i in sampled], generator)
     sampling_tensors = _tensor_fields(sampling)
 
-    on_device = pack_to_device(
-        {
-            "input_ids": input_ids,
-            "positions": positions,
-            "slot_mapping": slot_mapping,
-            "block_tables": block_tables.to(torch.int32),
-            "seq_lens": seq_lens.to(torch.int32),
-            "query_start_loc": query_start_loc.to(torch.int32),
-            # the prefill kernel's work list (decode steps have no prompt tiles)
-            **({} if num_tokens == num_seqs else {"prefill_tile_starts": kernels.prefill_tile_starts(
-                query_start_loc)}),
-            "logits_indices": logits_indices,
-            **{f"sampling.{name}": value for name, value in sampling_tensors.items()},
-        },
-        device,
-    )
+    host = {
+        "input_ids": input_ids,
+        "positions": positions,
+        "slot_mapping": slot_mapping,
+        "block_tables": block_tables.to(torch.int32),
+        "seq_lens": seq_lens.to(torch.int32),
+        "query_start_loc": query_start_loc.to(torch.int32),
+        "logits_indices": logits_indices,
+        **{f"sampling.{name}": value for name, value in sampling_tensors.items()},
+    }
+    if num_tokens != num_seqs:  # the prefill kernel's work list (a decode step has no prompt tiles)
+        host["prefill_tile_starts"] = kernels.prefill_tile_starts(query_start_loc)
+    on_device = pack_to_device(host, device)
     attn = AttentionMetadata(
         slot_mapping=on_device["slot_mapping"],
         block_tables=on_device["block_tables"],
@@ -160,7 +157,7 @@ def build_model_input(
         query_start_loc=on_device["query_start_loc"],
         max_query_len=int(q_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
-        prefill_tile_starts=on_device.get("prefill_tile_starts"),  # (decode steps: no prompt tiles)
+        prefill_tile_starts=on_device.get("prefill_tile_starts"),
     )
     sampling_on_device: dict[str, Any] = {name: on_device[f"sampling.{name}"] for name in sampling_tensors}
     holes = (input_ids == PENDING_TOKEN).nonzero().flatten()  # [P] tokens planned ahead (async)
