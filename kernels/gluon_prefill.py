@@ -23,17 +23,16 @@ shapes before the prefix support, 0.84-0.96x with its code compiled in; docs/ben
   take turns issuing (an mbarrier token passed back and forth), so one's softmax runs while the
   other's matmuls use the tensor cores.
 
-Scope: query rows of sequences with >= 2 query tokens, bf16 / fp16, head_dim 64 or 128, GQA by a
-query head's KV head = head // (H / KV). A sequence's keys are its cached prefix [0, seq_len - q_len)
-(with the caches: the producer loads one TMA box per cache block through the block table; the
-prefix's last tile is masked past its end and its value rows there zeroed in shared memory, since
-other cache slots may hold NaN) and then its own rows of `key` / `value`. Rows of one-token
-sequences are not written (the decode launch's). The programs draw only real work: items come from
-`tile_starts` (kernels.prefill_tile_starts: the cumulative 128-row tiles of the sequences with
-prompts), so decode rows and padding sequences cost nothing.
-As in fresh_prefill, tiles may read past a sequence's end (the next sequence's
-rows, or TMA's zero fill past the tensor): those keys are masked by the causal test and their
-values get weight 0, so they must be finite.
+Scope: query rows of sequences with >= 2 query tokens, bf16 / fp16, head_dim 64 or 128, GQA by a query
+head's KV head = head // (H / KV). A sequence's keys are its cached prefix [0, seq_len - q_len) (with
+the caches: the producer loads one TMA box per cache block through the block table; the prefix's last
+tile is masked past its end and its value rows there zeroed in shared memory by the producer warp, since
+other cache slots may hold NaN) and then its own rows of `key` / `value`. Rows of one-token sequences
+are not written (the decode launch's). The programs draw only real work: items come from `tile_starts`
+(kernels.prefill_tile_starts: the cumulative 128-row tiles of the sequences with prompts), so decode
+rows and padding sequences cost nothing. As in fresh_prefill, tiles may read past a sequence's end (the
+next sequence's rows, or TMA's zero fill past the tensor): those keys are masked by the causal test and
+their values get weight 0, so they must be finite.
 
 How we know it works: tests/gpu/test_gluon_prefill_gpu.py against a plain-torch reference (mixed
 lengths, GQA, ragged tails, one-token rows left alone, cached prefixes with block sizes 8-64 and NaN
@@ -115,7 +114,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
-                  k_ready, v_ready, kv_empty, info, counter_ptr, query_start_loc_ptr, tile_starts_ptr,
+                  k_ready, v_ready, kv_empty, v_fix, info, counter_ptr, query_start_loc_ptr, tile_starts_ptr,
                   seq_lens_ptr, block_tables_ptr, stride_bt, num_seqs, num_search_steps, num_heads,
                   GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                   STAGES: gl.constexpr, PREFIX: gl.constexpr, BLOCK_SIZE: gl.constexpr):
@@ -129,6 +128,7 @@ if HAVE_GLUON:
         v_bytes: gl.constexpr = v_desc.block_type.nbytes
         q_count = 0
         kv_count = 0
+        fixes = 0
         num_tiles = gl.load(tile_starts_ptr + num_seqs)
         num_items = num_tiles * num_heads
         # the next unclaimed item: programs free sooner take more. Relaxed: the index is all it hands
@@ -159,14 +159,20 @@ if HAVE_GLUON:
                 if PREFIX:
                     # tiles of BLOCK_N cached positions, a box per cache block; a tile's blocks at or
                     # past the prefix's end load the prefix's last block instead (always a valid entry):
-                    # those keys are masked and their value rows zeroed by the consumers
+                    # those keys are masked and their value rows zeroed (below)
                     block_table = block_tables_ptr + seq.to(gl.int64) * stride_bt
                     last_block = (context_start - 1) // BLOCK_SIZE
                     for t in range(gl.cdiv(context_start, BLOCK_N)):
                         s = kv_count % STAGES
                         mbarrier.wait(kv_empty.index(s), ((kv_count // STAGES) & 1) ^ 1)
                         mbarrier.expect(k_ready.index(s), k_bytes)
-                        mbarrier.expect(v_ready.index(s), v_bytes)
+                        # the prefix's last tile, if it runs past the prefix's end: its values land on
+                        # v_fix, this warp zeroes the rows past the end, then signals v_ready itself
+                        straddles = (t + 1) * BLOCK_N > context_start
+                        if straddles:
+                            mbarrier.expect(v_fix, v_bytes)
+                        else:
+                            mbarrier.expect(v_ready.index(s), v_bytes)
                         for i in gl.static_range(BOXES):
                             index = gl.minimum(t * BOXES + i, last_block)
                             block = gl.load(block_table + index)
@@ -174,10 +180,21 @@ if HAVE_GLUON:
                                 kc_desc, [block * BLOCK_SIZE, kv_col], k_ready.index(s),
                                 k_smem.index(s).slice(i * BLOCK_SIZE, BLOCK_SIZE),
                             )
-                            tma.async_copy_global_to_shared(
-                                vc_desc, [block * BLOCK_SIZE, kv_col], v_ready.index(s),
-                                v_smem.index(s).slice(i * BLOCK_SIZE, BLOCK_SIZE),
-                            )
+                            if straddles:
+                                tma.async_copy_global_to_shared(
+                                    vc_desc, [block * BLOCK_SIZE, kv_col], v_fix,
+                                    v_smem.index(s).slice(i * BLOCK_SIZE, BLOCK_SIZE),
+                                )
+                            else:
+                                tma.async_copy_global_to_shared(
+                                    vc_desc, [block * BLOCK_SIZE, kv_col], v_ready.index(s),
+                                    v_smem.index(s).slice(i * BLOCK_SIZE, BLOCK_SIZE),
+                                )
+                        if straddles:
+                            mbarrier.wait(v_fix, fixes & 1)
+                            fixes += 1
+                            _zero_past_prefix(v_smem.index(s), t * BLOCK_N, context_start, BLOCK_N, D)
+                            mbarrier.arrive(v_ready.index(s), count=1)
                         kv_count += 1
                 num_kv = gl.cdiv(gl.minimum(q_start + BLOCK_M, q_len), BLOCK_N)
                 for j in range(num_kv):
@@ -247,24 +264,23 @@ if HAVE_GLUON:
         return p, m_new, l_new, alpha
 
     @gluon.jit
-    def _zero_past_prefix(v_tile, t, context_start, clean, cleans, WG: gl.constexpr, BLOCK_N: gl.constexpr,
-                          D: gl.constexpr):
-        """The prefix's last value tile: rows at or past the prefix's end (other cache slots, which may
-        hold anything, NaN included: 0 * NaN is NaN) set to zero, this warpgroup's half of the rows;
-        then both halves done (the `clean` mbarrier) before either multiplies by the tile."""
-        ROWS: gl.constexpr = BLOCK_N // 2
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        half = v_tile.slice(WG * ROWS, ROWS)
-        rows = t * BLOCK_N + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        v = half.load(layout)
-        half.store(gl.where((rows < context_start)[:, None], v, gl.zeros_like(v)))
+    def _zero_past_prefix(v_tile, first_pos, context_start, BLOCK_N: gl.constexpr, D: gl.constexpr):
+        """The prefix's last value tile (positions first_pos ..): rows at or past the prefix's end (other
+        cache slots, which may hold anything, NaN included: 0 * NaN is NaN) set to zero by the producer
+        warp, eight rows at a time, before the consumers are told the tile is ready."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
+        rows = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+        for c in gl.static_range(BLOCK_N // 8):
+            if first_pos + c * 8 + 7 >= context_start:
+                chunk = v_tile.slice(c * 8, 8)
+                v = chunk.load(layout)
+                keep = (first_pos + c * 8 + rows < context_start)[:, None]
+                chunk.store(gl.where(keep, v, gl.zeros_like(v)))
         fence_async_shared()  # these stores before the asynchronous proxy's (the wgmma's) reads
-        mbarrier.arrive(clean, count=1)
-        mbarrier.wait(clean, cleans & 1)
 
     @gluon.jit
     def _consumer(out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
-                  clean, scale_log2, stride_o_tok, stride_o_head, WG: gl.constexpr, PINGPONG: gl.constexpr,
+                  scale_log2, stride_o_tok, stride_o_head, WG: gl.constexpr, PINGPONG: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
         """One warpgroup: rows [64 WG, 64 WG + 64) of every item's query tile, over its cached prefix's
         tiles and then its fresh ones."""
@@ -287,7 +303,6 @@ if HAVE_GLUON:
         q_count = 0
         kv_count = 0
         turns = 0
-        cleans = 0
         mbarrier.wait(q_ready.index(0), 0)
         head, q_begin, q_len, q_start, context_start = _get_item(info.index(0))
         while q_len > 0:
@@ -330,9 +345,6 @@ if HAVE_GLUON:
                 s = kv_count % STAGES
                 mbarrier.wait(k_ready.index(s), (kv_count // STAGES) & 1)
                 mbarrier.wait(v_ready.index(prev), prev_phase)
-                if t == num_prefix and context_start % BLOCK_N != 0:  # tile t - 1: the prefix's last
-                    _zero_past_prefix(v_smem.index(prev), t - 1, context_start, clean, cleans, WG, BLOCK_N, D)
-                    cleans += 1
                 if PINGPONG:
                     mbarrier.wait(turn.index(WG), (turns + 1 - WG) & 1)
                 scores = warpgroup_mma(
@@ -409,7 +421,7 @@ if HAVE_GLUON:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        clean = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        v_fix = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         info = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
@@ -419,27 +431,27 @@ if HAVE_GLUON:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)
-        mbarrier.init(clean, count=2)
+        mbarrier.init(v_fix, count=1)
         # (literal tuples: Gluon keeps their constexprs; a tuple built with + does not)
         gl.warp_specialize(
             [
                 (_consumer, (
                     out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
-                    clean, scale_log2, stride_o_tok, stride_o_head, 0, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
+                    scale_log2, stride_o_tok, stride_o_head, 0, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )),
                 (_consumer, (
                     out_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, info,
-                    clean, scale_log2, stride_o_tok, stride_o_head, 1, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
+                    scale_log2, stride_o_tok, stride_o_head, 1, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
-                    k_ready, v_ready, kv_empty, info, counter_ptr, query_start_loc_ptr, tile_starts_ptr,
-                    seq_lens_ptr, block_tables_ptr, stride_bt, num_seqs, num_search_steps, num_heads,
-                    GROUP, BLOCK_M, BLOCK_N, D, STAGES, PREFIX, BLOCK_SIZE,
+                    k_ready, v_ready, kv_empty, v_fix, info, counter_ptr, query_start_loc_ptr,
+                    tile_starts_ptr, seq_lens_ptr, block_tables_ptr, stride_bt, num_seqs, num_search_steps,
+                    num_heads, GROUP, BLOCK_M, BLOCK_N, D, STAGES, PREFIX, BLOCK_SIZE,
                 )),
             ],
             [4, 1],
-            [CONSUMER_REGS, 24],
+            [CONSUMER_REGS, 56],  # (the producer zeroes a prefix's last value rows: 8 x D a step)
         )
 
 
