@@ -28,6 +28,9 @@ __all__ = [
     "rotary_and_cache",
     "rotary_embedding",
     "silu_and_mul",
+    "skinny_gate_up_silu",
+    "skinny_linear",
+    "skinny_usable",
     "swap_blocks",
 ]
 
@@ -125,6 +128,39 @@ def rotary_and_cache(
 
 def silu_and_mul(x) -> torch.Tensor:
     return (_cuda_module("triton_layers") if x.is_cuda else reference).silu_and_mul(x)
+
+
+# ---- decode-batch GEMMs (kernels/triton_skinny.py): the weight streamed through TMA ----
+
+SKINNY_MAX_ROWS = 64  # at more rows cuBLAS is as fast (docs/benchmarks.md "Decode GEMMs")
+SKINNY_GATED_BLOCK_N = 64  # the gated kernel's tile of gate (and of up) rows
+
+
+def skinny_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether skinny_linear (gated: skinny_gate_up_silu) takes x [M, K] @ weight [N, K].T: CUDA with
+    TMA (sm_90+), bf16 or fp16 alike, 1 <= M <= SKINNY_MAX_ROWS, rows contiguous and 16-byte aligned
+    (gated: weight stored gate | up, each half whole SKINNY_GATED_BLOCK_N-row tiles)."""
+    if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]):
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or weight.device != x.device:
+        return False
+    if not 1 <= x.shape[0] <= SKINNY_MAX_ROWS or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    if gated and weight.shape[0] % (2 * SKINNY_GATED_BLOCK_N):
+        return False
+    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (x, weight))
+
+
+def skinny_linear(x, weight, bias=None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] where skinny_usable(x, weight)."""
+    return _cuda_module("triton_skinny").skinny_linear(x, weight, bias)
+
+
+def skinny_gate_up_silu(x, weight) -> torch.Tensor:
+    """silu_and_mul(x @ weight.T) [M, I] in one launch, weight [2I, K] stored gate | up, where
+    skinny_usable(x, weight, gated=True); rounded as the two ops round."""
+    return _cuda_module("triton_skinny").skinny_gate_up_silu(x, weight)
 
 
 def fused_moe(

@@ -1,5 +1,6 @@
 """Kernel benchmarks on one CUDA device, in one run: `python -m kernels.bench [--out PATH] [--sweep]
-[--only decode|prefill|cache]` (prefill: kernels/bench_prefill.py, four shapes against SDPA).
+[--only decode|prefill|cache|gemm]` (prefill: kernels/bench_prefill.py, four shapes against SDPA;
+gemm: kernels/bench_gemm.py, the decode-batch projections against cuBLAS).
 
 Prints a table and writes everything as JSON to --out. Times are medians of
 triton.testing.do_bench (CUDA events, warm-up first, L2 flushed between repetitions); attention
@@ -35,6 +36,7 @@ from kernels.bench_common import (
     time_graph_ms,
     time_ms,
 )
+from kernels.bench_gemm import bench_gemm, gemm_table
 from kernels.bench_prefill import bench_prefill, prefill_table
 from kernels.testing import relative_error
 
@@ -270,6 +272,8 @@ def _table(results: dict) -> str:
     if "prefill" in results:
 
         lines += ["", prefill_table(results["prefill"])]
+    if "gemm" in results:
+        lines += ["", gemm_table(results["gemm"])]
     if "reshape_and_cache" not in results:
         return "\n".join(lines)
     rc, cb = results["reshape_and_cache"], results["copy_blocks"]
@@ -292,8 +296,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--sweep", action="store_true",
                         help="also time split counts and tile shapes (decode) and the prefill candidates")
-    parser.add_argument("--only", choices=("decode", "prefill", "cache"),
-                        help="run one part: decode attention, prefill attention or the cache kernels")
+    parser.add_argument("--only", choices=("decode", "prefill", "cache", "gemm"),
+                        help="one part: decode or prefill attention, the cache kernels or the decode GEMMs")
     opts = parser.parse_args()
 
     gen = torch.Generator(DEV).manual_seed(0)
@@ -323,6 +327,9 @@ def main() -> None:
         results["copy_blocks"] = bench_copy_blocks(copy_bw, gen)
         torch.cuda.empty_cache()
         results["swap"] = bench_swap(gen)
+    if opts.only in (None, "gemm"):
+        results["gemm"] = bench_gemm(gen, opts.sweep)
+        torch.cuda.empty_cache()
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(results, f, indent=2)

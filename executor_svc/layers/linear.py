@@ -12,10 +12,17 @@ only through `.shape` and `.narrow(dim, start, length)`, so a rank reads just it
     VocabParallelEmbedding vocab rows split by rank; rows of other ranks give 0, then all-reduce
 
 Every weight product goes through `linear` and every sum over ranks through `tp_all_reduce`, which
-compute batch-invariantly in deterministic mode (executor_svc/layers/determinism.py).
+compute batch-invariantly in deterministic mode (executor_svc/layers/determinism.py). Inside
+`graph_gemms()` (the CUDA graphs' warm-up and capture) products of up to kernels.SKINNY_MAX_ROWS rows
+run the skinny kernel (kernels/triton_skinny.py), which reads the weights faster than cuBLAS at decode
+batch sizes; eagerly its launch (two TMA descriptors) costs the host more than cuBLAS's, so eager
+steps keep cuBLAS.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import torch.distributed as dist
@@ -25,11 +32,32 @@ from torch import nn
 import kernels
 from executor_svc.layers import determinism
 
+_GRAPH_GEMMS = contextvars.ContextVar("pagedserve_graph_gemms", default=False)
+
+
+@contextlib.contextmanager
+def graph_gemms():
+    """Projections of few rows take the skinny kernel while this is open (what a CUDA graph records)."""
+    token = _GRAPH_GEMMS.set(True)
+    try:
+        yield
+    finally:
+        _GRAPH_GEMMS.reset(token)
+
+
+def _skinny(x2d: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    if not _GRAPH_GEMMS.get() or determinism.deterministic():
+        return False
+    return kernels.skinny_usable(x2d, weight, gated)
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T + bias -> [..., N]. In deterministic mode a row's result does not
     depend on the other rows (`kernels.batch_invariant_matmul`; cuBLAS picks its kernel by M)."""
     if not determinism.deterministic():
+        x2d = x.reshape(-1, x.shape[-1])
+        if _skinny(x2d, weight) and (bias is None or bias.dtype == x.dtype):
+            return kernels.skinny_linear(x2d, weight, bias).view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     out = kernels.batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight, bias)  # [M, N]
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -128,6 +156,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ):
         self.out_sizes_per_rank = [_divide(n, tp_size, "out_features") for n in out_sizes]
         super().__init__(in_features, sum(out_sizes), bias, tp_rank, tp_size)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """kernels.silu_and_mul(self(x)) for a gate | up pair: [..., I/tp]. Inside graph_gemms(), one
+        launch where the skinny kernel applies (its epilogue rounds as the two ops do)."""
+        x2d = x.reshape(-1, x.shape[-1])
+        sizes = self.out_sizes_per_rank
+        if self.bias is None and len(sizes) == 2 and sizes[0] == sizes[1] and _skinny(x2d, self.weight, True):
+            return kernels.skinny_gate_up_silu(x2d, self.weight).view(*x.shape[:-1], sizes[0])
+        return kernels.silu_and_mul(self(x))
 
     def weight_loader(self, param, full, shard_id=None):
         if shard_id is None:  # a checkpoint that fuses them too (Phi-3's gate_up_proj): each part

@@ -62,6 +62,7 @@ from torch import nn
 
 import kernels
 from executor_svc.layers.attention import AttentionMetadata
+from executor_svc.layers.linear import graph_gemms
 from executor_svc.runner.inputs import ModelInput
 from executor_svc.runner.kv_cache import KVCache
 
@@ -219,6 +220,11 @@ class _BucketGraphs:
             raise ValueError("CUDA graphs need a CUDA device")
         self.inputs.clear()
         pool = None
+        with graph_gemms():  # decode-sized projections take the skinny GEMM (no host cost in a replay)
+            self._capture_buckets(pool)
+        torch.cuda.synchronize()
+
+    def _capture_buckets(self, pool) -> None:
         for bucket in reversed(self.buckets):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -235,7 +241,6 @@ class _BucketGraphs:
                     self.output[: out.shape[0]].copy_(out)
             pool = graph.pool()
             self.graphs[bucket] = graph
-        torch.cuda.synchronize()
 
     def _replay(self, batch: ModelInput, bucket: int) -> torch.Tensor:
         """The bucket's output for `batch` ([num_tokens, ...], a view of the static output, valid

@@ -1,0 +1,147 @@
+"""Decode-batch GEMMs: y = x @ w.T for a few rows (M <= SKINNY_MAX_ROWS), and the MLP's gate/up
+projection with SiLU-and-mul in its epilogue.
+
+At decode batch sizes a projection reads its weight once and does almost no arithmetic, so its time
+is the weight's bytes over the memory bandwidth. cuBLAS's kernels for these shapes read llama3-8b's
+`o_proj` / `qkv_proj` at 2.1-2.4 TB/s and `gate_up` / `lm_head` at 2.7-2.8 on the H100 (copy rate
+~2.95), and split `down_proj`'s K with a second reduction kernel (docs/benchmarks.md, "Decode
+GEMMs"). Here each program owns BLOCK_N output columns over the whole K: the weight streams through
+TMA in BLOCK_K slices, NUM_STAGES deep, and the product is computed transposed (w_tile @ x_tile.T,
+BLOCK_N = 64 or 128 rows as the MMA's M, so Hopper's wgmma applies however few tokens there are).
+No split-K: a row's sum over K runs in one order whatever the batch, and nothing is reduced twice.
+
+`skinny_gate_up_silu` computes the gate tile and the up tile of the same columns in one program
+and writes silu(gate) * up, rounded where `silu_and_mul` rounds (each projection to the model dtype,
+then silu to the dtype, then the product): one launch and no [M, 2I] intermediate.
+
+How we know it works: tests/unit/test_skinny_gemm.py (interpreter, vs torch, odd M/N/K, bias, the
+gated epilogue vs silu_and_mul of F.linear), tests/gpu/test_skinny_gemm_gpu.py (bf16/fp16 within
+the GEMM's rounding of cuBLAS's result, in a CUDA graph, every llama3-8b projection shape), and
+`python -m kernels.bench --only gemm` (time per projection vs cuBLAS, 32 layers' weights in a graph).
+Target: no projection slower than cuBLAS at 1-64 rows, and a decode step faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import SKINNY_GATED_BLOCK_N, SKINNY_MAX_ROWS
+
+_WIDE_N = 25_000  # at and above: 128-row weight tiles (enough programs to fill an H100 twice over)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    stages: int
+    warps: int = 4
+
+
+def skinny_config(num_rows: int, n: int, k: int, gated: bool = False) -> SkinnyConfig:
+    """Weight tile and pipeline depth (H100 sweep, docs/benchmarks.md "Decode GEMMs"). Gated
+    programs load a gate and an up tile of block_n rows each."""
+    if gated:
+        return SkinnyConfig(SKINNY_GATED_BLOCK_N, 128, 4)
+    if n >= _WIDE_N:
+        return SkinnyConfig(128, 128, 4)
+    return SkinnyConfig(64, 128, 6)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_desc, w_desc, y_ptr, bias_ptr,
+    num_rows, n, gate_rows, stride_y,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    n0 = tl.program_id(0) * BLOCK_N
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y.T tile: weight rows x tokens
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for i in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+        k0 = i * BLOCK_K
+        x = x_desc.load([0, k0])  # [BLOCK_M, BLOCK_K]; rows >= num_rows and k >= K read as 0
+        w = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K]
+        if UPCAST:  # the interpreter's tl.dot multiplies 16-bit floats as raw bits
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(w, x.T, acc)
+        if GATED:
+            w_up = w_desc.load([gate_rows + n0, k0])
+            if UPCAST:
+                w_up = w_up.to(tl.float32)
+            acc_up = tl.dot(w_up, x.T, acc_up)
+    dtype = y_ptr.dtype.element_ty
+    cols = n0 + tl.arange(0, BLOCK_N)  # output columns
+    rows = tl.arange(0, BLOCK_M)  # tokens
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+        acc = acc + bias[:, None]
+    if GATED:
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = act * up
+    ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_y + cols[:, None]
+    tl.store(ptrs, acc.to(dtype), mask=(rows[None, :] < num_rows) & (cols[:, None] < n))
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block)
+
+
+def _launch(x, weight, bias, out, n, gated, config):
+    num_rows, k = x.shape
+    cfg = config or skinny_config(num_rows, n, k, gated)
+    block_m = max(16, triton.next_power_of_2(num_rows))
+    upcast = not x.is_cuda and x.dtype != torch.float32
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
+        _descriptor(x, [block_m, cfg.block_k]), _descriptor(weight, [cfg.block_n, cfg.block_k]),
+        out, bias if bias is not None else out,
+        num_rows, n, n if gated else 0, out.stride(0),
+        K=k, HAS_BIAS=bias is not None, GATED=gated, UPCAST=upcast,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.stages,
+        num_warps=cfg.warps,
+    )
+    return out
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: not x [M, K] @ weight [N, K].T")
+    if not 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
+        raise ValueError(f"{x.shape[0]} rows: the skinny GEMM takes 1..{SKINNY_MAX_ROWS}")
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise ValueError(f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) differ")
+    for name, t in (("x", x), ("weight", weight)):  # TMA: unit inner stride, 16-byte row pitch and base
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            raise ValueError(
+                f"{name} {tuple(t.shape)} strides {t.stride()}: rows not contiguous or not 16-byte aligned")
+
+
+def skinny_linear(x, weight, bias=None, out=None, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N], 1 <= M <= SKINNY_MAX_ROWS."""
+    _check(x, weight)
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    return _launch(x, weight, bias, out, n, False, config)
+
+
+def skinny_gate_up_silu(x, weight, out=None, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x [M, K], weight [2I, K] stored gate | up -> silu(x @ gate.T) * (x @ up.T) [M, I]. I must be a
+    multiple of the config's block_n (a tile never straddles gate and up)."""
+    _check(x, weight)
+    inter = weight.shape[0] // 2
+    cfg = config or skinny_config(x.shape[0], inter, x.shape[1], gated=True)
+    if weight.shape[0] % 2 or inter % cfg.block_n:
+        raise ValueError(f"gate | up of {weight.shape[0]} rows: halves must be whole {cfg.block_n}-row tiles")
+    if out is None:
+        out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+    return _launch(x, weight, None, out, inter, True, cfg)

@@ -1,0 +1,139 @@
+"""The decode-batch GEMM (kernels/triton_skinny.py) under the Triton interpreter against torch, its
+refusals, and the layers' policy: the skinny kernel only inside `graph_gemms()` (what the CUDA graphs
+record), never in deterministic mode, never for tensors it cannot take (on CPU: never at all).
+tests/gpu/test_skinny_gemm_gpu.py runs the compiled kernel. Module setup as in
+tests/unit/test_kernels_triton.py.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_skinny_gemm_gpu.py runs the compiled kernel",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+
+import kernels  # noqa: E402
+from executor_svc.layers import determinism  # noqa: E402
+from executor_svc.layers import linear as linear_mod  # noqa: E402
+from executor_svc.layers.mlp import GatedMLP  # noqa: E402
+from kernels import reference, triton_skinny  # noqa: E402
+from kernels.triton_skinny import SkinnyConfig, skinny_config  # noqa: E402
+from tests.helpers.triton_interpreter import patch_interpreter_for_numpy  # noqa: E402
+
+if type(triton_skinny._skinny_kernel).__name__ != "InterpretedFunction":  # imported earlier, compiled
+    triton_skinny = importlib.reload(triton_skinny)
+
+patch_interpreter_for_numpy()
+
+SMALL = SkinnyConfig(block_n=32, block_k=64, stages=1, warps=1)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+# (M, N, K): one row; N not a multiple of the tile; K not a multiple of BLOCK_K (the weight's last
+# slice read past its end as zeros); M just above a power of two; the largest M
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 128), (3, 100, 200), (17, 72, 136), (64, 40, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_torch_float32(rows, n, k, bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    out = triton_skinny.skinny_linear(x, w, b, config=SMALL)
+    assert out.shape == (rows, n) and out.dtype == x.dtype
+    assert torch.allclose(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_skinny_linear_16_bit_within_one_rounding(dtype):
+    """float32 accumulation, one rounding to the dtype at the end: within an ulp or so of torch's
+    float32 product rounded once."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 200, generator=gen).to(dtype)
+    w = (torch.randn(96, 200, generator=gen) * 0.05).to(dtype)
+    out = triton_skinny.skinny_linear(x, w, config=SMALL)
+    ref = F.linear(x.float(), w.float())
+    assert out.dtype == dtype
+    assert _rel(out, ref) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
+
+
+def test_skinny_linear_writes_only_its_rows_and_columns():
+    """`out` wider than the product (a strided view): the store masks rows >= M and columns >= N."""
+    x = torch.randn(3, 64)
+    w = torch.randn(40, 64)
+    full = torch.full((3, 48), 7.0)
+    triton_skinny.skinny_linear(x, w, out=full[:, :40], config=SMALL)
+    assert torch.allclose(full[:, :40], x @ w.T, rtol=1e-5, atol=1e-4)
+    assert torch.equal(full[:, 40:], torch.full((3, 8), 7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_up_silu_matches_silu_and_mul_of_the_projection(dtype):
+    gen = torch.Generator().manual_seed(3)
+    inter = 64  # two tiles of SMALL's 32 rows per half
+    x = torch.randn(6, 136, generator=gen).to(dtype)
+    w = (torch.randn(2 * inter, 136, generator=gen) * 0.1).to(dtype)
+    out = triton_skinny.skinny_gate_up_silu(x, w, config=SMALL)
+    ref = reference.silu_and_mul(F.linear(x.float(), w.float()).to(dtype))
+    assert out.shape == (6, inter) and out.dtype == dtype
+    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_refusals_name_the_problem():
+    x, w = torch.randn(4, 64), torch.randn(32, 64)
+    with pytest.raises(ValueError, match="not x"):
+        triton_skinny.skinny_linear(x, torch.randn(32, 48))
+    with pytest.raises(ValueError, match="rows"):
+        triton_skinny.skinny_linear(torch.randn(kernels.SKINNY_MAX_ROWS + 1, 64), w)
+    with pytest.raises(ValueError, match="rows"):
+        triton_skinny.skinny_linear(torch.randn(0, 64), w)
+    with pytest.raises(ValueError, match="differ"):
+        triton_skinny.skinny_linear(x.double(), w)
+    with pytest.raises(ValueError, match="16-byte"):
+        triton_skinny.skinny_linear(torch.randn(4, 66)[:, :63], torch.randn(32, 63))
+    with pytest.raises(ValueError, match="tiles"):
+        triton_skinny.skinny_gate_up_silu(x, torch.randn(2 * 40, 64), config=SMALL)
+
+
+def test_config_choice():
+    assert skinny_config(8, 128256, 4096).block_n == 128  # many columns: wide tiles
+    assert skinny_config(8, 4096, 4096).block_n == 64
+    assert skinny_config(8, 14336, 4096, gated=True).block_n == kernels.SKINNY_GATED_BLOCK_N
+
+
+def test_usable_only_on_cuda_with_few_rows():
+    x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    assert not kernels.skinny_usable(x, w)
+
+
+def test_layers_keep_torch_outside_cuda_and_outside_graph_gemms(monkeypatch):
+    """The policy: the skinny kernel is asked for only inside graph_gemms(), not in deterministic mode;
+    on CPU skinny_usable says no, so results equal F.linear and silu_and_mul of it exactly."""
+    asked = []
+    real = kernels.skinny_usable
+    monkeypatch.setattr(kernels, "skinny_usable",
+                        lambda x, w, gated=False: asked.append(gated) or real(x, w, gated))
+    mlp = GatedMLP(64, 128, bias=False, tp_rank=0, tp_size=1)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(3, 64)
+    expected = F.linear(reference.silu_and_mul(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
+    assert torch.equal(mlp(x), expected)
+    assert asked == []  # outside graph_gemms: not even asked
+    with linear_mod.graph_gemms():
+        assert torch.equal(mlp(x), expected)
+        assert asked == [True, False, False]  # gated gate_up; refused on CPU, so plain gate_up; down_proj
+        determinism.set_deterministic(True)
+        try:
+            linear_mod.linear(x, mlp.gate_up_proj.weight)
+        finally:
+            determinism.set_deterministic(False)
+        assert len(asked) == 3  # deterministic: not asked
+    assert len(asked) == 3 and not linear_mod._GRAPH_GEMMS.get()
