@@ -26,6 +26,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = option(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                          "most tokens computed in one step (prompt chunks + decodes)")
     max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "most sequences in one step's batch")
+    max_prefill_tokens_while_decoding: int = option(
+        0, "most prompt tokens in a step that also decodes (0: only --max-num-batched-tokens bounds them); "
+        "a long prompt then joins the running streams in chunks of this size, so no step stalls them "
+        "for long (needs chunked prefill)")
     max_model_len: int = 2048
     preemption_mode: str = option("recompute", "a preempted request's KV cache is recomputed later, or "
                                   "swapped to the CPU pool", choices=PREEMPTION_MODES, flag="preemption")
@@ -56,6 +60,9 @@ class SchedulerConfig:
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len}): a long prompt could never run"
             )
+        if self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 0 (0: no cap), "
+                             f"got {self.max_prefill_tokens_while_decoding}")
         if not 0 <= self.watermark_blocks < self.num_gpu_blocks:
             raise ValueError(f"watermark_blocks must be in [0, num_gpu_blocks), got {self.watermark_blocks}")
         if any(t < 0 for t in self.eos_token_ids):

@@ -27,6 +27,10 @@ class SchedulingPass:
         self.plans = plans
         self.requests = requests
         self.budget = config.max_num_batched_tokens
+        # max_prefill_tokens_while_decoding: prompt tokens count against it once the step decodes
+        self.prefill_cap = config.max_prefill_tokens_while_decoding if config.enable_chunked_prefill else 0
+        self.num_decodes = 0
+        self.num_prompt_tokens = 0
         self.num_seqs = 0
         self.scheduled: list[Sequence] = []
         self.scheduled_groups: set[int] = set()
@@ -70,6 +74,7 @@ class SchedulingPass:
                 self.scheduled.extend(seqs)
                 self.scheduled_groups.update(map(id, served))
                 self.budget -= num_served
+                self.num_decodes += num_served
                 self.num_seqs += num_served
             if num_served == len(batch):
                 groups = groups[num_served:]
@@ -101,6 +106,13 @@ class SchedulingPass:
         for _ in range(n - 1):
             self.requests.fork_seq(group, seq0)
 
+    def _prompt_budget(self) -> int:
+        """Tokens a prompt may still take this step: the step's budget, and once the step decodes,
+        what is left of max_prefill_tokens_while_decoding (decodes are scheduled first)."""
+        if self.prefill_cap and self.num_decodes:
+            return min(self.budget, self.prefill_cap - self.num_prompt_tokens)
+        return self.budget
+
     def _tokens_to_compute(self, group: SequenceGroup) -> list[tuple[Sequence, int]]:
         """(seq, num_new_tokens) to schedule now, [] when the group cannot run this step."""
         self._maybe_fork_samples(group)
@@ -115,13 +127,13 @@ class SchedulingPass:
                 total += num_new
         if not todo or self.num_seqs + len(todo) > self.config.max_num_seqs:
             return []
-        if total <= self.budget:
+        budget = self._prompt_budget() if total > len(todo) else self.budget  # prompt tokens, or decodes
+        if total <= budget:
             return todo
         # Over budget: take sequences in order; the one that does not fit is chunked when chunked
         # prefill is on, else it (and those after it) wait for a later step.
         chunked_prefill = self.config.enable_chunked_prefill
         partial = []
-        budget = self.budget
         for seq, num_new in todo:
             if num_new <= budget:
                 partial.append((seq, num_new))
@@ -194,7 +206,7 @@ class SchedulingPass:
 
     def _admit_waiting(self) -> None:
         requests, config = self.requests, self.config
-        while requests.waiting and self.budget > 0:
+        while requests.waiting and self._prompt_budget() > 0:
             group = requests.waiting[0]
             if requests.swapped and arrival_order(requests.swapped[0]) < arrival_order(group):
                 return  # FCFS: an earlier swapped group comes back first
@@ -240,6 +252,11 @@ class SchedulingPass:
         seqs = [seq for seq, _ in todo]
         self.plans.add(seqs, [num_new for _, num_new in todo], repeat(group), copies)
         self.scheduled.extend(seqs)
-        self.budget -= sum(num_new for _, num_new in todo)
+        total = sum(num_new for _, num_new in todo)
+        self.budget -= total
+        if total > len(todo):
+            self.num_prompt_tokens += total
+        else:
+            self.num_decodes += total
         self.num_seqs += len(todo)
         self.scheduled_groups.add(id(group))

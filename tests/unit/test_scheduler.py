@@ -239,3 +239,53 @@ def test_a_beam_group_is_admitted_only_with_room_for_all_its_beams():
     # One sequence is running; the beam group will grow to 4, which would make 5 > max_num_seqs.
     assert [s.seq_id for s in plan.new_seqs] == [sched.get_group("greedy").seqs[0].seq_id]
     assert sched.get_group("beam") in sched.waiting
+
+
+def _token_counts(sched, ex, steps):
+    plans = []
+    for _ in range(steps):
+        plan = sched.schedule()
+        decodes = [(seq_id, 1) for seq_id in plan.decode_seq_ids]
+        plans.append([(s.seq_id, s.num_new_tokens) for s in (*plan.new_seqs, *plan.cont_seqs)] + decodes)
+        sched.process_result(ex.step(plan))
+    return plans
+
+
+def test_prefill_cap_while_decoding_cuts_prompts_only_in_steps_that_decode():
+    """max_prefill_tokens_while_decoding = 3: A's prompt runs whole while nothing decodes; once A
+    decodes, B's 10-token prompt joins in chunks of 3 (then its last 1), C waits until B's prompt is
+    done (the cap is the step's, not each prompt's), and the decodes are never cut."""
+    sched = make(block_size=4, num_gpu_blocks=32, max_num_batched_tokens=16,
+                 max_prefill_tokens_while_decoding=3)
+    add(sched, "A", range(12), 0.0, max_tokens=8)
+    ex = FakeExecutor(sched)
+    first = _token_counts(sched, ex, 1)
+    add(sched, "B", range(100, 110), 0.0, max_tokens=2)
+    add(sched, "C", range(200, 202), 0.0, max_tokens=2)
+    a, b, c = 1, 2, 3
+    plans = first + _token_counts(sched, ex, 6)
+    assert plans == [
+        [(a, 12)],  # nothing decodes: the whole budget
+        [(b, 3), (a, 1)],
+        [(b, 3), (a, 1)],
+        [(b, 3), (a, 1)],
+        [(c, 2), (b, 1), (a, 1)],  # C's prompt and B's last token: 3 prompt tokens in all
+        [(a, 1), (b, 1), (c, 1)],  # B and C's second (last) tokens
+        [(a, 1)],
+    ]
+
+
+def test_prefill_cap_off_by_default_and_without_chunked_prefill():
+    for cfg in ({}, {"max_prefill_tokens_while_decoding": 3, "enable_chunked_prefill": False,
+                     "max_num_batched_tokens": 64}):
+        sched = make(block_size=4, num_gpu_blocks=32, **cfg)
+        add(sched, "A", range(12), 0.0, max_tokens=4)
+        ex = FakeExecutor(sched)
+        _token_counts(sched, ex, 1)
+        add(sched, "B", range(100, 110), 0.0, max_tokens=2)
+        assert _token_counts(sched, ex, 1) == [[(2, 10), (1, 1)]]  # B whole beside A's decode
+
+
+def test_prefill_cap_must_not_be_negative():
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 0"):
+        make(max_prefill_tokens_while_decoding=-1)

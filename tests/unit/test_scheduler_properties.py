@@ -31,6 +31,7 @@ def configs(draw):
         num_cpu_blocks=draw(st.integers(1 if mode == "swap" else 0, num_gpu_blocks)),
         max_num_batched_tokens=draw(st.integers(4, 64)) if chunked else 64,
         max_num_seqs=draw(st.integers(2, 12)),
+        max_prefill_tokens_while_decoding=draw(st.sampled_from([0, 0, 1, 3, 8])),
         max_model_len=64,
         preemption_mode=mode,
         enable_prefix_caching=draw(st.booleans()),
