@@ -28,8 +28,9 @@ class SchedulerConfig:
     max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "most sequences in one step's batch")
     max_prefill_tokens_while_decoding: int = option(
         0, "most prompt tokens in a step that also decodes (0: only --max-num-batched-tokens bounds them); "
-        "a long prompt then joins the running streams in chunks of this size, so no step stalls them "
-        "for long (needs chunked prefill)")
+        "a long prompt then joins the running streams in chunks of this size, so no step stalls them for "
+        "long: lower ITL p99 under load, longer TTFT and fewer tokens/s when all requests come at once "
+        "(512 on an H100: docs/benchmarks.md; needs chunked prefill)")
     max_model_len: int = 2048
     preemption_mode: str = option("recompute", "a preempted request's KV cache is recomputed later, or "
                                   "swapped to the CPU pool", choices=PREEMPTION_MODES, flag="preemption")

@@ -57,10 +57,6 @@ from scheduler_svc.wire.options import add_arguments, borrow, from_args, option,
 from scheduler_svc.wire.request_decoding import register_decoding
 
 GC_GEN0_THRESHOLD = 20_000
-# The server cuts prompts into chunks of at most this many tokens while other requests decode: a
-# llama3-8b step of 512 prompt tokens takes ~12 ms on an H100 where one of 2,048 takes ~40, and every
-# running stream waits for it (docs/benchmarks.md, "ITL and the prompt chunk"). 0 turns it off.
-DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 512
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _log = logging.getLogger(__name__)
 
@@ -82,8 +78,7 @@ class ServeOptions(ApiServerOptions):
     num_cpu_blocks: int | None = option(None, "swap space blocks (default: what fits on every rank)")
     max_num_seqs: int = borrow(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int = borrow(SchedulerConfig, "max_num_batched_tokens")
-    max_prefill_tokens_while_decoding: int = borrow(SchedulerConfig, "max_prefill_tokens_while_decoding",
-                                                    default=DEFAULT_PREFILL_TOKENS_WHILE_DECODING)
+    max_prefill_tokens_while_decoding: int = borrow(SchedulerConfig, "max_prefill_tokens_while_decoding")
     max_model_len: int | None = option(None, "cap on prompt + output tokens (default: the model's)")
     enable_prefix_caching: bool = borrow(SchedulerConfig, "enable_prefix_caching")
     max_n: int = option(MAX_N, "largest n (parallel samples) a request may ask for")

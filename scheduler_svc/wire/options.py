@@ -59,11 +59,9 @@ def option(
 
 def borrow(owner: type, name: str, **changes: Any) -> Any:
     """The field `name` of the dataclass `owner` (default and flag metadata), for another config that
-    takes the same option; `changes` override the metadata (help=..., flag=...) and `default=` the
-    default (a process that runs the option otherwise than the library's default)."""
+    takes the same option; `changes` override the metadata (help=..., flag=...)."""
     source = {f.name: f for f in dataclasses.fields(owner)}[name]
-    default = changes.pop("default", source.default)
-    return dataclasses.field(default=default, metadata={**source.metadata, **changes})
+    return dataclasses.field(default=source.default, metadata={**source.metadata, **changes})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -87,6 +87,33 @@ def test_same_outputs_when_a_tiny_cache_forces_preemption(
     assert seeded == reference[1]
 
 
+def test_prompts_cut_into_small_chunks_while_others_decode_give_the_same_tokens(
+    tiny_llama_dir, reference, hf_greedy, monkeypatch
+):
+    """--max-prefill-tokens-while-decoding 5 (and 24 tokens a step): the later prompts join the decoding
+    ones 5 tokens a step (chunk boundaries inside blocks); greedy tokens stay Hugging Face's, seeded ones
+    the reference's."""
+    from scheduler_svc.sched.scheduling_pass import SchedulingPass
+
+    capped = []
+    real = SchedulingPass._prompt_budget
+
+    def recording(self):
+        room = real(self)
+        capped.append(room < self.budget)
+        return room
+
+    monkeypatch.setattr(SchedulingPass, "_prompt_budget", recording)
+    with Stack(tiny_llama_dir, num_gpu_blocks=256, max_num_batched_tokens=24,
+               max_prefill_tokens_while_decoding=5) as stack:
+        assert stack.engine.scheduler.config.max_prefill_tokens_while_decoding == 5
+        greedy, seeded, _ = asyncio.run(run_batch(stack.target))
+        _assert_all_blocks_free(stack)
+    assert any(capped)  # the cap, not the step budget, cut some prompt
+    assert greedy == hf_greedy
+    assert seeded == reference[1]
+
+
 def test_parallel_samples_share_the_prompt_blocks(stack_n4):
     prompt = PROMPTS[5][:64] + [11, 12, 13, 14, 15]  # 4 full blocks + 5 tokens
     seen: list[tuple[int, int]] = []
