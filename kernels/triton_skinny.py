@@ -52,6 +52,16 @@ def skinny_config(num_rows: int, n: int, k: int, gated: bool = False) -> SkinnyC
     return SkinnyConfig(64, 128, 6)
 
 
+def shared_memory_bytes(num_rows: int, n: int, k: int, gated: bool = False, element_size: int = 2,
+                        config: SkinnyConfig | None = None) -> int:
+    """The pipeline's shared memory: NUM_STAGES slices of the x tile and the weight tile(s). Triton adds
+    a little (barriers, the epilogue's layout change) on top; `kernels.skinny_usable` keeps a margin.
+    n: output columns (the intermediate size when gated)."""
+    cfg = config or skinny_config(num_rows, n, k, gated)
+    block_m = max(16, triton.next_power_of_2(num_rows))
+    return cfg.stages * (block_m + cfg.block_n * (2 if gated else 1)) * cfg.block_k * element_size
+
+
 @triton.jit
 def _skinny_kernel(
     x_desc, w_desc, y_ptr, bias_ptr,

@@ -137,3 +137,17 @@ def test_layers_keep_torch_outside_cuda_and_outside_graph_gemms(monkeypatch):
             determinism.set_deterministic(False)
         assert len(asked) == 3  # deterministic: not asked
     assert len(asked) == 3 and not linear_mod._GRAPH_GEMMS.get()
+
+
+def test_shared_memory_of_the_pipelines():
+    """What kernels.skinny_usable compares with the device's shared memory a block (227 KB on H100 and
+    B200; 99 KB on an RTX 50xx, which must fall back to cuBLAS rather than fail to launch)."""
+    margin, hopper, rtx50 = kernels.SKINNY_SMEM_MARGIN, 227 * 1024, 99 * 1024
+    cases = [(64, 6144, 4096, False), (64, 128256, 4096, False), (64, 14336, 4096, True),
+             (1, 4096, 14336, False)]
+    for rows, n, k, gated in cases:
+        need = triton_skinny.shared_memory_bytes(rows, n, k, gated)
+        assert need + margin <= hopper, (rows, n, k, gated, need)
+        assert need > rtx50, (rows, n, k, gated, need)
+    assert triton_skinny.shared_memory_bytes(64, 6144, 4096) == 6 * (64 + 64) * 128 * 2
+    assert triton_skinny.shared_memory_bytes(8, 14336, 4096, gated=True) == 4 * (16 + 2 * 64) * 128 * 2
