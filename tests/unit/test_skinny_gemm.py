@@ -140,8 +140,8 @@ def test_layers_keep_torch_outside_cuda_and_outside_graph_gemms(monkeypatch):
 
 
 def test_shared_memory_of_the_pipelines():
-    """What kernels.skinny_usable compares with the device's shared memory a block (227 KB on H100 and
-    B200; 99 KB on an RTX 50xx, which must fall back to cuBLAS rather than fail to launch)."""
+    """What kernels.skinny_usable compares with the device's shared memory a block: 227 KB on an H100
+    (every shape fits with the margin); 99 KB would not hold any (cuBLAS rather than a failed launch)."""
     margin, hopper, rtx50 = kernels.SKINNY_SMEM_MARGIN, 227 * 1024, 99 * 1024
     cases = [(64, 6144, 4096, False), (64, 128256, 4096, False), (64, 14336, 4096, True),
              (1, 4096, 14336, False)]
