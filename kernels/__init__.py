@@ -143,22 +143,15 @@ def skinny_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) ->
     alike, 1 <= M <= SKINNY_MAX_ROWS, rows contiguous and 16-byte aligned (gated: weight stored
     gate | up, each half whole SKINNY_GATED_BLOCK_N-row tiles), and the device's shared memory a block
     holds the pipeline's buffers."""
-    if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]):
-        return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or weight.device != x.device:
-        return False
-    if not 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.get_device_capability(x.device)[0] != 9:  # Hopper: measured and tested there only
         return False
-    if gated and weight.shape[0] % (2 * SKINNY_GATED_BLOCK_N):
-        return False
-    if not all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in (x, weight)):
+    skinny = _cuda_module("triton_skinny")
+    if skinny.refusal(x, weight, gated) is not None:
         return False
     # its pipeline needs ~200 KB of shared memory a block (an H100 has 227)
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    skinny = _cuda_module("triton_skinny")
     need = skinny.shared_memory_bytes(x.shape[0], n, x.shape[1], gated, x.element_size())
     limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 0)
     return need + SKINNY_SMEM_MARGIN <= limit

@@ -122,17 +122,28 @@ def _launch(x, weight, bias, out, n, gated, config):
     return out
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def refusal(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, config: SkinnyConfig | None = None):
+    """Why the kernel cannot take x [M, K] @ weight [N, K].T (gated: weight stored gate | up), or None."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: not x [M, K] @ weight [N, K].T")
+        return f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: not x [M, K] @ weight [N, K].T"
     if not 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
-        raise ValueError(f"{x.shape[0]} rows: the skinny GEMM takes 1..{SKINNY_MAX_ROWS}")
+        return f"{x.shape[0]} rows: the skinny GEMM takes 1..{SKINNY_MAX_ROWS}"
     if x.dtype != weight.dtype or x.device != weight.device:
-        raise ValueError(f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) differ")
+        return f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) differ"
     for name, t in (("x", x), ("weight", weight)):  # TMA: unit inner stride, 16-byte row pitch and base
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            raise ValueError(
-                f"{name} {tuple(t.shape)} strides {t.stride()}: rows not contiguous or not 16-byte aligned")
+            return f"{name} {tuple(t.shape)} strides {t.stride()}: rows not contiguous or not 16-byte aligned"
+    if gated:
+        block_n = (config or skinny_config(x.shape[0], weight.shape[0] // 2, x.shape[1], gated)).block_n
+        if weight.shape[0] % (2 * block_n):
+            return f"gate | up of {weight.shape[0]} rows: halves must be whole {block_n}-row tiles"
+    return None
+
+
+def _check(x, weight, gated=False, config=None) -> None:
+    reason = refusal(x, weight, gated, config)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def skinny_linear(x, weight, bias=None, out=None, config: SkinnyConfig | None = None) -> torch.Tensor:
@@ -147,11 +158,9 @@ def skinny_linear(x, weight, bias=None, out=None, config: SkinnyConfig | None = 
 def skinny_gate_up_silu(x, weight, out=None, config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M, K], weight [2I, K] stored gate | up -> silu(x @ gate.T) * (x @ up.T) [M, I]. I must be a
     multiple of the config's block_n (a tile never straddles gate and up)."""
-    _check(x, weight)
+    _check(x, weight, True, config)
     inter = weight.shape[0] // 2
     cfg = config or skinny_config(x.shape[0], inter, x.shape[1], gated=True)
-    if weight.shape[0] % 2 or inter % cfg.block_n:
-        raise ValueError(f"gate | up of {weight.shape[0]} rows: halves must be whole {cfg.block_n}-row tiles")
     if out is None:
         out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
     return _launch(x, weight, None, out, inter, True, cfg)

@@ -45,19 +45,22 @@ def graph_gemms():
         _GRAPH_GEMMS.reset(token)
 
 
-def _skinny(x2d: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+def _skinny_rows(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+    """x as [M, K] rows where the skinny kernel takes this product (inside graph_gemms, not in
+    deterministic mode, kernels.skinny_usable), else None: eager calls pay one context lookup."""
     if not _GRAPH_GEMMS.get() or determinism.deterministic():
-        return False
-    return kernels.skinny_usable(x2d, weight, gated)
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if kernels.skinny_usable(rows, weight, gated) else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T + bias -> [..., N]. In deterministic mode a row's result does not
     depend on the other rows (`kernels.batch_invariant_matmul`; cuBLAS picks its kernel by M)."""
     if not determinism.deterministic():
-        x2d = x.reshape(-1, x.shape[-1])
-        if _skinny(x2d, weight) and (bias is None or bias.dtype == x.dtype):
-            return kernels.skinny_linear(x2d, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        rows = _skinny_rows(x, weight)
+        if rows is not None:
+            return kernels.skinny_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     out = kernels.batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight, bias)  # [M, N]
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -160,10 +163,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """kernels.silu_and_mul(self(x)) for a gate | up pair: [..., I/tp]. Inside graph_gemms(), one
         launch where the skinny kernel applies (its epilogue rounds as the two ops do)."""
-        x2d = x.reshape(-1, x.shape[-1])
         sizes = self.out_sizes_per_rank
-        if self.bias is None and len(sizes) == 2 and sizes[0] == sizes[1] and _skinny(x2d, self.weight, True):
-            return kernels.skinny_gate_up_silu(x2d, self.weight).view(*x.shape[:-1], sizes[0])
+        if self.bias is None and len(sizes) == 2 and sizes[0] == sizes[1]:
+            rows = _skinny_rows(x, self.weight, gated=True)
+            if rows is not None:
+                return kernels.skinny_gate_up_silu(rows, self.weight).view(*x.shape[:-1], sizes[0])
         return kernels.silu_and_mul(self(x))
 
     def weight_loader(self, param, full, shard_id=None):
