@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from clients.bench.report import ideal_time
+from clients.bench.report import StepCost, ideal_time, time_breakdown
 from scheduler_svc.sim.models import ModelSpec
 
 PEERS = ("hf-static", "hf-cb")
@@ -58,8 +58,10 @@ def add_ideal(
     runs: dict[int, dict],
     tensor_parallel_size: int = 1,
     max_num_batched_tokens: int | None = None,
+    steps_by_size: dict[int, list] | None = None,
 ) -> dict | None:
-    """Measures this machine's rates and puts each run's ideal time and measured / ideal in it; returns
+    """Measures this machine's rates and puts each run's ideal time and measured / ideal in it, and
+    where its steps are given (the executor's trace), its `time_breakdown`; returns
     the rates (None, with the reason printed, when the machine has fewer GPUs than the ranks). Runs
     after our servers stopped: at TP > 1 the all-reduce takes the GPUs the ranks held."""
     import torch
@@ -79,6 +81,11 @@ def add_ideal(
                            t, all_reduce, max_num_batched_tokens)
         ideal["measured_over_ideal"] = round(ideal["total_s"] / summary["wall_s"], 3)
         summary["ideal"] = ideal
+        breakdown = time_breakdown((steps_by_size or {}).get(size, []), StepCost(spec, rates, t, all_reduce))
+        if breakdown:
+            # the workload's ideal over the sum of the ideals of the steps the scheduler ran
+            breakdown["schedule_efficiency"] = round(ideal["total_s"] / breakdown["ideal_s"], 3)
+            summary["time_breakdown"] = breakdown
     measured = {
         "device": rates.device,
         "copy_tb_s": round(rates.copy_bytes_per_s / 1e12, 3),

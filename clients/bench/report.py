@@ -100,6 +100,7 @@ class StepTrace:
     # step's forward pass, and of this step's forward pass + sampling.
     gpu_gap_s: float = -1.0
     gpu_busy_s: float = -1.0
+    context_tokens: int = -1  # positions the step's sequences attend to (-1: an older trace)
 
     @property
     def is_decode(self) -> bool:
@@ -112,11 +113,12 @@ def read_step_trace(path: str, start_s: float, end_s: float) -> list[StepTrace]:
     with open(path) as trace:
         for line in trace:
             fields = line.split()
-            if len(fields) not in (6, 8):
+            if len(fields) not in (6, 8, 9):
                 continue  # a line being written
             events = [float(f) / 1e3 if float(f) >= 0 else -1.0 for f in fields[6:8]]
             times = map(float, fields[1:4])
-            step = StepTrace(int(fields[0]), *times, int(fields[4]), int(fields[5]), *events)
+            context = [int(f) for f in fields[8:9]]
+            step = StepTrace(int(fields[0]), *times, int(fields[4]), int(fields[5]), *events, *context)
             if step.end_s >= start_s and step.start_s <= end_s:
                 steps.append(step)
     return steps
@@ -190,6 +192,95 @@ class AllReduceRates:
         return self.latency_s + 2 * (t - 1) / t * num_bytes / self.bus_bytes_per_s
 
 
+class StepCost:
+    """One step's time at the machine's rates (one rank's share at tensor-parallel size t; see
+    `ideal_time`): max(bytes / copy rate, FLOPs / matmul rate) for `num_tokens` tokens whose sequences
+    attend to `context` positions, bytes = the weights the tokens read + the context's K/V, FLOPs =
+    2 x matmul params per token + 4 x hidden x layers per context position; and the step's
+    all-reduces, apart. The attention FLOPs of a prompt chunk (each of its tokens attends to the
+    positions before it) are counted once per position, which undercounts them: small beside the
+    matmuls at prompts of a few thousand tokens."""
+
+    def __init__(self, spec: ModelSpec, rates: DeviceRates, tensor_parallel_size: int = 1,
+                 all_reduce: AllReduceRates | None = None):
+        t = tensor_parallel_size
+        if (all_reduce.world_size if all_reduce else 1) != t:
+            raise ValueError(f"tensor-parallel size {t} needs all-reduce rates measured over {t} GPUs")
+        if t < 1 or spec.num_heads % t or (spec.num_kv_heads % t and spec.num_kv_heads > t):
+            raise ValueError(
+                f"{spec.num_heads} heads / {spec.num_kv_heads} KV heads do not split over {t} ranks"
+            )
+        self.spec, self.rates, self.all_reduce, self.t = spec, rates, all_reduce, t
+        self.kv_heads_per_rank = max(1, spec.num_kv_heads // t)
+        self.embedding = spec.vocab_size * spec.hidden_size  # a lookup, no matmul
+        self.matmul_params = self.per_rank(spec.num_active_params - self.embedding)
+        self.attn_flops_per_pos = 4 * spec.hidden_size * spec.num_layers // t  # QK^T and PV, 2 FLOPs a MAC
+        self.kv_bytes_per_token = spec.kv_bytes_per_token * self.kv_heads_per_rank // spec.num_kv_heads
+
+    def per_rank(self, params: float) -> float:
+        """A rank's share of `params` matmul parameters (K/V projections replicated past kv_heads ranks)."""
+        if self.t == 1:
+            return params
+        kv_proj = self.spec.num_layers * 2 * self.spec.hidden_size * self.spec.head_dim  # per KV head
+        return (params - kv_proj * self.spec.num_kv_heads) / self.t + kv_proj * self.kv_heads_per_rank
+
+    def all_reduces_s(self, num_tokens: int) -> float:
+        if self.all_reduce is None:
+            return 0.0
+        one = self.all_reduce.time_s(num_tokens * self.spec.hidden_size * BYTES_PER_PARAM)
+        return (2 * self.spec.num_layers + 1) * one
+
+    def compute_s(self, num_tokens: int, context: int) -> float:
+        weight_bytes = self.per_rank(self.spec.params_read(num_tokens) - self.embedding) * BYTES_PER_PARAM
+        bytes_moved = weight_bytes + context * self.kv_bytes_per_token
+        flops = 2 * self.matmul_params * num_tokens + self.attn_flops_per_pos * context
+        return max(bytes_moved / self.rates.copy_bytes_per_s, flops / self.rates.matmul_flops_per_s)
+
+    def step_s(self, num_tokens: int, context: int) -> float:
+        return self.compute_s(num_tokens, context) + self.all_reduces_s(num_tokens)
+
+
+# The step kinds of `time_breakdown`: steps with prompt tokens, then decode steps by batch size.
+BREAKDOWN_DECODE_BATCHES = (1, 16, 64, 128, 256)
+
+
+def time_breakdown(steps: list[StepTrace], cost: StepCost) -> dict:
+    """Where a run's GPU time goes against each step's own ideal (`StepCost` of its tokens and
+    context): per kind of step (with prompt tokens; decode steps of 1-15, 16-63, 64-127, 128-255 and
+    >= 256 sequences) the steps, their GPU time (forward + sampling, CUDA events), the sum of their
+    ideal times, and the idle gaps before them (as `gpu_idle` charges them). The sum of the steps'
+    ideals, set against the workload's `ideal_time`, shows what the schedule itself costs; GPU time
+    against it, what the kernels do. Needs a trace with CUDA events and context tokens ({} else)."""
+    if not steps or any(s.gpu_busy_s < 0 or s.context_tokens < 0 for s in steps):
+        return {}
+    kinds: dict[str, dict] = {}
+    previous_id = None
+    for step in steps:
+        if step.num_tokens > step.num_seqs:
+            kind, order = "prompt", -1
+        else:
+            order = max(b for b in BREAKDOWN_DECODE_BATCHES if b <= max(1, step.num_seqs))
+            higher = [b for b in BREAKDOWN_DECODE_BATCHES if b > order]
+            kind = f"decode {order}-{higher[0] - 1}" if higher else f"decode >= {order}"
+        row = kinds.setdefault(kind, {"order": order, "steps": 0, "gpu_s": 0.0, "ideal_s": 0.0, "gap_s": 0.0})
+        row["steps"] += 1
+        row["gpu_s"] += step.gpu_busy_s
+        row["ideal_s"] += cost.step_s(step.num_tokens, step.context_tokens)
+        if previous_id is not None and step.step_id == previous_id + 1 and step.gpu_gap_s >= 0:
+            row["gap_s"] += step.gpu_gap_s
+        previous_id = step.step_id
+    rows = [
+        {
+            "kind": kind, "steps": row["steps"], "gpu_s": round(row["gpu_s"], 4),
+            "ideal_s": round(row["ideal_s"], 4), "gap_s": round(row["gap_s"], 4),
+            "ideal_over_gpu": round(row["ideal_s"] / row["gpu_s"], 3) if row["gpu_s"] > 0 else math.nan,
+        }
+        for kind, row in sorted(kinds.items(), key=lambda item: item[1]["order"])
+    ]
+    total = {key: round(sum(r[key] for r in rows), 4) for key in ("gpu_s", "ideal_s", "gap_s")}
+    return {"kinds": rows, **total}
+
+
 def ideal_time(
     spec: ModelSpec,
     prompt_lens: list[int],
@@ -218,34 +309,16 @@ def ideal_time(
     stays FLOPs / matmul rate. Left out: the logits all-gather (step rows x vocab x 2 bytes, once a
     step), replicated norms and routers, and decode tokens riding in prefill steps. "all_reduce_s"
     is the part of total_s spent in all-reduces."""
+    cost = StepCost(spec, rates, tensor_parallel_size, all_reduce)
     t = tensor_parallel_size
-    if (all_reduce.world_size if all_reduce else 1) != t:
-        raise ValueError(f"tensor-parallel size {t} needs all-reduce rates measured over {t} GPUs")
-    if t < 1 or spec.num_heads % t or (spec.num_kv_heads % t and spec.num_kv_heads > t):
-        raise ValueError(f"{spec.num_heads} heads / {spec.num_kv_heads} KV heads do not split over {t} ranks")
-    kv_heads_per_rank = max(1, spec.num_kv_heads // t)
-    kv_proj = spec.num_layers * 2 * spec.hidden_size * spec.head_dim  # K and V projections per KV head
-
-    def per_rank(params: float) -> float:
-        if t == 1:
-            return params
-        return (params - kv_proj * spec.num_kv_heads) / t + kv_proj * kv_heads_per_rank
-
-    def all_reduces_s(num_tokens: int) -> float:
-        if all_reduce is None:
-            return 0.0
-        return (2 * spec.num_layers + 1) * all_reduce.time_s(num_tokens * spec.hidden_size * BYTES_PER_PARAM)
-
-    embedding = spec.vocab_size * spec.hidden_size  # a lookup, no matmul
-    matmul_params = per_rank(spec.num_active_params - embedding)
-    attn_flops_per_pos = 4 * spec.hidden_size * spec.num_layers // t  # QK^T and PV, 2 FLOPs per MAC
-    kv_bytes_per_token = spec.kv_bytes_per_token * kv_heads_per_rank // spec.num_kv_heads
-    prefill_flops = sum(2 * matmul_params * p + attn_flops_per_pos * p * (p + 1) / 2 for p in prompt_lens)
+    prefill_flops = sum(
+        2 * cost.matmul_params * p + cost.attn_flops_per_pos * p * (p + 1) / 2 for p in prompt_lens
+    )
     prefill_s = prefill_flops / rates.matmul_flops_per_s
     num_prompt_tokens = sum(prompt_lens)
     step_tokens = max_num_batched_tokens or max(1, num_prompt_tokens)
     prefill_steps = [step_tokens] * (num_prompt_tokens // step_tokens) + [num_prompt_tokens % step_tokens]
-    all_reduce_s = sum(all_reduces_s(n) for n in prefill_steps if n)
+    all_reduce_s = sum(cost.all_reduces_s(n) for n in prefill_steps if n)
     prefill_s += all_reduce_s
     decode_s = 0.0
     pairs = sorted(zip(output_lens, prompt_lens, strict=True), reverse=True)
@@ -254,13 +327,9 @@ def ideal_time(
         if not active:
             break
         context = sum(active) + k * len(active)
-        weight_bytes = per_rank(spec.params_read(len(active)) - embedding) * BYTES_PER_PARAM
-        bytes_moved = weight_bytes + context * kv_bytes_per_token
-        flops = 2 * matmul_params * len(active) + attn_flops_per_pos * context
-        step_s = max(bytes_moved / rates.copy_bytes_per_s, flops / rates.matmul_flops_per_s)
-        step_all_reduce_s = all_reduces_s(len(active))
+        step_all_reduce_s = cost.all_reduces_s(len(active))
         all_reduce_s += step_all_reduce_s
-        decode_s += step_s + step_all_reduce_s
+        decode_s += cost.compute_s(len(active), context) + step_all_reduce_s
     out = {
         "prefill_s": round(prefill_s, 4),
         "decode_s": round(decode_s, 4),

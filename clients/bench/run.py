@@ -221,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
             with servers(args, model, trace_path) as target:
                 warm_up(args, target, spec.vocab_size)
                 first, *others = args.endpoint.split(",")
+                traces: dict[int, list] = {k: [] for k in sizes}
                 runs = {
-                    k: run_ours(args, target, requests[:k], f"ours[{k}]", trace_path, first)
+                    k: run_ours(args, target, requests[:k], f"ours[{k}]", trace_path, first, traces[k])
                     for k in sorted(sizes)
                 }
                 also = [run_ours(args, target, requests[:k], f"ours[{k}] {endpoint}", trace_path, endpoint)
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
             gpu = greedy and _cuda_available() and not args.no_ideal and args.device != "cpu"
             if gpu:  # after `servers` stopped the executors: the measurement needs their GPUs
                 rates = add_ideal(spec, {k: requests[:k] for k in sizes}, runs, args.tensor_parallel_size,
-                                  args.max_num_batched_tokens)
+                                  args.max_num_batched_tokens, traces)
                 if rates is not None:
                     result["device_rates"] = rates
             ours_ok = all(r["output_tokens"] == r["expected_output_tokens"] for r in result["runs"])

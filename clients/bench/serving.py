@@ -82,7 +82,11 @@ def decoding_of(args) -> Decoding:
     return Decoding(args.n, args.beam_width)
 
 
-def run_ours(args, target: str, requests, label: str, trace_path: str, endpoint: str = "grpc") -> dict:
+def run_ours(
+    args, target: str, requests, label: str, trace_path: str, endpoint: str = "grpc",
+    steps_out: list | None = None,
+) -> dict:
+    """steps_out: where given, the run's steps from the trace are appended to it."""
     show = not args.no_progress
     run = asyncio.run(run_load(target, requests, label, show_progress=show, decoding=decoding_of(args),
                                http_url=_http_url(args, endpoint)))
@@ -90,6 +94,8 @@ def run_ours(args, target: str, requests, label: str, trace_path: str, endpoint:
     if os.path.exists(trace_path) and not args.server:
         steps = read_step_trace(trace_path, run.start_s, run.end_s)
         summary["gpu_idle"] = gpu_idle(steps, min(args.max_num_seqs, IDLE_DECODE_BATCH))
+        if steps_out is not None:
+            steps_out.extend(steps)
     if summary["output_tokens"] != summary["expected_output_tokens"] or summary["num_failed"]:
         print(
             f"bench: {label}: {summary['num_failed']} requests failed: {summary['errors']}", file=sys.stderr

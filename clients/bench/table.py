@@ -41,6 +41,18 @@ def format_table(result: dict) -> str:
                 f"{full['full_decode_executor_prep_ms']:.2f} ms): "
                 f"idle {full['full_decode_idle_fraction']:.1%}"
             )
+        breakdown = r.get("time_breakdown")
+        if breakdown:
+            lines.append(
+                f"{'':>12} GPU {breakdown['gpu_s']:.2f} s + idle {breakdown['gap_s']:.2f} s; the steps' "
+                f"own ideal {breakdown['ideal_s']:.2f} s (schedule efficiency "
+                f"{breakdown['schedule_efficiency']:.2f})"
+            )
+            for k in breakdown["kinds"]:
+                lines.append(
+                    f"{'':>14}{k['kind']:<16} {k['steps']:>5} steps  GPU {k['gpu_s']:>7.3f} s  ideal "
+                    f"{k['ideal_s']:>7.3f} s ({k['ideal_over_gpu']:.2f})  idle before {k['gap_s']:.3f} s"
+                )
     if "goodput" in result:
         lines += _goodput_lines(result)
     if "device_rates" in result:

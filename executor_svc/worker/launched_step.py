@@ -24,6 +24,7 @@ class LaunchedStep:
     launch: float = 0.0  # perf_counter when the forward pass was queued
     num_seqs: int = 0
     num_tokens: int = 0
+    context_tokens: int = 0  # sum over the step's sequences of the positions they attend to
     events: tuple | None = None  # CUDA events at the start and the end of the step's GPU work
     rows: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled row
     token_ids: torch.Tensor | None = None  # [S] sampled tokens on the device

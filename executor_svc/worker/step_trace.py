@@ -2,12 +2,14 @@
 `--step-trace-path`), read by `pagedserve bench` (clients/bench/report.py) for the GPU idle time
 between steps.
 
-One line per step: "step_id t_start t_launch t_end num_seqs num_tokens gpu_gap_ms gpu_busy_ms"
+One line per step: "step_id t_start t_launch t_end num_seqs num_tokens gpu_gap_ms gpu_busy_ms
+context_tokens"
 (time.perf_counter seconds; t_launch: the forward pass is launched; t_end: the host saw the GPU
 done; on CUDA, from events on the stream: the time from the previous step's end to this step's
 forward pass (the GPU idles but for this step's block operations and input copies), and the forward
-pass + sampling; -1 elsewhere). Rank 0 alone writes it (the ranks of a tensor-parallel set step
-together).
+pass + sampling; -1 elsewhere; context_tokens: the positions the step's sequences attend to, this
+step's tokens included, for the step's own ideal time in clients/bench/report.py). Rank 0 alone
+writes it (the ranks of a tensor-parallel set step together).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class StepTrace:
             self._last_end_event = step.events[1]
         times = f"{step.start:.6f} {step.launch:.6f} {end:.6f}"
         self._file.write(
-            f"{step.step_id} {times} {step.num_seqs} {step.num_tokens} {gap_ms:.4f} {busy_ms:.4f}\n"
+            f"{step.step_id} {times} {step.num_seqs} {step.num_tokens} {gap_ms:.4f} {busy_ms:.4f}"
+            f" {step.context_tokens}\n"
         )
 
 

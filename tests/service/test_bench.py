@@ -15,12 +15,14 @@ from clients.bench import run as bench
 from clients.bench.load import LoadRun, RequestRecord, StatsSample
 from clients.bench.report import (
     DeviceRates,
+    StepCost,
     StepTrace,
     gpu_idle,
     ideal_time,
     percentile,
     read_step_trace,
     summarize,
+    time_breakdown,
 )
 from clients.cli import serve as launcher
 from scheduler_svc.sim.models import MODELS, ModelSpec
@@ -66,6 +68,38 @@ def test_gpu_idle_reads_cuda_event_gaps_when_the_trace_has_them(tmp_path):
     assert out["gap_source"] == "cuda events"
     assert out["full_decode_idle_fraction"] == round(0.001 / (0.001 + 0.039), 4)
     assert out["mean_gpu_step_ms"] == pytest.approx((19 + 19 + 20) / 3, abs=1e-3)
+
+
+def test_time_breakdown_sets_each_step_against_its_own_ideal(tmp_path):
+    spec = ModelSpec(1, 8, 2, 1, 16, 200, 64, gated_mlp=True)
+    rates = DeviceRates("test", copy_bytes_per_s=1e6, matmul_flops_per_s=1e6)
+    matmul_params = spec.num_params - 200 * 8
+    trace = tmp_path / "steps.trace"
+    trace.write_text(
+        "1 0.0 0.0 0.1 2 5 -1 9000.0 5\n"  # a prompt step: 2 + 3 prompt tokens
+        "2 0.1 0.1 0.2 2 2 1.5 4000.0 7\n"  # decodes of 2 sequences at 3 and 4 positions
+        "3 0.2 0.2 0.3 1 1 0.5 3000.0 4\n"
+        "5 0.4 0.4 0.5 1 1 7.0 3000.0 5\n"  # after a gap in the ids: its gap is not counted
+    )
+    steps = read_step_trace(str(trace), 0.0, 1.0)
+    assert [s.context_tokens for s in steps] == [5, 7, 4, 5]
+    out = time_breakdown(steps, StepCost(spec, rates))
+
+    def ideal(tokens, context):
+        bytes_moved = 2 * matmul_params + context * spec.kv_bytes_per_token
+        return max(bytes_moved, 2 * matmul_params * tokens + 4 * 8 * context) / 1e6
+
+    assert [k["kind"] for k in out["kinds"]] == ["prompt", "decode 1-15"]
+    prompt, decode = out["kinds"]
+    assert (prompt["steps"], prompt["gpu_s"], prompt["gap_s"]) == (1, 9.0, 0.0)
+    assert prompt["ideal_s"] == round(ideal(5, 5), 4)
+    assert (decode["steps"], decode["gpu_s"], decode["gap_s"]) == (3, 10.0, 0.002)
+    assert decode["ideal_s"] == round(ideal(2, 7) + ideal(1, 4) + ideal(1, 5), 4)
+    assert decode["ideal_over_gpu"] == round(decode["ideal_s"] / 10.0, 3)
+    assert out["gpu_s"] == 19.0 and out["gap_s"] == 0.002
+    # an older trace (no context tokens) or one without CUDA events gives no breakdown
+    assert time_breakdown([StepTrace(1, 0.0, 0.0, 0.1, 1, 1, 0.0, 0.003)], StepCost(spec, rates)) == {}
+    assert time_breakdown([StepTrace(1, 0.0, 0.0, 0.1, 1, 1, -1.0, -1.0, 4)], StepCost(spec, rates)) == {}
 
 
 def test_summarize_latencies_and_counts():
