@@ -11,6 +11,11 @@ from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.plan_builder import PlanBuilder
 from scheduler_svc.sched.request_table import RequestTable, arrival_order
 
+# A backlog of prompt tokens lifts max_prefill_tokens_while_decoding to 1/this of it a step (at t = 0 of
+# an offline batch the cap then costs a few steps' worth of prefill pace instead of 6 % of the run's
+# tokens/s: docs/benchmarks.md "Round 7").
+PREFILL_BACKLOG_STEPS = 4
+
 
 def _is_running(group: SequenceGroup) -> bool:
     return bool(group.seqs) and group.seqs[0].status is SequenceStatus.RUNNING
@@ -29,6 +34,7 @@ class SchedulingPass:
         self.budget = config.max_num_batched_tokens
         # max_prefill_tokens_while_decoding: prompt tokens count against it once the step decodes
         self.prefill_cap = config.max_prefill_tokens_while_decoding if config.enable_chunked_prefill else 0
+        self._lifted_cap: int | None = None  # the cap with the backlog's lift, computed when first needed
         self.num_decodes = 0
         self.num_prompt_tokens = 0
         self.num_seqs = 0
@@ -108,10 +114,20 @@ class SchedulingPass:
 
     def _prompt_budget(self) -> int:
         """Tokens a prompt may still take this step: the step's budget, and once the step decodes,
-        what is left of max_prefill_tokens_while_decoding (decodes are scheduled first)."""
+        what is left of the prompt cap (decodes are scheduled first; `_cap_while_decoding`)."""
         if self.prefill_cap and self.num_decodes:
-            return min(self.budget, self.prefill_cap - self.num_prompt_tokens)
+            return min(self.budget, self._cap_while_decoding() - self.num_prompt_tokens)
         return self.budget
+
+    def _cap_while_decoding(self) -> int:
+        """max_prefill_tokens_while_decoding, lifted by a backlog: at least 1/PREFILL_BACKLOG_STEPS of the
+        tokens the waiting requests have to compute, so a queue of prompts (a burst, an offline batch)
+        drains in a few steps as without a cap, while a lone long prompt (running once its first chunk
+        is in) joins the running streams in chunks of the cap."""
+        if self._lifted_cap is None:
+            backlog = sum(g.seqs[0].num_tokens - g.seqs[0].num_computed_tokens for g in self.requests.waiting)
+            self._lifted_cap = max(self.prefill_cap, -(-backlog // PREFILL_BACKLOG_STEPS))
+        return self._lifted_cap
 
     def _tokens_to_compute(self, group: SequenceGroup) -> list[tuple[Sequence, int]]:
         """(seq, num_new_tokens) to schedule now, [] when the group cannot run this step."""

@@ -275,6 +275,33 @@ def test_prefill_cap_while_decoding_cuts_prompts_only_in_steps_that_decode():
     ]
 
 
+def test_a_backlog_lifts_the_prefill_cap():
+    """Cap 3, but 40 prompt tokens wait: a step that decodes takes ceil(backlog / PREFILL_BACKLOG_STEPS)
+    of them (B whole, then 8 of C's); once the queue is short the cap holds again."""
+    from scheduler_svc.sched.scheduling_pass import PREFILL_BACKLOG_STEPS
+
+    assert PREFILL_BACKLOG_STEPS == 4
+    sched = make(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32,
+                 max_prefill_tokens_while_decoding=3)
+    add(sched, "A", range(12), 0.0, max_tokens=12)
+    ex = FakeExecutor(sched)
+    first = _token_counts(sched, ex, 1)
+    for i, name in enumerate("BCDE"):
+        add(sched, name, range(100 * (i + 1), 100 * (i + 1) + 10), 0.0, max_tokens=8)
+    a, b, c, d, e = 1, 2, 3, 4, 5
+    plans = [sorted(plan) for plan in first + _token_counts(sched, ex, 6)]
+    assert plans == [
+        [(a, 12)],
+        [(a, 1), (b, 10)],  # 40 waiting: cap 10
+        [(a, 1), (b, 1), (c, 8)],  # C, D, E: 30 waiting, cap 8
+        [(a, 1), (b, 1), (c, 2), (d, 3)],  # D, E: 20 waiting, cap 5: C's last 2, 3 of D's
+        [(a, 1), (b, 1), (c, 1), (d, 3)],  # E: 10 waiting, cap max(3, 3)
+        [(a, 1), (b, 1), (c, 1), (d, 3)],
+        [(a, 1), (b, 1), (c, 1), (d, 1), (e, 3)],  # D's last token rides as one; E: cap 3
+    ]
+    ex.run_until_done(check=sched.kv.check_integrity)
+
+
 def test_prefill_cap_off_by_default_and_without_chunked_prefill():
     for cfg in ({}, {"max_prefill_tokens_while_decoding": 3, "enable_chunked_prefill": False,
                      "max_num_batched_tokens": 64}):
