@@ -27,10 +27,11 @@ class SchedulerConfig:
                                          "most tokens computed in one step (prompt chunks + decodes)")
     max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "most sequences in one step's batch")
     max_prefill_tokens_while_decoding: int = option(
-        0, "most prompt tokens in a step that also decodes (0: only --max-num-batched-tokens bounds them); "
-        "a long prompt then joins the running streams in chunks of this size, so no step stalls them for "
-        "long: lower ITL p99 under load, longer TTFT and fewer tokens/s when all requests come at once "
-        "(512 on an H100: docs/benchmarks.md; needs chunked prefill)")
+        512, "most prompt tokens in a step that also decodes, unless a backlog lifts it (0: only "
+        "--max-num-batched-tokens bounds them): a long prompt joins the running streams in chunks of this "
+        "size, so no step stalls them for long, while a queue of prompts still drains at full pace (each "
+        "such step may take 1/4 of the waiting requests' tokens); needs chunked prefill. On an H100 the "
+        "ITL p99 at 32-48 req/s fell from 25-41 to 21-26 ms, offline unchanged (docs/benchmarks.md, Round 7)")
     max_model_len: int = 2048
     preemption_mode: str = option("recompute", "a preempted request's KV cache is recomputed later, or "
                                   "swapped to the CPU pool", choices=PREEMPTION_MODES, flag="preemption")

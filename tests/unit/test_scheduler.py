@@ -3,6 +3,7 @@
 import pytest
 
 from scheduler_svc.request.sequence import FinishReason, SequenceStatus
+from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.validation import RequestLimits, RequestValidator
 from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.sampling_params import SamplingParams
@@ -302,9 +303,11 @@ def test_a_backlog_lifts_the_prefill_cap():
     ex.run_until_done(check=sched.kv.check_integrity)
 
 
-def test_prefill_cap_off_by_default_and_without_chunked_prefill():
-    for cfg in ({}, {"max_prefill_tokens_while_decoding": 3, "enable_chunked_prefill": False,
-                     "max_num_batched_tokens": 64}):
+def test_prefill_cap_off_at_zero_and_without_chunked_prefill():
+    assert SchedulerConfig().max_prefill_tokens_while_decoding == 512  # on by default
+    for cfg in ({"max_prefill_tokens_while_decoding": 0},
+                {"max_prefill_tokens_while_decoding": 3, "enable_chunked_prefill": False,
+                 "max_num_batched_tokens": 64}):
         sched = make(block_size=4, num_gpu_blocks=32, **cfg)
         add(sched, "A", range(12), 0.0, max_tokens=4)
         ex = FakeExecutor(sched)
