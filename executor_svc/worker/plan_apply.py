@@ -74,7 +74,8 @@ class PlanApplier:
         # previous step's end to it unless this step was queued while that one ran.
         start_event = self._record_event() if self._trace is not None else None  # timing: trace only
         step.launch = time.perf_counter()
-        step.context_tokens = sum(s.state.num_computed_tokens + s.num_new_tokens for s in scheduled)
+        if self._trace is not None:  # the trace's context field; no per-step walk otherwise
+            step.context_tokens = sum(s.state.num_computed_tokens + s.num_new_tokens for s in scheduled)
         if batch is not None:
             output = runner.execute(batch)
             for s in scheduled:

@@ -125,7 +125,15 @@ class SchedulingPass:
         drains in a few steps as without a cap, while a lone long prompt (running once its first chunk
         is in) joins the running streams in chunks of the cap."""
         if self._lifted_cap is None:
-            backlog = sum(g.seqs[0].num_tokens - g.seqs[0].num_computed_tokens for g in self.requests.waiting)
+            # past PREFILL_BACKLOG_STEPS x the step's budget the lift no longer matters: stop counting
+            # there, so a flood of waiting requests costs a bounded walk per step
+            enough = PREFILL_BACKLOG_STEPS * self.config.max_num_batched_tokens
+            backlog = 0
+            for group in self.requests.waiting:
+                seq = group.seqs[0]
+                backlog += seq.num_tokens - seq.num_computed_tokens
+                if backlog >= enough:
+                    break
             self._lifted_cap = max(self.prefill_cap, -(-backlog // PREFILL_BACKLOG_STEPS))
         return self._lifted_cap
 

@@ -303,6 +303,20 @@ def test_a_backlog_lifts_the_prefill_cap():
     ex.run_until_done(check=sched.kv.check_integrity)
 
 
+def test_a_flood_of_waiting_prompts_lifts_the_cap_to_the_whole_budget():
+    """200 waiting 10-token prompts beside one decode: the step fills its budget (the backlog walk stops
+    once the lift reaches the budget, so the flood costs no more than that)."""
+    sched = make(block_size=4, num_gpu_blocks=1024, max_num_batched_tokens=32, max_num_seqs=256,
+                 max_prefill_tokens_while_decoding=3)
+    add(sched, "A", range(12), 0.0, max_tokens=4)
+    ex = FakeExecutor(sched)
+    _token_counts(sched, ex, 1)
+    for i in range(200):
+        add(sched, f"r{i}", range(1000 + 10 * i, 1010 + 10 * i), 0.0, max_tokens=1)
+    (plan,) = _token_counts(sched, ex, 1)
+    assert sum(n for _, n in plan) == 32 and (1, 1) in plan  # A's decode + 31 prompt tokens
+
+
 def test_prefill_cap_off_at_zero_and_without_chunked_prefill():
     assert SchedulerConfig().max_prefill_tokens_while_decoding == 512  # on by default
     for cfg in ({"max_prefill_tokens_while_decoding": 0},
