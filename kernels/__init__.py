@@ -20,6 +20,7 @@ __all__ = [
     "copy_blocks",
     "fused_moe",
     "gemma_rms_norm",
+    "greedy_sample",
     "layer_norm",
     "paged_attention",
     "prefill_tile_starts",
@@ -128,6 +129,12 @@ def rotary_and_cache(
 
 def silu_and_mul(x) -> torch.Tensor:
     return (_cuda_module("triton_layers") if x.is_cuda else reference).silu_and_mul(x)
+
+
+def greedy_sample(logits) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [S, V] -> (token ids [S] int64: each row's first argmax, their log-softmax [S] float32),
+    in one read of the logits on CUDA (kernels/triton_sampling.py)."""
+    return (_cuda_module("triton_sampling") if logits.is_cuda else reference).greedy_sample(logits)
 
 
 # ---- decode-batch GEMMs (kernels/triton_skinny.py): the weight streamed through TMA ----

@@ -328,3 +328,11 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm of [..., D] over D (OPT)."""
     return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, V] -> (the first argmax of each row [S] int64, its log-softmax [S] float32): what the
+    sampler's general path gives a greedy row (executor_svc/runner/sampler.py)."""
+    x = logits.float()
+    tokens = x.argmax(dim=-1)
+    return tokens, x.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)

@@ -198,6 +198,8 @@ class _BucketGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.output: torch.Tensor | None = None  # the largest bucket's output; bucket b's: its first rows
 
+    output_dtype: torch.dtype | None = None  # the static output's dtype (None: what _output gives)
+
     def bucket_shape(self, bucket: int) -> tuple[int, int, int]:
         """(num_tokens, num_seqs, max_query_len) of the bucket's padded step."""
         raise NotImplementedError
@@ -236,8 +238,8 @@ class _BucketGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 out = self.forward(bucket)
                 if self.output is None:
-                    self.output = out
-                else:
+                    self.output = out.to(self.output_dtype or out.dtype)
+                else:  # (one pass: the copy converts to output_dtype)
                     self.output[: out.shape[0]].copy_(out)
             pool = graph.pool()
             self.graphs[bucket] = graph
@@ -268,8 +270,10 @@ class DecodeGraphs(_BucketGraphs):
     def bucket_shape(self, bucket: int) -> tuple[int, int, int]:
         return bucket, bucket, 1
 
+    output_dtype = torch.float32  # the logits [b, V]
+
     def _output(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden).float()  # [b, V]
+        return self.model.compute_logits(hidden)  # [b, V] in the model's dtype
 
     def bucket_for(self, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.buckets, num_seqs)
@@ -288,9 +292,15 @@ class DecodeGraphs(_BucketGraphs):
     @torch.inference_mode()
     def run(self, batch: ModelInput) -> torch.Tensor:
         """Logits [S, V] float32 of the rows named by `batch.logits_indices` (a decode batch that
-        `can_run`). The result is a fresh tensor: the static output is overwritten by the next replay."""
+        `can_run`). When every token is sampled (a decode step: rows 0..S-1 in order) the result is a
+        view of the static output, valid until the next replay (work queued on the stream before it,
+        such as the sampler, reads it in time; a caller that keeps it must copy it); else a fresh
+        tensor."""
         bucket = self.bucket_for(batch.attn.seq_lens.shape[0])
-        return self._replay(batch, bucket)[batch.logits_indices]
+        out = self._replay(batch, bucket)
+        if len(batch.sampled_seq_ids) == batch.num_tokens:  # each token its sequence's last, in order
+            return out[: batch.num_tokens]
+        return out[batch.logits_indices]
 
 
 class MixedGraphs(_BucketGraphs):

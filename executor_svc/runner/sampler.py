@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from scheduler_svc.wire.sampling_params import MIN_TEMPERATURE
 
 _MASK32 = 0xFFFFFFFF
@@ -121,7 +122,16 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
 
     Its [S, V] temporaries (GiBs at S = 256 and a 128k vocabulary) are updated in place and dropped
     as soon as they are used; the worker's memory profile runs it at its costliest
-    (executor_svc/runner/model_runner.py `worst_case_sampling`)."""
+    (executor_svc/runner/model_runner.py `worst_case_sampling`).
+
+    A batch of greedy rows that asks for no logprobs and no beam candidates (the common decode
+    step) takes `kernels.greedy_sample`: the same tokens and chosen log-probabilities from one read
+    of the logits, no [S, V] temporaries."""
+    if meta.all_greedy and not meta.max_num_logprobs and not meta.max_num_beam_candidates:
+        token_ids, chosen_logprobs = kernels.greedy_sample(logits)
+        empty_ids = token_ids.new_empty((len(logits), 0))
+        empty_lps = chosen_logprobs.new_empty((len(logits), 0))
+        return SamplerOutput(token_ids, chosen_logprobs, empty_ids, empty_lps, empty_ids, empty_lps)
     logits = logits.float()
     scaled = apply_temperature(logits, meta.temperature)  # [S, V], ours to update in place
     logprobs_all = scaled.log_softmax(dim=-1)  # [S, V]

@@ -73,8 +73,8 @@ def worker_greedy(
 
     def recording(batch):
         logits = compute(batch)  # [S, V] float32, rows in batch.sampled_seq_ids order
-        for row, seq_id in enumerate(batch.sampled_seq_ids):
-            captured[seq_id].append(logits[row])
+        for row, seq_id in enumerate(batch.sampled_seq_ids):  # (a decode graph's rows: a view, copied)
+            captured[seq_id].append(logits[row].clone())
         return logits
 
     runner.compute_logits = recording
