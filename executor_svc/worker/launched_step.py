@@ -46,6 +46,9 @@ def copy_to_host(batch, output) -> tuple:
 
 
 def to_samples(sampled_seq_ids, tensors, num_top, num_beam) -> list[SampledToken]:
+    if not num_top and not num_beam:  # no row asked for top logprobs or beam candidates: two columns
+        token_ids, logprobs = tensors[0].tolist(), tensors[1].tolist()
+        return list(map(SampledToken, sampled_seq_ids, token_ids, logprobs))
     token_ids, logprobs, top_ids, top_lps, beam_ids, beam_lps = (t.tolist() for t in tensors)
     num_top = num_top or [0] * len(sampled_seq_ids)
     num_beam = num_beam or [0] * len(sampled_seq_ids)
