@@ -106,6 +106,7 @@ def _worker(model_dir: str, device: str, rank: int, world_size: int, graphs: boo
             world_size=world_size,
             enforce_eager=not graphs,  # TP=1: eager; TP=2: eager, or its decode steps as CUDA graphs
             max_num_seqs=len(PROMPT_LENS),  # the graphs of 1..8 sequences only: a short capture
+            eager_mixed_steps=True,  # the prompts' step runs eagerly: no mixed-step graphs to capture
         )
     )
 
@@ -123,6 +124,13 @@ def _rank_main(
     _, free_tokens = run_greedy(worker, None)
     if rank == 0:
         torch.save({"logits": forced_logits, "free_tokens": free_tokens}, out_path)
+    if graphs:
+        # After NCCL collectives were captured in CUDA graphs, destroy_process_group hangs in
+        # ncclCommDestroy (pytorch/pytorch#115388; seen here on 2x H100, 2026-11-27: both ranks done,
+        # both stuck there for minutes). The ranks meet once more and exit without it, as a server does.
+        torch.distributed.barrier()
+        torch.cuda.synchronize()
+        os._exit(0)
     torch.distributed.destroy_process_group()
 
 
