@@ -352,3 +352,59 @@ def test_the_kernel_ignores_empty_sequences_and_orphan_tokens(triton_attention, 
     if deterministic:  # a row's bits do not depend on the padding
         alone = triton_attention.paged_attention(*case.args(), deterministic=True)
         assert torch.equal(got[:real], alone)
+
+
+class _ReplayEagerly:
+    """Stands in for a captured decode graph on the CPU: replay() computes what the capture records
+    (the bucket's forward pass, converted into the static float32 output)."""
+
+    def __init__(self, graphs, bucket: int):
+        self.graphs, self.bucket = graphs, bucket
+
+    def replay(self) -> None:
+        out = self.graphs.forward(self.bucket)
+        self.graphs.output[: out.shape[0]].copy_(out)
+
+
+@pytest.mark.parametrize("prompt_chunk", [False, True])
+def test_decode_graph_hands_a_view_only_when_every_token_is_sampled(tiny_model_dirs, prompt_chunk):
+    """A decode step samples every row in order: DecodeGraphs.run returns the static output's first
+    rows (no gather). A step of one token per sequence where one token is a prompt chunk that does not
+    end its prompt (not sampled) gathers the sampled rows. Both give the eager step's logits."""
+    from executor_svc.runner.cuda_graphs import DecodeGraphs
+
+    worker = make_worker(tiny_model_dirs["llama"])
+    runner = worker.runner
+    rng = random.Random(5)
+    vocab = worker.model_config.vocab_size
+    blocks = list(range(worker.num_gpu_blocks))
+    rng.shuffle(blocks)
+    states = []
+    for length in (9, 5, 12):
+        tokens = [rng.randrange(3, vocab) for _ in range(length)]
+        states.append(SequenceState(tokens, 0, [blocks.pop() for _ in range(4)], GREEDY, 0, length))
+    gen = torch.Generator().manual_seed(0)
+    held_back = 3 if prompt_chunk else 0  # seq 2's prompt: the last 3 tokens still to come, or none
+    prefill = [ScheduledSequence(i, s, len(s.token_ids) - (held_back if i == 2 else 0))
+               for i, s in enumerate(states)]
+    runner.compute_logits(build_model_input(prefill, BS, worker.device, gen))
+    for s, done in zip(states, (9, 5, 12 - held_back), strict=True):
+        s.num_computed_tokens = done
+    for s in states[:2] if prompt_chunk else states:
+        s.token_ids.append(rng.randrange(3, vocab))
+    step = [ScheduledSequence(i, s, 1) for i, s in enumerate(states)]  # seq 2: token 10 of 12 if a chunk
+    batch = build_model_input(step, BS, worker.device, gen)
+    sampled = len(batch.sampled_seq_ids)
+    assert batch.num_tokens == 3 and sampled == (2 if prompt_chunk else 3)
+
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, worker.model_config.max_model_len, (4, 8))
+    graphs.output = torch.full((8, vocab), float("nan"))
+    graphs.graphs = {b: _ReplayEagerly(graphs, b) for b in graphs.buckets}
+    assert graphs.can_run(batch)
+    logits = graphs.run(batch)
+    eager = runner.model.compute_logits(
+        runner.model(batch.input_ids, batch.positions, runner.kv_cache.device_cache, batch.attn)
+    ).float()[batch.logits_indices]
+    assert logits.shape == (sampled, vocab)
+    assert (logits.data_ptr() == graphs.output.data_ptr()) is not prompt_chunk  # a view, or a copy
+    torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
