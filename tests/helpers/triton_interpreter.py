@@ -17,11 +17,12 @@ def _patch_lang_tensor_for_numpy_2_4(tensor, scope):
 
 def _row_invariant_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     """tl.dot as the interpreter computes it (np.matmul) gives a row bits that depend on where the row
-    sits in the tile on some CPUs: numpy's OpenBLAS picks its kernel by CPU, and the AVX-512 sgemm
-    kernels do (seen 2026-11-27 on the development machine; an AVX2 machine's did not), which breaks
-    the batch-invariance tests of kernels that are batch-invariant on the GPU. Here each output element
-    is the sum over k of a[i, k] * b[k, j] in order k = 0, 1, ..., in the accumulator's dtype: the
-    same for a row wherever it sits. 8-bit float operands keep the interpreter's own path."""
+    sits in the tile on some CPUs: numpy's OpenBLAS picks its kernel by CPU, and on the AVX-512
+    development machine of 2026-11-27 its sgemm did (numpy 2.3.5 to 2.4.6 alike; earlier CI machines
+    passed the same tests), which breaks the batch-invariance tests of kernels that are batch-invariant
+    on the GPU. Here each output element is the sum over k of a[i, k] * b[k, j] in order k = 0, 1, ...,
+    in the accumulator's dtype: the same for a row wherever it sits. 8-bit operands and batched (3-D)
+    dots keep the interpreter's own path."""
     if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8 or a.data.ndim != 2:
         return _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
     acc_dtype = d.data.dtype
