@@ -104,9 +104,8 @@ def rotary_cache_and_attention(
 ) -> torch.Tensor:
     """A rotary layer's attention: rotary_and_cache (the query's and the key's rotary, the rotated key
     and the value into the cache), then paged_attention of the rotated query -> [T, H, D]. A decode
-    launch on CUDA (max_query_len 1, not deterministic) does it all in the attention kernel (one
-    launch a layer fewer; the same cache bits, the output within rounding: each token's own position
-    enters the softmax last, from registers); a step with prompts also hands the step's own K/V to the
+    launch on CUDA (max_query_len 1, not deterministic) does it all in the attention kernel, with the
+    same bits (one launch a layer fewer); a step with prompts also hands the step's own K/V to the
     prefill kernel (rotate_key_in_place, fresh_kv). query, key, value: [T, H or KV, D] views of the
     QKV projection are fine."""
     attention = (block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,

@@ -519,19 +519,25 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head.to(tl.int64) * stride_c_head
-    loop_hi = kv_hi
     if ROTARY:
-        # The program whose partition holds the token's own position (the last) takes that position
-        # from registers after its loop, not from the cache: it writes the rotated key and the value
-        # into the cache (for later steps) and attends to them as the cache gives them back (as_cached),
-        # so no program reads a slot this launch writes.
-        fresh = (kv_lo < kv_end) & (kv_hi == kv_end)
-        loop_hi = tl.where(fresh, kv_hi - 1, kv_hi)
-        new_k = new_key_ptr + q_begin.to(tl.int64) * stride_nk_tok + kv_head * stride_nk_head
-        new_v = new_value_ptr + q_begin.to(tl.int64) * stride_nv_tok + kv_head * stride_nv_head
-        k_new = tl.load(new_k + dims, mask=dim_valid & fresh, other=0.0)
-        k_partner = tl.load(new_k + partner, mask=dim_valid & fresh, other=0.0)
-        v_new = tl.load(new_v + dims, mask=dim_valid & fresh, other=0.0)
+        # The program whose partition holds the token's own position (the last) writes its rotated key
+        # and its value into the cache, then reads them back with the rest: the barrier makes the
+        # program's global stores visible to all of its threads. No other program reads that slot.
+        slot = tl.load(slot_mapping_ptr + q_begin).to(tl.int64)
+        if (slot >= 0) & (kv_lo < kv_end) & (kv_hi == kv_end):
+            new_k = new_key_ptr + q_begin.to(tl.int64) * stride_nk_tok + kv_head * stride_nk_head
+            k_new = tl.load(new_k + dims, mask=dim_valid, other=0.0)
+            k_partner = tl.load(new_k + partner, mask=dim_valid, other=0.0)
+            k_new = _rotate_pairs(k_new, k_partner, cos, sin, dims < half)
+            new_v = new_value_ptr + q_begin.to(tl.int64) * stride_nv_tok + kv_head * stride_nv_head
+            v_new = tl.load(new_v + dims, mask=dim_valid, other=0.0)
+            cache_dtype = key_cache_ptr.dtype.element_ty
+            dst = slot * stride_c_slot + head_offset + dims
+            tl.store(key_cache_ptr + dst, as_cached(k_new, k_inv_scale, cache_dtype, FP8_CACHE),
+                     mask=dim_valid)
+            tl.store(value_cache_ptr + dst, as_cached(v_new, v_inv_scale, cache_dtype, FP8_CACHE),
+                     mask=dim_valid)
+        tl.debug_barrier()
     if DETERMINISTIC:  # no split: [kv_lo, kv_hi) is the tile's whole context (or window), all masked
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset,
@@ -540,34 +546,12 @@ def _paged_attention_kernel(
         )
     else:  # BULK_N > 0 (a PrefillTuning): its unmasked loop
         acc, m_i, l_i = _attend_context(
-            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, loop_hi,
-            kv_end,
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
             first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
             softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP, BULK_N, BLOCK_ADDR, EVEN_D,
             FMA_SOFTMAX,
         )
 
-    if ROTARY:  # the token's own position (fresh programs; the others' state stays bit for bit)
-        cache_dtype = key_cache_ptr.dtype.element_ty
-        k_rotated = _rotate_pairs(k_new, k_partner, cos, sin, dims < half)
-        k_cached = as_cached(k_rotated, k_inv_scale, cache_dtype, FP8_CACHE)
-        v_cached = as_cached(v_new, v_inv_scale, cache_dtype, FP8_CACHE)
-        slot = tl.load(slot_mapping_ptr + q_begin).to(tl.int64)
-        dst = slot * stride_c_slot + head_offset + dims
-        tl.store(key_cache_ptr + dst, k_cached, mask=dim_valid & fresh & (slot >= 0))
-        tl.store(value_cache_ptr + dst, v_cached, mask=dim_valid & fresh & (slot >= 0))
-        s_new = tl.sum(q.to(tl.float32) * k_cached.to(q.dtype).to(tl.float32)[None, :], axis=1) * scale_log2
-        if SOFTCAP:
-            s_new = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * (s_new / softcap_log2)) + 1.0))
-        s_new = tl.where(fresh, s_new, float("-inf"))  # [BLOCK_M]
-        m_new = tl.maximum(m_i, s_new)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p_new = tl.exp2(s_new - m_safe)
-        l_i = l_i * alpha + p_new
-        v_row = v_cached.to(q.dtype).to(tl.float32)
-        acc = acc * alpha[:, None] + p_new.to(q.dtype).to(tl.float32)[:, None] * v_row[None, :]
-        m_i = m_new
     if SCALE_V:  # an FP8 cache holds V / v_scale (the split reduce is linear in acc)
         acc = acc * v_scale
     if SPLIT:
@@ -727,13 +711,10 @@ def paged_attention(
     work list (kernels.prefill_tile_starts(query_start_loc)) when the caller has it.
     rotary: (positions, key, value, slot_mapping, cos_cache, sin_cache) for a decode launch
     (max_query_len 1, not deterministic; rotary_decode_refusal): the query comes unrotated, and the
-    kernel does what kernels.rotary_and_cache would have done first (the query's and the key's
-    rotary, the rotated key and the value into the cache at slot_mapping, slots < 0 skipped; the same
-    cache bits), so a decode step needs no launch of its own for them
-    (kernels.rotary_cache_and_attention takes this path where it applies). The program that attends
-    to a token's own position takes it from registers after its loop over the cache, so the output
-    rounds a little differently from rotary_and_cache then attention (a separate softmax update for
-    the last position)."""
+    kernel does what kernels.rotary_and_cache would have done first, with the same bits (the query's
+    and the key's rotary, the rotated key and the value into the cache at slot_mapping, slots < 0
+    skipped), so a decode step needs no launch of its own for them (kernels.rotary_cache_and_attention
+    takes this path where it applies)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
