@@ -27,7 +27,6 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_and_cache",
-    "rotary_cache_and_attention",
     "rotary_embedding",
     "silu_and_mul",
     "skinny_gate_up_silu",
@@ -89,42 +88,6 @@ def paged_attention(
             prefill_tile_starts=prefill_tile_starts,
         )
     return reference.paged_attention(*args, k_scale, v_scale)
-
-
-def _fused_attention_module(query):
-    """The module whose paged_attention takes `rotary` for this query (None: rotary_and_cache first)."""
-    return _cuda_module("triton_attention") if query.is_cuda else None
-
-
-def rotary_cache_and_attention(
-    positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
-    block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
-    sliding_window: int = 0, logit_softcap: float = 0.0, deterministic: bool = False,
-    k_scale: float = 1.0, v_scale: float = 1.0, prefill_tile_starts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A rotary layer's attention: rotary_and_cache (the query's and the key's rotary, the rotated key
-    and the value into the cache), then paged_attention of the rotated query -> [T, H, D]. A decode
-    launch on CUDA (max_query_len 1, not deterministic) does it all in the attention kernel, with the
-    same bits (one launch a layer fewer); a step with prompts also hands the step's own K/V to the
-    prefill kernel (rotate_key_in_place, fresh_kv). query, key, value: [T, H or KV, D] views of the
-    QKV projection are fine."""
-    attention = (block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
-                 sliding_window, logit_softcap)
-    impl = _fused_attention_module(query)
-    if impl is not None and impl.rotary_decode_refusal(query, max_query_len, deterministic) is None:
-        return impl.paged_attention(
-            query, key_cache, value_cache, *attention, k_scale=k_scale, v_scale=v_scale,
-            rotary=(positions, key, value, slot_mapping, cos_cache, sin_cache),
-        )
-    prefill = max_query_len > 1
-    query = rotary_and_cache(
-        positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
-        k_scale, v_scale, rotate_key_in_place=prefill,
-    )  # [T, H, D]
-    return paged_attention(
-        query, key_cache, value_cache, *attention, deterministic=deterministic, k_scale=k_scale,
-        v_scale=v_scale, fresh_kv=(key, value) if prefill else None, prefill_tile_starts=prefill_tile_starts,
-    )
 
 
 def copy_blocks(kv_cache, block_mapping) -> None:

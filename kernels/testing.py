@@ -124,30 +124,3 @@ def fresh_qkv(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     k.copy_(case.key_cache[block, pos % block_size])
     v.copy_(case.value_cache[block, pos % block_size])
     return q, k, v
-
-
-def decode_rotary_inputs(case: PagedCase, seed: int) -> dict:
-    """A decode case's step as a rotary layer has it (kernels.rotary_cache_and_attention's inputs): q
-    (the case's query, unrotated), k and v (random, not in the cache yet) as strided views of one QKV
-    buffer; positions = each sequence's last position; slot_mapping = that position's slot through the
-    block table; float32 cos / sin tables [seq_len max, D / 2] of random frequencies."""
-    num_tokens, num_heads, head_dim = case.query.shape
-    assert num_tokens == case.seq_lens.shape[0], "one query token a sequence"
-    block_size, num_kv_heads = case.key_cache.shape[1], case.key_cache.shape[2]
-    device = case.query.device
-    gen = torch.Generator().manual_seed(seed)
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    qkv = torch.randn(num_tokens, width, generator=gen).to(device=device, dtype=case.query.dtype)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = q.view(num_tokens, num_heads, head_dim)
-    q.copy_(case.query)
-    positions = case.seq_lens.long() - 1  # [B]
-    block = case.block_tables.long()[torch.arange(num_tokens, device=device), positions // block_size]
-    slots = block * block_size + positions % block_size  # [B]
-    inv_freq = torch.rand(head_dim // 2, generator=gen)
-    freqs = torch.arange(case.max_seq_len, dtype=torch.float32)[:, None] * inv_freq  # [P, D / 2]
-    return dict(
-        positions=positions, q=q, k=k.view(num_tokens, num_kv_heads, head_dim),
-        v=v.view(num_tokens, num_kv_heads, head_dim), slot_mapping=slots,
-        cos=freqs.cos().to(device), sin=freqs.sin().to(device),
-    )

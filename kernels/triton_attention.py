@@ -92,8 +92,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import check_scales, is_fp8
-from kernels.triton_cache import as_cached
+from kernels.reference import check_scales
 
 F16_MAX = tl.constexpr(65504.0)
 _NO_PARTITION = 1 << 30
@@ -413,27 +412,6 @@ DEFAULT_PREFILL_TUNING = PrefillTuning(
     block_m=128, num_warps=8, maxnreg=128, block_addressing=True, fma_softmax=True,
 )
 
-@triton.jit
-def _rotary_factors(cos_ptr, sin_ptr, position, stride_cos, dims, half, dim_valid, dtype: tl.constexpr):
-    """cos and sin of `position` for every element of a head ([D_PAD]: element d takes frequency
-    d mod half), rounded to dtype as rotary_and_cache rounds them, in float32."""
-    freq = tl.where(dims < half, dims, dims - half)
-    cos = tl.load(cos_ptr + position * stride_cos + freq, mask=dim_valid, other=0.0)
-    sin = tl.load(sin_ptr + position * stride_cos + freq, mask=dim_valid, other=0.0)
-    return cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _rotate_pairs(x, x_partner, cos, sin, first_half):
-    """x * cos + rotate_half(x) * sin elementwise, x_partner[d] = x[(d + half) mod (2 half)]: in the
-    first half x1 * cos + (-x2) * sin, in the second x2 * cos + x1 * sin, each product and the sum
-    rounded to x's dtype: the bits of kernels/triton_layers.py's _rotated_halves."""
-    dtype = x.dtype
-    x = x.to(tl.float32)
-    rotated = tl.where(first_half, -x_partner.to(tl.float32), x_partner.to(tl.float32))
-    return ((x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
-
-
 # Triton compiles a variant per value class of each integer argument (1, a multiple of 16, other);
 # these change from step to step, and a serving process would stall on a compilation (1-2 s) each
 # time a step brings a new combination. Their values never shape the code.
@@ -447,15 +425,12 @@ def _paged_attention_kernel(
     scale_log2, num_seqs, num_search_steps, partition_size, num_heads, num_splits, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, window, softcap_log2, v_scale,
-    positions_ptr, new_key_ptr, new_value_ptr, slot_mapping_ptr, cos_ptr, sin_ptr,
-    stride_nk_tok, stride_nk_head, stride_nv_tok, stride_nv_head, stride_cos, k_inv_scale, v_inv_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DETERMINISTIC: tl.constexpr, SCALE_V: tl.constexpr,
     Q_F16: tl.constexpr,
     BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
-    ROTARY: tl.constexpr, FP8_CACHE: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -485,15 +460,10 @@ def _paged_attention_kernel(
     dims = tl.arange(0, D_PAD)
     dim_valid = dims < head_dim
     q_mask = row_valid[:, None] & dim_valid[None, :]
-    q_rows = query_ptr + row_global[:, None] * stride_q_tok + row_head[:, None] * stride_q_head
-    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, D_PAD]
-    if ROTARY:  # decode with the rotary and the cache write of rotary_and_cache (paged_attention's rotary)
-        half = head_dim // 2
-        partner = tl.where(dims < half, dims + half, dims - half)  # the other half's element of a pair
-        q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
-        position = tl.load(positions_ptr + q_begin).to(tl.int64)
-        cos, sin = _rotary_factors(cos_ptr, sin_ptr, position, stride_cos, dims, half, dim_valid, q.dtype)
-        q = _rotate_pairs(q, q_partner, cos[None, :], sin[None, :], (dims < half)[None, :])
+    q = tl.load(
+        query_ptr + row_global[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + dims[None, :],
+        mask=q_mask, other=0.0,
+    )  # [BLOCK_M, D_PAD]
     if Q_F16:  # bf16 query over an FP8 cache: the dots in f16 (module docstring)
         q = tl.minimum(tl.maximum(q.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
@@ -519,25 +489,6 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head.to(tl.int64) * stride_c_head
-    if ROTARY:
-        # The program whose partition holds the token's own position (the last) writes its rotated key
-        # and its value into the cache, then reads them back with the rest: the barrier makes the
-        # program's global stores visible to all of its threads. No other program reads that slot.
-        slot = tl.load(slot_mapping_ptr + q_begin).to(tl.int64)
-        if (slot >= 0) & (kv_lo < kv_end) & (kv_hi == kv_end):
-            new_k = new_key_ptr + q_begin.to(tl.int64) * stride_nk_tok + kv_head * stride_nk_head
-            k_new = tl.load(new_k + dims, mask=dim_valid, other=0.0)
-            k_partner = tl.load(new_k + partner, mask=dim_valid, other=0.0)
-            k_new = _rotate_pairs(k_new, k_partner, cos, sin, dims < half)
-            new_v = new_value_ptr + q_begin.to(tl.int64) * stride_nv_tok + kv_head * stride_nv_head
-            v_new = tl.load(new_v + dims, mask=dim_valid, other=0.0)
-            cache_dtype = key_cache_ptr.dtype.element_ty
-            dst = slot * stride_c_slot + head_offset + dims
-            tl.store(key_cache_ptr + dst, as_cached(k_new, k_inv_scale, cache_dtype, FP8_CACHE),
-                     mask=dim_valid)
-            tl.store(value_cache_ptr + dst, as_cached(v_new, v_inv_scale, cache_dtype, FP8_CACHE),
-                     mask=dim_valid)
-        tl.debug_barrier()
     if DETERMINISTIC:  # no split: [kv_lo, kv_hi) is the tile's whole context (or window), all masked
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset,
@@ -636,43 +587,6 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_slots: int, fp8_d
     return max_splits
 
 
-def rotary_decode_refusal(query, max_query_len, deterministic, fresh_kv=None) -> str | None:
-    """Why paged_attention cannot take `rotary` for this launch (None: it can): only the default
-    mode's decode launch applies it."""
-    if max_query_len != 1:
-        return f"a launch of {max_query_len} query tokens a sequence (only decode launches take it)"
-    if deterministic:
-        return "deterministic mode's launch (its decode rows run the varlen tile)"
-    if fresh_kv is not None:
-        return "fresh_kv is for prefill launches"
-    if query.shape[-1] % 2:
-        return f"head_dim {query.shape[-1]} is odd"
-    return None
-
-
-def _rotary_launch_args(rotary, query, key_cache, k_scale, v_scale) -> tuple:
-    """The kernel's rotary arguments (positions ... v_inv_scale); placeholders without rotary."""
-    if rotary is None:
-        return (query, query, query, query, query, query, 0, 0, 0, 0, 0, 1.0, 1.0)
-    positions, key, value, slot_mapping, cos_cache, sin_cache = rotary
-    num_tokens, _, head_dim = query.shape
-    if key.shape != value.shape or key.shape[0] != num_tokens or key.shape[2] != head_dim \
-            or key.shape[1] != key_cache.shape[2]:
-        raise ValueError(f"rotary: key {tuple(key.shape)} and value {tuple(value.shape)} must be "
-                         f"[{num_tokens}, {key_cache.shape[2]}, {head_dim}]")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise ValueError(f"rotary: key {key.dtype} and value {value.dtype} must be the query's {query.dtype}")
-    if key.stride(2) != 1 or value.stride(2) != 1:
-        raise ValueError("rotary: key and value need a contiguous head_dim")
-    if cos_cache.stride(-1) != 1 or cos_cache.stride() != sin_cache.stride():
-        raise ValueError("rotary: cos_cache and sin_cache need one layout with contiguous rows")
-    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"rotary: positions {tuple(positions.shape)} and slot_mapping "
-                         f"{tuple(slot_mapping.shape)} must be [{num_tokens}]")
-    return (positions, key, value, slot_mapping, cos_cache, sin_cache, key.stride(0), key.stride(1),
-            value.stride(0), value.stride(1), cos_cache.stride(0), 1.0 / k_scale, 1.0 / v_scale)
-
-
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
     max_query_len, max_seq_len, scale, sliding_window: int = 0, logit_softcap: float = 0.0, *,
@@ -682,7 +596,7 @@ def paged_attention(
     prefill_tuning: PrefillTuning | None = None,
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None, fresh_tuning: FreshTuning | None = None,
     no_cached_prefix: bool = False, out: torch.Tensor | None = None,
-    prefill_tile_starts: torch.Tensor | None = None, rotary: tuple | None = None,
+    prefill_tile_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
     the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
@@ -708,13 +622,7 @@ def paged_attention(
     prefix (seq_len == its query length; a caller that is wrong gets rows that ignore the prefix):
     those kernels are compiled without their prefix code.
     out: write into this [T, H, D] tensor instead of a new one. prefill_tile_starts: the Gluon kernel's
-    work list (kernels.prefill_tile_starts(query_start_loc)) when the caller has it.
-    rotary: (positions, key, value, slot_mapping, cos_cache, sin_cache) for a decode launch
-    (max_query_len 1, not deterministic; rotary_decode_refusal): the query comes unrotated, and the
-    kernel does what kernels.rotary_and_cache would have done first, with the same bits (the query's
-    and the key's rotary, the rotated key and the value into the cache at slot_mapping, slots < 0
-    skipped), so a decode step needs no launch of its own for them (kernels.rotary_cache_and_attention
-    takes this path where it applies)."""
+    work list (kernels.prefill_tile_starts(query_start_loc)) when the caller has it."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -731,10 +639,6 @@ def paged_attention(
     if num_tokens == 0:
         return out
     forced = num_splits is not None or tile is not None or block_m is not None or prefill_tuning is not None
-    if rotary is not None:
-        reason = rotary_decode_refusal(query, max_query_len, deterministic, fresh_kv)
-        if reason is not None:
-            raise ValueError(f"rotary in the attention launch: {reason}")
     usable = fresh_kv_usable(query, key_cache, fresh_kv, sliding_window, logit_softcap, deterministic)
     if max_query_len > 1 and not forced and usable:
         # decode rows (sequences of one query token; the decode kernel skips the others), then the rest.
@@ -834,7 +738,6 @@ def paged_attention(
             BLOCK_ADDR=sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0,
         )
 
-    rotary_args = _rotary_launch_args(rotary, query, key_cache, k_scale, v_scale)
     f32 = dict(dtype=torch.float32, device=query.device)
     part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32) if split else out
     part_max = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
@@ -846,14 +749,13 @@ def paged_attention(
         num_heads, num_splits, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        max(sliding_window, 0), logit_softcap * math.log2(math.e), v_scale, *rotary_args,
+        max(sliding_window, 0), logit_softcap * math.log2(math.e), v_scale,
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, D_PAD=d_pad, IS_DECODE=is_decode, SPLIT=split,
         EVEN_SPLITS=even_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0, DETERMINISTIC=deterministic,
-        SCALE_V=v_scale != 1.0, Q_F16=q_f16, **tuning, ROTARY=rotary is not None,
-        FP8_CACHE=is_fp8(key_cache.dtype), num_warps=num_warps, num_stages=num_stages, **launch,
+        SCALE_V=v_scale != 1.0, Q_F16=q_f16, **tuning, num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -66,28 +66,42 @@ class PagedAttention(nn.Module):
         """q: [T, H, D], k/v: [T, KV, D], kv_cache: [2, num_blocks, block_size, KV, D] -> [T, H * D].
 
         With `rotary` (and positions [T]) q and k come unrotated (views of the QKV projection are
-        fine): kernels.rotary_cache_and_attention rotates both, writes the rotated K and V into the
-        cache and attends (a decode step on CUDA in one kernel; the same bits as rotary, then
-        reshape_and_cache, then attention). Without it q and k are used as they are (OPT)."""
+        fine): one kernel rotates both and writes the rotated K and V into the cache
+        (kernels.rotary_and_cache, the same bits as rotary then reshape_and_cache). Without it q
+        and k are used as they are (OPT). The rotated K exists only in the cache."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        common = dict(
-            sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
-            deterministic=determinism.deterministic(), k_scale=self.k_scale, v_scale=self.v_scale,
-        )
+        fresh_kv = None
         if rotary is None:
             kernels.reshape_and_cache(
                 k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale
             )
-            out = kernels.paged_attention(
-                q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                meta.max_query_len, meta.max_seq_len, self.scale, **common,
-            )  # [T, H, D]
         else:
             if positions is None:
                 raise ValueError("rotary attention needs the tokens' positions")
-            out = kernels.rotary_cache_and_attention(
-                positions, q, k, v, key_cache, value_cache, meta.slot_mapping, rotary.cos_cache,
-                rotary.sin_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                meta.max_seq_len, self.scale, prefill_tile_starts=meta.prefill_tile_starts, **common,
+            # a step with prompts: the rotated keys also go back into k (and padding tokens' K/V rows
+            # are zeroed), so the prefill kernel can read the step's own K/V from q/k/v's buffer
+            prefill = meta.max_query_len > 1
+            q = kernels.rotary_and_cache(
+                positions, q, k, v, key_cache, value_cache, meta.slot_mapping,
+                rotary.cos_cache, rotary.sin_cache, self.k_scale, self.v_scale, rotate_key_in_place=prefill,
             )  # [T, H, D]
+            fresh_kv = (k, v) if prefill else None
+        out = kernels.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            meta.max_seq_len,
+            self.scale,
+            self.sliding_window,
+            self.logit_softcap,
+            deterministic=determinism.deterministic(),
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+            fresh_kv=fresh_kv,
+            prefill_tile_starts=meta.prefill_tile_starts,
+        )  # [T, H, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
