@@ -26,7 +26,7 @@ from clients.cli.serve import resolve_model
 from executor_svc.runner.inputs import ScheduledSequence, SequenceState, build_model_input
 from executor_svc.worker.worker import Worker
 from scheduler_svc.wire.sampling_params import SamplingParams
-from scheduler_svc.wire.step_plan import PENDING_TOKEN, NewSequence, StepPlan
+from scheduler_svc.wire.step_plan import DEFAULT_MAX_NUM_SEQS, PENDING_TOKEN, NewSequence, StepPlan
 
 REPEATS = 20
 
@@ -150,8 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batch.split(",")]
     num_blocks = max(batches) * -(-(args.context + 64) // 16) + 16
     # decode steps only: no mixed-step graphs, which would otherwise run the "eager" decode batches
+    # max_num_seqs: decode graphs up to the largest batch (the default, 256, left larger ones eager)
     worker = Worker(folder, load_format=args.load_format, num_gpu_blocks=num_blocks, num_cpu_blocks=0,
-                    eager_mixed_steps=True)
+                    eager_mixed_steps=True, max_num_seqs=max(DEFAULT_MAX_NUM_SEQS, *batches))
     worker.init_cache(num_blocks, 0)
     worker.kv_cache.device_cache.normal_()  # random K/V, never timed on uninitialized memory
     runner, graphs = worker.runner, worker.runner.decode_graphs
