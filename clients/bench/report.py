@@ -232,11 +232,27 @@ class StepCost:
         one = self.all_reduce.time_s(num_tokens * self.spec.hidden_size * BYTES_PER_PARAM)
         return (2 * self.spec.num_layers + 1) * one
 
-    def compute_s(self, num_tokens: int, context: int) -> float:
+    def _parts(self, num_tokens: int, context: int) -> tuple[float, float, float, float]:
+        """(weight bytes, K/V bytes, matmul FLOPs, attention FLOPs) of one step."""
         weight_bytes = self.per_rank(self.spec.params_read(num_tokens) - self.embedding) * BYTES_PER_PARAM
-        bytes_moved = weight_bytes + context * self.kv_bytes_per_token
-        flops = 2 * self.matmul_params * num_tokens + self.attn_flops_per_pos * context
-        return max(bytes_moved / self.rates.copy_bytes_per_s, flops / self.rates.matmul_flops_per_s)
+        return (weight_bytes, context * self.kv_bytes_per_token, 2 * self.matmul_params * num_tokens,
+                self.attn_flops_per_pos * context)
+
+    def compute_s(self, num_tokens: int, context: int) -> float:
+        weight_bytes, kv_bytes, matmul_flops, attn_flops = self._parts(num_tokens, context)
+        copy, matmul = self.rates.copy_bytes_per_s, self.rates.matmul_flops_per_s
+        return max((weight_bytes + kv_bytes) / copy, (matmul_flops + attn_flops) / matmul)
+
+    def serial_s(self, num_tokens: int, context: int) -> float:
+        """The step's time if its weight products and its attention each run at their own bound, one
+        after the other, as a layer's kernels do: max(weight bytes / copy rate, matmul FLOPs / matmul
+        rate) + max(K/V bytes / copy rate, attention FLOPs / matmul rate) (all-reduces apart).
+        compute_s overlaps the two, which no engine running one kernel at a time can: where the
+        projections are bound by FLOPs (large decode batches, prompts) and attention by bytes, the
+        ideal counts only the larger of the two."""
+        weight_bytes, kv_bytes, matmul_flops, attn_flops = self._parts(num_tokens, context)
+        copy, matmul = self.rates.copy_bytes_per_s, self.rates.matmul_flops_per_s
+        return max(weight_bytes / copy, matmul_flops / matmul) + max(kv_bytes / copy, attn_flops / matmul)
 
     def step_s(self, num_tokens: int, context: int) -> float:
         return self.compute_s(num_tokens, context) + self.all_reduces_s(num_tokens)
@@ -250,9 +266,12 @@ def time_breakdown(steps: list[StepTrace], cost: StepCost) -> dict:
     """Where a run's GPU time goes against each step's own ideal (`StepCost` of its tokens and
     context): per kind of step (with prompt tokens; decode steps of 1-15, 16-63, 64-127, 128-255 and
     >= 256 sequences) the steps, their GPU time (forward + sampling, CUDA events), the sum of their
-    ideal times, and the idle gaps before them (as `gpu_idle` charges them). The sum of the steps'
-    ideals, set against the workload's `ideal_time`, shows what the schedule itself costs; GPU time
-    against it, what the kernels do. Needs a trace with CUDA events and context tokens ({} else)."""
+    ideal times, their serial bound (`StepCost.serial_s`: projections and attention each at their own
+    bound, one after the other) and the idle gaps before them (as `gpu_idle` charges them). The sum
+    of the steps' ideals, set against the workload's `ideal_time`, shows what the schedule itself
+    costs; GPU time against the serial bound, what the kernels lose against their own bounds; the
+    ideal against the serial bound, what running one kernel at a time costs by itself. Needs a trace
+    with CUDA events and context tokens ({} else)."""
     if not steps or any(s.gpu_busy_s < 0 or s.context_tokens < 0 for s in steps):
         return {}
     kinds: dict[str, dict] = {}
@@ -264,22 +283,29 @@ def time_breakdown(steps: list[StepTrace], cost: StepCost) -> dict:
             order = max(b for b in BREAKDOWN_DECODE_BATCHES if b <= max(1, step.num_seqs))
             higher = [b for b in BREAKDOWN_DECODE_BATCHES if b > order]
             kind = f"decode {order}-{higher[0] - 1}" if higher else f"decode >= {order}"
-        row = kinds.setdefault(kind, {"order": order, "steps": 0, "gpu_s": 0.0, "ideal_s": 0.0, "gap_s": 0.0})
+        row = kinds.setdefault(
+            kind, {"order": order, "steps": 0, "gpu_s": 0.0, "ideal_s": 0.0, "serial_s": 0.0, "gap_s": 0.0}
+        )
         row["steps"] += 1
         row["gpu_s"] += step.gpu_busy_s
         row["ideal_s"] += cost.step_s(step.num_tokens, step.context_tokens)
+        row["serial_s"] += cost.serial_s(step.num_tokens, step.context_tokens) + cost.all_reduces_s(
+            step.num_tokens
+        )
         if previous_id is not None and step.step_id == previous_id + 1 and step.gpu_gap_s >= 0:
             row["gap_s"] += step.gpu_gap_s
         previous_id = step.step_id
     rows = [
         {
             "kind": kind, "steps": row["steps"], "gpu_s": round(row["gpu_s"], 4),
-            "ideal_s": round(row["ideal_s"], 4), "gap_s": round(row["gap_s"], 4),
+            "ideal_s": round(row["ideal_s"], 4), "serial_s": round(row["serial_s"], 4),
+            "gap_s": round(row["gap_s"], 4),
             "ideal_over_gpu": round(row["ideal_s"] / row["gpu_s"], 3) if row["gpu_s"] > 0 else math.nan,
+            "serial_over_gpu": round(row["serial_s"] / row["gpu_s"], 3) if row["gpu_s"] > 0 else math.nan,
         }
         for kind, row in sorted(kinds.items(), key=lambda item: item[1]["order"])
     ]
-    total = {key: round(sum(r[key] for r in rows), 4) for key in ("gpu_s", "ideal_s", "gap_s")}
+    total = {key: round(sum(r[key] for r in rows), 4) for key in ("gpu_s", "ideal_s", "serial_s", "gap_s")}
     return {"kinds": rows, **total}
 
 

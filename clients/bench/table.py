@@ -43,15 +43,20 @@ def format_table(result: dict) -> str:
             )
         breakdown = r.get("time_breakdown")
         if breakdown:
+            serial = breakdown.get("serial_s")
             lines.append(
                 f"{'':>12} GPU {breakdown['gpu_s']:.2f} s + idle {breakdown['gap_s']:.2f} s; the steps' "
                 f"own ideal {breakdown['ideal_s']:.2f} s (schedule efficiency "
                 f"{breakdown['schedule_efficiency']:.2f})"
+                + (f", one kernel at a time {serial:.2f} s" if serial is not None else "")
             )
             for k in breakdown["kinds"]:
+                serial_part = (f"  serial {k['serial_s']:>7.3f} s ({k['serial_over_gpu']:.2f})"
+                               if "serial_s" in k else "")
                 lines.append(
                     f"{'':>14}{k['kind']:<16} {k['steps']:>5} steps  GPU {k['gpu_s']:>7.3f} s  ideal "
-                    f"{k['ideal_s']:>7.3f} s ({k['ideal_over_gpu']:.2f})  idle before {k['gap_s']:.3f} s"
+                    f"{k['ideal_s']:>7.3f} s ({k['ideal_over_gpu']:.2f}){serial_part}  idle before "
+                    f"{k['gap_s']:.3f} s"
                 )
     if "goodput" in result:
         lines += _goodput_lines(result)

@@ -66,7 +66,10 @@ from executor_svc.layers.linear import graph_gemms
 from executor_svc.runner.inputs import ModelInput
 from executor_svc.runner.kv_cache import KVCache
 
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16), *range(288, 513, 32))
+# No 448: on the H100 cuBLAS's kernels for 448 rows made that graph slower than 480's and 512's
+# (`clients.bench.step`, 300 positions: 22.6-22.9 ms against 19.2-19.6 and 19.8-20.1; docs/benchmarks.md
+# round 9), so steps of 417-448 sequences take the 480 graph.
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16), *(b for b in range(288, 513, 32) if b != 448))
 # 16, 32, 64, then 128, 192, 256, 384, ...: a step pads at most 1/3 of its tokens from 128 on
 MIXED_BUCKETS = (16, 32, 64, *(size for k in range(7, 21) for size in (1 << k, 3 << (k - 1))))
 
@@ -74,7 +77,7 @@ MIXED_BUCKETS = (16, 32, 64, *(size for k in range(7, 21) for size in (1 << k, 3
 def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> tuple[int, ...]:
     """The buckets a server whose steps hold at most `max_batch` sequences (decode) or tokens (mixed)
     can use: those up to the first one that holds max_batch (all of them when none does). Capturing
-    more only costs start-up time and graph memory (40 decode buckets up to 512; 4 for 8)."""
+    more only costs start-up time and graph memory (28 decode buckets up to 512; 4 for 8)."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     ordered = tuple(sorted(buckets))

@@ -97,6 +97,23 @@ def test_time_breakdown_sets_each_step_against_its_own_ideal(tmp_path):
     assert decode["ideal_s"] == round(ideal(2, 7) + ideal(1, 4) + ideal(1, 5), 4)
     assert decode["ideal_over_gpu"] == round(decode["ideal_s"] / 10.0, 3)
     assert out["gpu_s"] == 19.0 and out["gap_s"] == 0.002
+
+    def serial(tokens, context):  # the projections, then attention, each at its own bound
+        weights = max(2 * matmul_params, 2 * matmul_params * tokens)
+        return (weights + max(context * spec.kv_bytes_per_token, 4 * 8 * context)) / 1e6
+
+    assert prompt["serial_s"] == round(serial(5, 5), 4)
+    assert decode["serial_s"] == round(serial(2, 7) + serial(1, 4) + serial(1, 5), 4)
+    assert decode["serial_over_gpu"] == round(decode["serial_s"] / 10.0, 3)
+    # FLOP-bound projections beside byte-bound attention: the serial bound adds what the ideal overlaps
+    cost = StepCost(spec, DeviceRates("test", copy_bytes_per_s=1e6, matmul_flops_per_s=4e6))
+    kv_bytes = 1000 * spec.kv_bytes_per_token
+    assert cost.serial_s(64, 1000) == pytest.approx(2 * matmul_params * 64 / 4e6 + kv_bytes / 1e6)
+    assert cost.compute_s(64, 1000) == pytest.approx(
+        max((2 * matmul_params + kv_bytes) / 1e6, (2 * matmul_params * 64 + 4 * 8 * 1000) / 4e6)
+    )
+    assert cost.serial_s(64, 1000) > cost.compute_s(64, 1000)
+    assert out["serial_s"] == round(prompt["serial_s"] + decode["serial_s"], 4)
     # an older trace (no context tokens) or one without CUDA events gives no breakdown
     assert time_breakdown([StepTrace(1, 0.0, 0.0, 0.1, 1, 1, 0.0, 0.003)], StepCost(spec, rates)) == {}
     assert time_breakdown([StepTrace(1, 0.0, 0.0, 0.1, 1, 1, -1.0, -1.0, 4)], StepCost(spec, rates)) == {}

@@ -76,6 +76,7 @@ def test_only_the_graph_buckets_a_step_can_use_are_captured(tiny_llama_dir, monk
     assert buckets_up_to(8) == (1, 2, 4, 8)
     assert buckets_up_to(9) == (1, 2, 4, 8, 16)
     assert buckets_up_to(256)[-1] == 256 and buckets_up_to(257)[-1] == 288
+    assert buckets_up_to(430)[-2:] == (416, 480) and 448 not in DECODE_BUCKETS  # cuBLAS's slow 448 rows
     assert buckets_up_to(10_000) == DECODE_BUCKETS  # beyond the last bucket: all, larger steps run eagerly
     with pytest.raises(ValueError, match="max_batch"):
         buckets_up_to(0)
