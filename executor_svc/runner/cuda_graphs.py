@@ -5,10 +5,11 @@ size on the H100 machine of docs/benchmarks.md). Two sets, each with its own mem
     DecodeGraphs   decode steps (one token per sequence), bucket b = sequences = tokens; the graph
                    computes the logits [b, V] float32 too
     MixedGraphs    any other step (prefills, chunks, prefills beside decodes), bucket T = tokens
-                   (MIXED_BUCKETS: x1.5 or x2 apart), S(T) = min(T, max_num_seqs) sequences (a step
-                   of T tokens holds at most T); the graph computes the final hidden states [T, D],
-                   the logits of the sampled rows are computed eagerly from them (no vocabulary-wide
-                   rows for padding; at TP > 1 the logits all-gather runs eagerly)
+                   (MIXED_BUCKETS: at most x1.25 apart from 256), S(T) = min(T, max_num_seqs)
+                   sequences (a step of T tokens holds at most T); the graph computes the final
+                   hidden states [T, D], the logits of the sampled rows are computed eagerly from
+                   them (no vocabulary-wide rows for padding; at TP > 1 the logits all-gather runs
+                   eagerly)
 
 A step that fits no bucket (more tokens than the largest, more sequences than S(T), a wider block
 table) runs eagerly. Every graph of a set reads its inputs from the same static buffers
@@ -70,8 +71,12 @@ from executor_svc.runner.kv_cache import KVCache
 # (`clients.bench.step`, 300 positions: 22.6-22.9 ms against 19.2-19.6 and 19.8-20.1; docs/benchmarks.md
 # round 9), so steps of 417-448 sequences take the 480 graph.
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16), *(b for b in range(288, 513, 32) if b != 448))
-# 16, 32, 64, then 128, 192, 256, 384, ...: a step pads at most 1/3 of its tokens from 128 on
-MIXED_BUCKETS = (16, 32, 64, *(size for k in range(7, 21) for size in (1 << k, 3 << (k - 1))))
+# 16, 32, 64, 128, 192, then four a power of two from 256 on (256, 320, 384, 448, 512, 640, ...): a step
+# pads at most 1/5 of its tokens from 256 on, where a step's projections turn from weight-read-bound to
+# FLOP-bound and its time grows with its tokens (two a power of two, x1.33-1.5, padded a prompt step of
+# the offline sharegpt run by 7.6 % of its GPU time, and 512-token prompt chunks beside decodes, the
+# online run's slowest steps, to 768 tokens: docs/benchmarks.md round 9)
+MIXED_BUCKETS = (16, 32, 64, 128, 192, *(m << k for k in range(6, 19) for m in (4, 5, 6, 7)))
 
 
 def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import replace
 
 import torch
@@ -64,6 +65,10 @@ def _on_device(method):
         return method(self, *args, **kwargs)
 
     return on_device
+
+
+def _num_graphs(graphs) -> int:
+    return len(graphs.graphs) if graphs is not None else 0
 
 
 class Worker:
@@ -256,16 +261,21 @@ class Worker:
             )
             self.runner = ModelRunner(self.model, cache)
             if self.use_cuda_graphs:
+                begin = time.perf_counter()
                 self.runner.capture_decode_graphs(mc.max_model_len, cc.max_num_seqs)
+                _log.info("rank %d: %d decode-step CUDA graphs captured in %.1f s", self.config.rank,
+                          _num_graphs(self.runner.decode_graphs), time.perf_counter() - begin)
             if self.use_mixed_graphs:
                 torch.cuda.empty_cache()  # what the device holds before, less free cached blocks
                 reserved_before = torch.cuda.memory_reserved(self.device)
+                begin = time.perf_counter()
                 self.runner.capture_mixed_graphs(mc.max_model_len, cc.max_num_batched_tokens, cc.max_num_seqs)
                 torch.cuda.empty_cache()  # the warm-up passes' blocks: the graphs' pool stays
                 _log.info(
-                    "rank %d: mixed-step CUDA graphs (steps of up to %d tokens) hold %.3f GiB (the memory "
-                    "profile's reserve for them is logged above)", self.config.rank,
-                    cc.max_num_batched_tokens,
+                    "rank %d: %d mixed-step CUDA graphs (steps of up to %d tokens) captured in %.1f s hold "
+                    "%.3f GiB (the memory profile's reserve for them is logged above)", self.config.rank,
+                    _num_graphs(self.runner.mixed_graphs), cc.max_num_batched_tokens,
+                    time.perf_counter() - begin,
                     (torch.cuda.memory_reserved(self.device) - reserved_before) / GIB,
                 )
         return self.runner

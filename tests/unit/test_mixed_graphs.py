@@ -187,13 +187,17 @@ def test_the_static_inputs_are_padded_as_documented(tiny_llama_dir):
 
 
 def test_the_bucket_ladder():
-    assert buckets_up_to(2048, MIXED_BUCKETS) == (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-    assert buckets_up_to(2049, MIXED_BUCKETS)[-1] == 3072
+    assert buckets_up_to(2048, MIXED_BUCKETS) == (
+        16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048
+    )
+    assert buckets_up_to(2049, MIXED_BUCKETS)[-1] == 2560
     assert buckets_up_to(1, MIXED_BUCKETS) == (16,)
-    assert buckets_up_to(8192, MIXED_BUCKETS)[-3:] == (4096, 6144, 8192)
-    ladder = [b for b in MIXED_BUCKETS if b >= 128]
+    assert buckets_up_to(8192, MIXED_BUCKETS)[-3:] == (6144, 7168, 8192)
+    assert MIXED_BUCKETS[-1] >= 1 << 20  # steps of a million tokens (a long context's prompt) still fit
+    ladder = [b for b in MIXED_BUCKETS if b >= 256]
     ratios = [big / small for small, big in zip(ladder, ladder[1:], strict=False)]
-    assert all(1 < r <= 1.5 for r in ratios), "a step padded by more than 1/3"
+    assert all(1 < r <= 1.25 for r in ratios), "a step of 256 tokens or more padded by more than 1/5"
+    assert list(MIXED_BUCKETS) == sorted(set(MIXED_BUCKETS))
 
 
 def test_a_step_takes_the_smallest_bucket_that_holds_it_or_runs_eagerly(tiny_llama_dir):
