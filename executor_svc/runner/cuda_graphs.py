@@ -67,16 +67,25 @@ from executor_svc.layers.linear import graph_gemms
 from executor_svc.runner.inputs import ModelInput
 from executor_svc.runner.kv_cache import KVCache
 
-# No 448: on the H100 cuBLAS's kernels for 448 rows made that graph slower than 480's and 512's
-# (`clients.bench.step`, 300 positions: 22.6-22.9 ms against 19.2-19.6 and 19.8-20.1; docs/benchmarks.md
-# round 9), so steps of 417-448 sequences take the 480 graph.
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16), *(b for b in range(288, 513, 32) if b != 448))
-# 16, 32, 64, 128, 192, then four a power of two from 256 on (256, 320, 384, 448, 512, 640, ...): a step
-# pads at most 1/5 of its tokens from 256 on, where a step's projections turn from weight-read-bound to
-# FLOP-bound and its time grows with its tokens (two a power of two, x1.33-1.5, padded a prompt step of
-# the offline sharegpt run by 7.6 % of its GPU time, and 512-token prompt chunks beside decodes, the
-# online run's slowest steps, to 768 tokens: docs/benchmarks.md round 9)
-MIXED_BUCKETS = (16, 32, 64, 128, 192, *(m << k for k in range(6, 19) for m in (4, 5, 6, 7)))
+# Row counts where cuBLAS's bf16 GEMMs for llama3-8b's projections ran slower on the H100 than at larger
+# ones, so no graph is captured for them and their steps take the next bucket: 448 rows (a decode graph
+# of 448 sequences 22.6-22.9 ms against 19.2-19.6 at 480 and 19.8-20.1 at 512, `clients.bench.step`, 300
+# positions; mixed-step graphs of 448 tokens 17.9 ms a step against 14.1 at 512 in a 32 req/s sharegpt
+# run; gate_up alone 292 us at 448 rows against 206 us as two calls of 256 + 192; docs/benchmarks.md
+# rounds 8 and 9).
+SLOW_GEMM_ROWS = frozenset({448})
+DECODE_BUCKETS = tuple(
+    b for b in (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16), *range(288, 513, 32)) if b not in SLOW_GEMM_ROWS
+)
+# 16, 32, 64, 128, 192, then four a power of two from 256 on (256, 320, 384, [448,] 512, 640, ...): a step
+# pads at most 1/5 of its tokens from 256 on (1/3 at 385-448), where a step's projections turn from
+# weight-read-bound to FLOP-bound and its time grows with its tokens. Two a power of two (x1.33-1.5)
+# padded the 512-token prompt chunks beside decodes of a 32 req/s sharegpt run, its slowest steps, to
+# 768 tokens: ITL p99 20.0-20.2 ms, 18.4-18.6 with these (docs/benchmarks.md round 9).
+MIXED_BUCKETS = tuple(
+    b for b in (16, 32, 64, 128, 192, *(m << k for k in range(6, 19) for m in (4, 5, 6, 7)))
+    if b not in SLOW_GEMM_ROWS
+)
 
 
 def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> tuple[int, ...]:

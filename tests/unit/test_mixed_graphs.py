@@ -188,15 +188,16 @@ def test_the_static_inputs_are_padded_as_documented(tiny_llama_dir):
 
 def test_the_bucket_ladder():
     assert buckets_up_to(2048, MIXED_BUCKETS) == (
-        16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048
-    )
+        16, 32, 64, 128, 192, 256, 320, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048
+    )  # no 448: cuBLAS's slow row count (SLOW_GEMM_ROWS)
     assert buckets_up_to(2049, MIXED_BUCKETS)[-1] == 2560
     assert buckets_up_to(1, MIXED_BUCKETS) == (16,)
     assert buckets_up_to(8192, MIXED_BUCKETS)[-3:] == (6144, 7168, 8192)
     assert MIXED_BUCKETS[-1] >= 1 << 20  # steps of a million tokens (a long context's prompt) still fit
     ladder = [b for b in MIXED_BUCKETS if b >= 256]
-    ratios = [big / small for small, big in zip(ladder, ladder[1:], strict=False)]
-    assert all(1 < r <= 1.25 for r in ratios), "a step of 256 tokens or more padded by more than 1/5"
+    ratios = {big: big / small for small, big in zip(ladder, ladder[1:], strict=False)}
+    assert all(1 < r <= 1.25 for big, r in ratios.items() if big != 512), "a step padded by more than 1/5"
+    assert ratios[512] == 512 / 384
     assert list(MIXED_BUCKETS) == sorted(set(MIXED_BUCKETS))
 
 
