@@ -35,7 +35,8 @@ DECODES = [(c, 1, 0) for c in (5, 37, 120, 300, 17, 64, 250, 90)]
 CASES = {
     "bucket_32": ([(37, 1, 0), (120, 1, 0), (0, 9, 0), (16, 7, 5)], 32),
     "bucket_128": (DECODES + [(0, 40, 0), (64, 50, 30)], 128),
-    "bucket_384": (DECODES * 2 + [(200, 150, 0), (0, 130, 10)], 384),
+    "bucket_320": (DECODES * 2 + [(200, 150, 0), (0, 130, 10)], 320),
+    "bucket_384": (DECODES * 2 + [(200, 200, 0), (0, 130, 10)], 384),
     "bucket_512_exact": (DECODES + DECODES[:4] + [(0, 300, 0), (100, 200, 0)], 512),
     "prefill_only": ([(0, 70, 0), (0, 33, 0), (48, 60, 0)], 192),
     "over_the_top": ([(0, 600, 0)], None),  # 600 tokens > 512: eager
@@ -129,7 +130,7 @@ def test_mixed_graph_replay_equals_eager(model_dir, dtype, monkeypatch):
     worker = make_worker(model_dir, dtype=dtype)
     try:
         graphs = worker.runner.mixed_graphs
-        assert graphs is not None and graphs.buckets == (16, 32, 64, 128, 192, 256, 384, 512)
+        assert graphs is not None and graphs.buckets == (16, 32, 64, 128, 192, 256, 320, 384, 512)
         assert set(graphs.graphs) == set(graphs.buckets)
         tol = 1e-4 if dtype == "float32" else 2e-2
         for case, (name, (specs, bucket)) in enumerate(CASES.items()):
