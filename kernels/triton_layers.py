@@ -20,6 +20,7 @@ within 2 ulps of the reference's in bf16 and fp16 (tests/gpu/test_layer_kernels_
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kernels.reference import check_scales, is_fp8
 from kernels.triton_cache import as_cached
@@ -66,12 +67,35 @@ def rms_norm(x, weight, eps, residual=None):
 
 
 @triton.jit
-def _rotated_halves(x1, x2, cos, sin, dtype: tl.constexpr):
+def _mul(a, b, RN: tl.constexpr):
+    """a * b in float32; RN: libdevice's round-to-nearest product, which the compiler may not fuse with
+    an add into an FMA (compiled for sm_90, the plain product below became bf16 FMAs: one rounding
+    where the rotary rounds twice). The interpreter has no libdevice, and numpy rounds as written."""
+    if RN:
+        return libdevice.mul_rn(a, b)
+    return a * b
+
+
+@triton.jit
+def _add(a, b, RN: tl.constexpr):
+    """a + b in float32; RN: not narrowed to a bf16 add (one rounding where torch rounds twice)."""
+    if RN:
+        return libdevice.add_rn(a, b)
+    return a + b
+
+
+@triton.jit
+def _rotated_halves(x1, x2, cos, sin, dtype: tl.constexpr, RN: tl.constexpr):
     """(x1, x2) the halves of a head in float32, cos and sin in float32 (already rounded to dtype) ->
     the halves of x * [cos, cos] + [-x2, x1] * [sin, sin] in dtype, each product and the sum rounded
-    to dtype as torch rounds them. The one rotary arithmetic of both rotary kernels."""
-    out1 = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
-    out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    to dtype as torch rounds them (float32, then dtype). The one rotary arithmetic of both rotary
+    kernels; RN (compiled kernels) keeps the compiler to that rounding (`_mul`, `_add`)."""
+    a = _mul(x1, cos, RN).to(dtype).to(tl.float32)
+    b = _mul(-x2, sin, RN).to(dtype).to(tl.float32)
+    out1 = _add(a, b, RN).to(dtype)
+    c = _mul(x2, cos, RN).to(dtype).to(tl.float32)
+    d = _mul(x1, sin, RN).to(dtype).to(tl.float32)
+    out2 = _add(c, d, RN).to(dtype)
     return out1, out2
 
 
@@ -80,7 +104,7 @@ def _rotary_kernel(
     x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
     stride_x_tok, stride_x_head, stride_out_tok, stride_out_head, stride_cache,
     half,
-    HALF_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr, RN: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -93,7 +117,7 @@ def _rotary_kernel(
     base = x_ptr + token * stride_x_tok + head * stride_x_head
     x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + half + offs, mask=mask, other=0.0).to(tl.float32)
-    out1, out2 = _rotated_halves(x1, x2, cos, sin, dtype)
+    out1, out2 = _rotated_halves(x1, x2, cos, sin, dtype, RN)
     out = out_ptr + token * stride_out_tok + head * stride_out_head
     tl.store(out + offs, out1, mask=mask)
     tl.store(out + half + offs, out2, mask=mask)
@@ -108,7 +132,7 @@ def _rotate(positions, x, cos_cache, sin_cache):
         _rotary_kernel[(num_tokens, num_heads)](
             x, out, positions, cos_cache, sin_cache,
             x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos_cache.stride(0),
-            half, HALF_PAD=triton.next_power_of_2(half), num_warps=1,
+            half, HALF_PAD=triton.next_power_of_2(half), RN=x.is_cuda, num_warps=1,
         )
     return out
 
@@ -126,6 +150,7 @@ def _rotary_and_cache_kernel(
     stride_cos,
     num_heads, num_kv_heads, num_q_blocks, half, k_inv_scale, v_inv_scale,
     HEADS: tl.constexpr, HALF_PAD: tl.constexpr, FP8: tl.constexpr, KEY_IN_PLACE: tl.constexpr,
+    RN: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -142,7 +167,7 @@ def _rotary_and_cache_kernel(
         src = q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + offs[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        out1, out2 = _rotated_halves(x1, x2, cos, sin, dtype)
+        out1, out2 = _rotated_halves(x1, x2, cos, sin, dtype, RN)
         dst = q_out_ptr + token * stride_out_tok + heads[:, None] * stride_out_head + offs[None, :]
         tl.store(dst, out1, mask=mask)
         tl.store(dst + half, out2, mask=mask)
@@ -154,7 +179,7 @@ def _rotary_and_cache_kernel(
             src = k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + offs[None, :]
             x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-            k1, k2 = _rotated_halves(x1, x2, cos, sin, dtype)
+            k1, k2 = _rotated_halves(x1, x2, cos, sin, dtype, RN)
             if KEY_IN_PLACE:  # each program reads its keys before writing them back
                 tl.store(src, k1, mask=mask)
                 tl.store(src + half, k2, mask=mask)
@@ -220,6 +245,7 @@ def rotary_and_cache(
         cos_cache.stride(0),
         num_heads, num_kv_heads, num_q_blocks, half, 1.0 / k_scale, 1.0 / v_scale,
         HEADS=heads, HALF_PAD=half_pad, FP8=is_fp8(key_cache.dtype), KEY_IN_PLACE=rotate_key_in_place,
+        RN=query.is_cuda,
         num_warps=2,
     )
     return query_out

@@ -120,6 +120,32 @@ def test_bf16_bit_identical(num_tokens):
     case.check(case.fused())
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [7, 4096])
+def test_bits_of_torchs_ops_as_hugging_face_computes_them(dtype, num_tokens):
+    """x * cos + rotate_half(x) * sin in torch ops of the model's dtype (Hugging Face's
+    apply_rotary_pos_emb, cos and sin cast to that dtype): each product and the sum rounded. Compiled
+    for sm_90 without libdevice's round-to-nearest operations, the kernel fused products into bf16
+    FMAs and differed by one unit in up to ~40 % of a head's second half (docs/benchmarks.md round 9)."""
+    case = Case(num_tokens, dtype, dtype).refill(num_tokens + 3)
+    q_out = case.fused()
+    cos = case.rope.cos_cache[case.positions].to(dtype)  # [T, D / 2]
+    sin = case.rope.sin_cache[case.positions].to(dtype)
+    cos, sin = torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
+    for name, x, got in (("query", case.q, q_out), ("key", case.k, None)):
+        want = x * cos + _rotate_half(x) * sin  # [T, heads, D]
+        if got is None:  # the rotated keys exist only in the cache, at the tokens' slots
+            real = case.slots >= 0
+            got = case.caches[0].flatten(0, 1)[case.slots[real]]
+            want = want[real]
+        _assert_same_bits(got, want, name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_other_dtypes_bit_identical(dtype):
     case = Case(256, dtype, dtype).refill(1)
