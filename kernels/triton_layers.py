@@ -14,7 +14,10 @@ code (kernels/reference.py, same signatures) launches several:
 A decode step is a few hundred small kernels (docs/benchmarks.md, "Step time"); at small batches
 their count, not the bytes, sets the step time. Rounding follows the torch code step by step
 (float32 arithmetic, rounded to the model dtype where torch rounds); on the H100 the outputs are
-within 2 ulps of the reference's in bf16 and fp16 (tests/gpu/test_layer_kernels_gpu.py).
+within 2 ulps of the reference's in bf16 and fp16 (tests/gpu/test_layer_kernels_gpu.py), and the
+rotary's are torch's bit for bit (its products and sums go through libdevice's round-to-nearest
+operations when compiled, which the compiler may not fuse into FMAs or narrow to bf16:
+tests/gpu/test_rotary_and_cache_gpu.py).
 """
 
 import torch
