@@ -73,7 +73,9 @@ def rms_norm(x, weight, eps, residual=None):
 def _mul(a, b, RN: tl.constexpr):
     """a * b in float32; RN: libdevice's round-to-nearest product, which the compiler may not fuse with
     an add into an FMA (compiled for sm_90, the plain product below became bf16 FMAs: one rounding
-    where the rotary rounds twice). The interpreter has no libdevice, and numpy rounds as written."""
+    where the rotary rounds twice). The interpreter has no libdevice, and numpy rounds as written.
+    Compiled, it flushes float32 subnormal results to zero (`mul.rn.ftz`), which torch does not:
+    products below 1.2e-38 in magnitude would differ, none at a rotary's magnitudes."""
     if RN:
         return libdevice.mul_rn(a, b)
     return a * b
