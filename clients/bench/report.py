@@ -12,8 +12,10 @@ Definitions (docs/benchmarks.md, "Serving throughput"):
   of blocks_saved_by_sharing / (used blocks + blocks_saved_by_sharing);
 - GPU idle: from the trace, the time from the end of one step's GPU work (the executor synchronized)
   to the launch of the next step's forward pass, summed, over the span of the steps;
-- time breakdown (offline, on a GPU): each traced step's GPU time against its own ideal (`StepCost`),
-  by kind of step, and the schedule's efficiency against the workload's ideal (`time_breakdown`).
+- time breakdown (offline, on a GPU): each traced step's GPU time against its own ideal (`StepCost`)
+  and its serial bound (`StepCost.serial_s`: projections and attention each at their own bound, one
+  after the other), by kind of step, and the schedule's efficiency against the workload's ideal
+  (`time_breakdown`).
 """
 
 from __future__ import annotations
