@@ -259,6 +259,9 @@ class StepCost:
     def step_s(self, num_tokens: int, context: int) -> float:
         return self.compute_s(num_tokens, context) + self.all_reduces_s(num_tokens)
 
+    def serial_step_s(self, num_tokens: int, context: int) -> float:
+        return self.serial_s(num_tokens, context) + self.all_reduces_s(num_tokens)
+
 
 # The step kinds of `time_breakdown`: steps with prompt tokens, then decode steps by batch size.
 BREAKDOWN_DECODE_BATCHES = (1, 16, 64, 128, 256)
@@ -291,9 +294,7 @@ def time_breakdown(steps: list[StepTrace], cost: StepCost) -> dict:
         row["steps"] += 1
         row["gpu_s"] += step.gpu_busy_s
         row["ideal_s"] += cost.step_s(step.num_tokens, step.context_tokens)
-        row["serial_s"] += cost.serial_s(step.num_tokens, step.context_tokens) + cost.all_reduces_s(
-            step.num_tokens
-        )
+        row["serial_s"] += cost.serial_step_s(step.num_tokens, step.context_tokens)
         if previous_id is not None and step.step_id == previous_id + 1 and step.gpu_gap_s >= 0:
             row["gap_s"] += step.gpu_gap_s
         previous_id = step.step_id
