@@ -140,6 +140,10 @@ def greedy_sample(logits) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- decode-batch GEMMs (kernels/triton_skinny.py): the weight streamed through TMA ----
 
 SKINNY_MAX_ROWS = 64  # at more rows cuBLAS is as fast (docs/benchmarks.md "Decode GEMMs")
+# The gated kernel (gate_up + SiLU-and-mul) also takes SKINNY_GATED_WIDE_ROWS, with a 128-row token tile
+# three stages deep: H100, llama3-8b's gate_up, 96 / 112 / 128 rows 87.8 / 87.7 / 89.2 us against
+# cuBLAS + silu_and_mul's 94.7 / 96.2 / 95.5 (docs/benchmarks.md, round 10); at 80 rows it was slower.
+SKINNY_GATED_WIDE_ROWS = range(96, 129)
 SKINNY_GATED_BLOCK_N = 64  # the gated kernel's tile of gate (and of up) rows
 SKINNY_SMEM_MARGIN = 8 * 1024  # shared memory Triton adds to the pipeline's buffers (barriers, epilogue)
 
@@ -147,7 +151,7 @@ SKINNY_SMEM_MARGIN = 8 * 1024  # shared memory Triton adds to the pipeline's buf
 def skinny_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """Whether the layers take skinny_linear (gated: skinny_gate_up_silu) for x [M, K] @ weight [N, K].T:
     a Hopper GPU (sm_9x; other GPUs with TMA keep cuBLAS until it is measured there), bf16 or fp16
-    alike, 1 <= M <= SKINNY_MAX_ROWS, rows contiguous and 16-byte aligned (gated: weight stored
+    alike, 1 <= M <= SKINNY_MAX_ROWS (gated: or M in SKINNY_GATED_WIDE_ROWS), rows contiguous and 16-byte aligned (gated: weight stored
     gate | up, each half whole SKINNY_GATED_BLOCK_N-row tiles), and the device's shared memory a block
     holds the pipeline's buffers."""
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):

@@ -408,6 +408,13 @@ PREFILL_TUNING_MIN_TOKENS_PER_SEQ = 32
 # for sm_90 with Triton 3.6 where the unsplit one takes 128: three programs an SM instead of the four
 # choose_num_splits counts on. Held to this many (a few bytes of spill).
 EVEN_SPLIT_DECODE_MAXNREG = 128
+# (BLOCK_N, num_warps, num_stages) of an unsplit decode launch over a bf16/fp16 cache, through
+# _attend_bulk as the FP8 cache's decode: one warp a program, six stages. H100, llama3-8b heads, 2-8
+# layers' caches in one graph, time against the (64, 4, 3) _attend_tiles tile: 0.93 at 128 x 224, 0.97
+# at 320 x 224, 0.96 at 40 x 768 and 64 x 544, 0.99 at 64 x 1024, 1.00 at 256 x 1024; split launches
+# (fewer programs) were slower with it (1.09 at 24 x 896) and keep the default (docs/benchmarks.md,
+# round 10).
+UNSPLIT_DECODE_TILE = (32, 1, 6)
 DEFAULT_PREFILL_TUNING = PrefillTuning(
     block_m=128, num_warps=8, maxnreg=128, block_addressing=True, fma_softmax=True,
 )
@@ -717,6 +724,10 @@ def paged_attention(
         partition_size = triton.cdiv(max_seq_len, num_splits)
         num_splits = triton.cdiv(max_seq_len, partition_size)
     split = num_splits > 1
+    # an unsplit decode launch over a cache of the query's dtype: UNSPLIT_DECODE_TILE through _attend_bulk
+    bulk_decode = fp8_decode or (is_decode and not split and tile is None and key_cache.element_size() > 1)
+    if bulk_decode and not fp8_decode:
+        block_n, num_warps, num_stages = UNSPLIT_DECODE_TILE
     tuning = dict(BULK_N=0, BLOCK_ADDR=False, EVEN_D=False, FMA_SOFTMAX=False)
     launch = {}
     if is_decode and even_splits and not fp8_decode and EVEN_SPLIT_DECODE_MAXNREG:
@@ -732,7 +743,7 @@ def paged_attention(
         )
         if t.maxnreg is not None:
             launch["maxnreg"] = t.maxnreg
-    elif fp8_decode:  # the unmasked tiles through _attend_bulk, masked head dims, scale in exp2
+    elif bulk_decode:  # the unmasked tiles through _attend_bulk, masked head dims, scale in exp2
         tuning.update(
             BULK_N=block_n, FMA_SOFTMAX=True,
             BLOCK_ADDR=sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import SKINNY_GATED_BLOCK_N, SKINNY_MAX_ROWS
+from kernels import SKINNY_GATED_BLOCK_N, SKINNY_GATED_WIDE_ROWS, SKINNY_MAX_ROWS
 
 _WIDE_N = 25_000  # at and above: 128-row weight tiles (enough programs to fill an H100 twice over)
 
@@ -44,9 +44,10 @@ class SkinnyConfig:
 
 def skinny_config(num_rows: int, n: int, k: int, gated: bool = False) -> SkinnyConfig:
     """Weight tile and pipeline depth (H100 sweep, docs/benchmarks.md "Decode GEMMs"). Gated
-    programs load a gate and an up tile of block_n rows each."""
+    programs load a gate and an up tile of block_n rows each; above SKINNY_MAX_ROWS (a 128-row token
+    tile) three stages fit the shared memory."""
     if gated:
-        return SkinnyConfig(SKINNY_GATED_BLOCK_N, 128, 4)
+        return SkinnyConfig(SKINNY_GATED_BLOCK_N, 128, 4 if num_rows <= SKINNY_MAX_ROWS else 3)
     if n >= _WIDE_N:
         return SkinnyConfig(128, 128, 4)
     return SkinnyConfig(64, 128, 6)
@@ -126,8 +127,10 @@ def refusal(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, config: 
     """Why the kernel cannot take x [M, K] @ weight [N, K].T (gated: weight stored gate | up), or None."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: not x [M, K] @ weight [N, K].T"
-    if not 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
-        return f"{x.shape[0]} rows: the skinny GEMM takes 1..{SKINNY_MAX_ROWS}"
+    rows = x.shape[0]
+    if not (1 <= rows <= SKINNY_MAX_ROWS or (gated and rows in SKINNY_GATED_WIDE_ROWS)):
+        wide = f" or {SKINNY_GATED_WIDE_ROWS.start}..{SKINNY_GATED_WIDE_ROWS.stop - 1} (gated)"
+        return f"{rows} rows: the skinny GEMM takes 1..{SKINNY_MAX_ROWS}{wide}"
     if x.dtype != weight.dtype or x.device != weight.device:
         return f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) differ"
     for name, t in (("x", x), ("weight", weight)):  # TMA: unit inner stride, 16-byte row pitch and base
@@ -156,7 +159,8 @@ def skinny_linear(x, weight, bias=None, out=None, config: SkinnyConfig | None = 
 
 
 def skinny_gate_up_silu(x, weight, out=None, config: SkinnyConfig | None = None) -> torch.Tensor:
-    """x [M, K], weight [2I, K] stored gate | up -> silu(x @ gate.T) * (x @ up.T) [M, I]. I must be a
+    """x [M, K], weight [2I, K] stored gate | up -> silu(x @ gate.T) * (x @ up.T) [M, I], M <=
+    SKINNY_MAX_ROWS or in SKINNY_GATED_WIDE_ROWS. I must be a
     multiple of the config's block_n (a tile never straddles gate and up)."""
     _check(x, weight, True, config)
     inter = weight.shape[0] // 2

@@ -131,6 +131,35 @@ def test_split_decode_launch_caps_registers(monkeypatch):
     assert one == 1 and not even_unsplit and maxnreg_unsplit is None
 
 
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_unsplit_decode_takes_the_bulk_tile(monkeypatch, window):
+    """An unsplit decode launch over a cache of the query's dtype runs UNSPLIT_DECODE_TILE through
+    _attend_bulk (BULK_N = its BLOCK_N; block-aligned addresses unless a window masks the start); a
+    split one keeps the (64, 4, 3) tile; both match the reference, with and without a sliding window."""
+    real = triton_attention._paged_attention_kernel
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def call(*args, **kwargs):
+                seen.append((grid[2], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"],
+                             kwargs["BULK_N"], kwargs["BLOCK_ADDR"]))
+                return launch(*args, **kwargs)
+            return call
+
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Recorder())
+    case = make_paged_case([600, 150, 70, 33], [1, 1, 1, 1], 8, 2, 32, 16, torch.float32, "cpu", 5)
+    ref = reference.paged_attention(*case.args(), window)
+    for kwargs in ({"num_splits": 1}, {"num_splits": 3}):
+        out = triton_attention.paged_attention(*case.args(), window, **kwargs)
+        assert relative_error(out, ref) < 1e-5, kwargs
+    unsplit, split = seen
+    tile = triton_attention.UNSPLIT_DECODE_TILE
+    assert unsplit == (1, *tile, tile[0], window == 0)
+    assert split[:5] == (3, 64, 4, 3, 0)
 def test_split_count_follows_grid_size():
     choose = triton_attention.choose_num_splits
     assert choose(num_programs=512, max_seq_len=4096, num_slots=264) == 1  # a wave or more: no split

@@ -86,6 +86,24 @@ def test_gate_up_silu_matches_silu_and_mul_of_the_projection(dtype):
     assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("rows", [kernels.SKINNY_GATED_WIDE_ROWS.start, kernels.SKINNY_GATED_WIDE_ROWS.stop - 1])
+def test_gate_up_silu_takes_the_wide_rows(rows):
+    """The gated kernel also takes SKINNY_GATED_WIDE_ROWS (a 128-row token tile; the engine's default
+    config three stages deep); the plain one does not, nor the gated one just below the range."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 136, generator=gen)
+    w = torch.randn(2 * 64, 136, generator=gen) * 0.1
+    out = triton_skinny.skinny_gate_up_silu(x, w, config=SMALL)
+    assert _rel(out, reference.silu_and_mul(F.linear(x, w))) < 1e-5
+    assert skinny_config(rows, 14336, 4096, gated=True).stages == 3
+    assert skinny_config(kernels.SKINNY_MAX_ROWS, 14336, 4096, gated=True).stages == 4
+    assert triton_skinny.refusal(x, w) is not None  # not the plain kernel
+    below = torch.randn(kernels.SKINNY_GATED_WIDE_ROWS.start - 1, 136)
+    assert "rows" in triton_skinny.refusal(below, w, gated=True)
+    above = torch.randn(kernels.SKINNY_GATED_WIDE_ROWS.stop, 136)
+    assert "rows" in triton_skinny.refusal(above, w, gated=True)
+
+
 def test_refusals_name_the_problem():
     x, w = torch.randn(4, 64), torch.randn(32, 64)
     with pytest.raises(ValueError, match="not x"):
@@ -144,10 +162,11 @@ def test_shared_memory_of_the_pipelines():
     (every shape fits with the margin); 99 KB would not hold any (cuBLAS rather than a failed launch)."""
     margin, hopper, rtx50 = kernels.SKINNY_SMEM_MARGIN, 227 * 1024, 99 * 1024
     cases = [(64, 6144, 4096, False), (64, 128256, 4096, False), (64, 14336, 4096, True),
-             (1, 4096, 14336, False)]
+             (1, 4096, 14336, False), (128, 14336, 4096, True)]
     for rows, n, k, gated in cases:
         need = triton_skinny.shared_memory_bytes(rows, n, k, gated)
         assert need + margin <= hopper, (rows, n, k, gated, need)
         assert need > rtx50, (rows, n, k, gated, need)
     assert triton_skinny.shared_memory_bytes(64, 6144, 4096) == 6 * (64 + 64) * 128 * 2
     assert triton_skinny.shared_memory_bytes(8, 14336, 4096, gated=True) == 4 * (16 + 2 * 64) * 128 * 2
+    assert triton_skinny.shared_memory_bytes(96, 14336, 4096, gated=True) == 3 * (128 + 2 * 64) * 128 * 2
