@@ -151,9 +151,9 @@ SKINNY_SMEM_MARGIN = 8 * 1024  # shared memory Triton adds to the pipeline's buf
 def skinny_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """Whether the layers take skinny_linear (gated: skinny_gate_up_silu) for x [M, K] @ weight [N, K].T:
     a Hopper GPU (sm_9x; other GPUs with TMA keep cuBLAS until it is measured there), bf16 or fp16
-    alike, 1 <= M <= SKINNY_MAX_ROWS (gated: or M in SKINNY_GATED_WIDE_ROWS), rows contiguous and 16-byte aligned (gated: weight stored
-    gate | up, each half whole SKINNY_GATED_BLOCK_N-row tiles), and the device's shared memory a block
-    holds the pipeline's buffers."""
+    alike, 1 <= M <= SKINNY_MAX_ROWS (gated: or M in SKINNY_GATED_WIDE_ROWS), rows contiguous and
+    16-byte aligned (gated: weight stored gate | up, each half whole SKINNY_GATED_BLOCK_N-row tiles),
+    and the device's shared memory a block holds the pipeline's buffers."""
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.get_device_capability(x.device)[0] != 9:  # Hopper: measured and tested there only

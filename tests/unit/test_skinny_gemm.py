@@ -86,7 +86,10 @@ def test_gate_up_silu_matches_silu_and_mul_of_the_projection(dtype):
     assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("rows", [kernels.SKINNY_GATED_WIDE_ROWS.start, kernels.SKINNY_GATED_WIDE_ROWS.stop - 1])
+WIDE = kernels.SKINNY_GATED_WIDE_ROWS
+
+
+@pytest.mark.parametrize("rows", [WIDE.start, WIDE.stop - 1])
 def test_gate_up_silu_takes_the_wide_rows(rows):
     """The gated kernel also takes SKINNY_GATED_WIDE_ROWS (a 128-row token tile; the engine's default
     config three stages deep); the plain one does not, nor the gated one just below the range."""
