@@ -16,7 +16,7 @@ import torch
 
 from executor_svc.runner.errors import PlanError, StepOrderError
 from executor_svc.runner.host_to_device import to_device
-from executor_svc.runner.inputs import ScheduledSequence, SequenceState, build_model_input
+from executor_svc.runner.inputs import BlockTableRows, ScheduledSequence, SequenceState, build_model_input
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.worker.launched_step import LaunchedStep, copy_to_host, to_samples
 from executor_svc.worker.step_trace import StepTrace
@@ -38,6 +38,7 @@ class PlanApplier:
         self.block_size = block_size
         self.generator = torch.Generator().manual_seed(seed)
         self.seqs: dict[int, SequenceState] = {}
+        self.block_rows = BlockTableRows()  # every state of self.seqs keeps its table in a row of it
         self.last_step_id: int | None = None
         self._ensure_runner = ensure_runner
         self._trace = trace
@@ -45,6 +46,7 @@ class PlanApplier:
 
     def reset(self) -> None:
         self.seqs.clear()
+        self.block_rows = BlockTableRows()
         self.last_step_id = None
         self._last_launched = None
         if self._trace is not None:
@@ -59,7 +61,9 @@ class PlanApplier:
         step = LaunchedStep(plan.step_id, time.perf_counter())
         runner = self._ensure_runner()
         for seq_id in plan.finished_seq_ids:
-            self.seqs.pop(seq_id, None)
+            state = self.seqs.pop(seq_id, None)
+            if state is not None:
+                state.detach()
         self._apply_forks(plan.forks)
         runner.kv_cache.swap_out(plan.swap_out)
         runner.kv_cache.swap_in(plan.swap_in)
@@ -168,6 +172,10 @@ class PlanApplier:
                 new.sample_index,
                 new.prompt_len,
             )
+            state.attach(self.block_rows)
+            old = self.seqs.get(new.seq_id)
+            if old is not None:  # a sequence sent again (recomputed) replaces its old state
+                old.detach()
             self.seqs[new.seq_id] = state
             scheduled.append(ScheduledSequence(new.seq_id, state, new.num_new_tokens))
         for cont in plan.cont_seqs:

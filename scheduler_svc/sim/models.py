@@ -165,6 +165,10 @@ MODELS: dict[str, ModelSpec] = {
     "llama2-13b": ModelSpec(40, 5120, 40, 40, 13824, 32000, 2048, gated_mlp=True),
     "opt-13b": ModelSpec(40, 5120, 40, 40, 20480, 50272, 2048, gated_mlp=False),
     "llama3-8b": ModelSpec(32, 4096, 32, 8, 14336, 128256, 8192, gated_mlp=True),
+    # Llama-3.2-1B's shape (16 layers, head_dim 64), 1.50e9 parameters with its LM head untied (the
+    # checkpoint ties it to the embedding: the same bytes read a step): a small model, whose decode
+    # steps are short enough for the host's time per step to show.
+    "llama3.2-1b": ModelSpec(16, 2048, 32, 8, 8192, 128256, 8192, gated_mlp=True),
     # Llama-3-70B: 70.6e9 parameters, 141 GB in bf16: one H200 (140 GiB) would keep no room for a KV
     # cache, so it is served at tensor-parallel size 2 or more (docs/tensor_parallel.md).
     "llama3-70b": ModelSpec(80, 8192, 64, 8, 28672, 128256, 8192, gated_mlp=True),

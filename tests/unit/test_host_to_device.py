@@ -14,7 +14,7 @@ import torch
 
 from executor_svc.runner import host_to_device, inputs
 from executor_svc.runner.host_to_device import ALIGNMENT, pack_to_device
-from executor_svc.runner.inputs import ScheduledSequence, SequenceState, build_model_input
+from executor_svc.runner.inputs import BlockTableRows, ScheduledSequence, SequenceState, build_model_input
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import PENDING_TOKEN
 
@@ -227,6 +227,66 @@ def test_build_model_input_matches_the_reference_for_a_mixed_step():
     assert batch.num_beam_candidates == (0, 0, 0, 4)
     assert batch.pending_token_indices.tolist() == [1] and batch.pending_seq_ids == (11,)
     assert batch.input_ids[1] == PENDING_TOKEN
+
+
+def test_block_table_rows_keep_each_table_zero_padded():
+    """acquire / write (longer, shorter, past the width: it doubles) / release / gather against the
+    tables padded by hand; more rows than the start (they double) and a freed row reused clean."""
+    rows = BlockTableRows(rows=2, width=4)
+    tables = {rows.acquire(t): t for t in ([5, 6, 7], [], [1, 2, 3, 4])}
+    assert rows.num_live == 3
+
+    def check():
+        order = sorted(tables)
+        width = max(len(t) for t in tables.values())
+        want = [tables[r] + [0] * (width - len(tables[r])) for r in order]
+        got = rows.gather(order, width)
+        assert got.dtype == torch.int32 and got.tolist() == want
+        assert rows.gather(order, width + 2).tolist() == [w + [0, 0] for w in want]  # zeros past every end
+
+    check()
+    first = next(iter(tables))
+    rows.write(first, 1, [9])  # table[1:] = [9]: shorter, its old tail zeroed
+    tables[first] = [5, 9]
+    check()
+    rows.write(first, 2, list(range(10, 17)))  # 9 entries: past the width of 4, which doubles to 16
+    tables[first] = [5, 9, *range(10, 17)]
+    check()
+    rows.release(first)
+    del tables[first]
+    assert rows.num_live == 2
+    again = rows.acquire([8])
+    assert again == first  # the freed row, zeroed
+    tables[again] = [8]
+    check()
+    assert rows.gather([again], 40).tolist() == [[8] + [0] * 39]  # wider than the rows: zeros
+
+
+def test_attached_states_build_the_same_step():
+    """The executor's states keep their tables in one BlockTableRows (PlanApplier): the step's tensors
+    equal the reference's, also after a table changed, a copy took a row of its own and rows were
+    given back and taken again."""
+    rows = BlockTableRows(rows=1, width=2)
+    scheduled = mixed_step()
+    others = [SequenceState([1] * 40, 0, list(range(30, 33)), SamplingParams()) for _ in range(3)]
+    for other in others:
+        other.attach(rows)
+    for s in scheduled:
+        s.state.attach(rows)
+    others[1].detach()  # a freed row between the step's rows
+    scheduled[0].state.set_blocks(1, [2, 15])  # a table that grows: [9, 2, 15]
+    scheduled[2].state.set_blocks(4, [13])  # a table rewritten in place
+    copy = scheduled[4].state.copy()
+    assert copy._rows is rows and copy._row != scheduled[4].state._row
+    scheduled[4].state.detach()
+    scheduled[4] = ScheduledSequence(14, copy, 1)
+    batch = build_model_input(scheduled, BS, CPU, torch.Generator().manual_seed(42))
+    want = reference(scheduled, 42)
+    assert same_bits(batch.attn.block_tables, want["block_tables"])
+    assert same_bits(batch.attn.slot_mapping, want["slot_mapping"])
+    assert same_bits(batch.sampling.seeds, want["seeds"])
+    with pytest.raises(ValueError, match="already"):
+        copy.attach(rows)
 
 
 def test_build_model_input_with_no_sampled_row():

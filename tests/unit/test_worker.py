@@ -123,6 +123,11 @@ def test_fork_with_copy_on_write_matches_fresh_sequences(tiny_llama_dir):
     by_seq = {s.seq_id: (s.token_id, s.logprob) for s in result.samples}
     assert_same_outputs([by_seq[1]], run_alone(tiny_llama_dir, PROMPT + [first], 1))
     assert_same_outputs([by_seq[2]], run_alone(tiny_llama_dir, PROMPT + [other], 1))
+    rows = worker._plan.block_rows  # each sequence's table in a row of its own, given back when it ends
+    tables = rows.gather([worker.seqs[i]._row for i in (1, 2)], 2).tolist()
+    assert rows.num_live == 2 and tables == [[5, 7], [5, 11]]
+    worker.execute(StepPlan(2, finished_seq_ids=[2]))
+    assert rows.num_live == 1
 
 
 def test_swap_out_and_in_preserves_outputs(tiny_llama_dir):
@@ -225,6 +230,7 @@ def test_step_id_must_follow_and_reset_drops_state(tiny_llama_dir):
     worker.execute(StepPlan(8))  # an empty plan is a step too
     worker.reset()
     assert worker.seqs == {}
+    assert worker._plan.block_rows.num_live == 0
     with pytest.raises(PlanError, match="unknown"):
         worker.execute(StepPlan(0, cont_seqs=[ContinuingSequence(1, 1, [5])]))
 
