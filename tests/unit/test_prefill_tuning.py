@@ -172,7 +172,8 @@ class _LaunchSpy:
 ])
 def test_prefill_launches_take_the_default_tuning_unless_told_otherwise(monkeypatch, seed, kwargs, want):
     """A prefill or mixed launch of the default mode runs DEFAULT_PREFILL_TUNING (the H100 sweep's
-    fastest); a forced tile, block_m or deterministic mode keep their own launch; decode keeps its own tile."""
+    fastest); a forced tile, block_m or deterministic mode keep their own launch; decode keeps its own
+    tile."""
     spy = _LaunchSpy(triton_attention._paged_attention_kernel)
     monkeypatch.setattr(triton_attention, "_paged_attention_kernel", spy)
     case = make_paged_case(*MIXED, 8, 2, 128, 16, torch.float32, "cpu", seed)
@@ -182,7 +183,7 @@ def test_prefill_launches_take_the_default_tuning_unless_told_otherwise(monkeypa
     decode = make_paged_case([40, 17], [1, 1], 8, 2, 128, 16, torch.float32, "cpu", seed)
     spy.launches.clear()
     triton_attention.paged_attention(*decode.args())
-    block_n, num_warps, _ = triton_attention.UNSPLIT_DECODE_TILE  # the decode launch's own tile (unsplit here)
+    block_n, num_warps, _ = triton_attention.UNSPLIT_DECODE_TILE  # the decode launch's tile (unsplit)
     launch = spy.launches[0]
     assert (launch["BLOCK_M"], launch["BULK_N"], launch["num_warps"]) == (16, block_n, num_warps)
 
