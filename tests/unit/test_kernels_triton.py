@@ -103,10 +103,9 @@ def test_paged_attention_splits_each_context_evenly(seed, seq_lens, query_lens, 
     assert err < 1e-5, f"seed {seed}: relative error {err}"
 
 
-def test_split_decode_launch_caps_registers(monkeypatch):
-    """The decode launch with even splits is held to EVEN_SPLIT_DECODE_MAXNREG registers (Triton gives
-    it ~166 for sm_90, three programs an SM where the split rule counts four: 16 x 16384 took 424 us
-    against 375 capped on an H100); the unsplit launch keeps the compiler's choice."""
+def record_attention_launches(monkeypatch, fields) -> list:
+    """Launches of _paged_attention_kernel run as before; each appends fields(grid, kwargs) to the list
+    returned."""
     real = triton_attention._paged_attention_kernel
     seen = []
 
@@ -115,11 +114,20 @@ def test_split_decode_launch_caps_registers(monkeypatch):
             launch = real[grid]
 
             def call(*args, **kwargs):
-                seen.append((grid[2], kwargs["EVEN_SPLITS"], kwargs.get("maxnreg")))
+                seen.append(fields(grid, kwargs))
                 return launch(*args, **kwargs)
             return call
 
     monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Recorder())
+    return seen
+
+
+def test_split_decode_launch_caps_registers(monkeypatch):
+    """The decode launch with even splits is held to EVEN_SPLIT_DECODE_MAXNREG registers (Triton gives
+    it ~166 for sm_90, three programs an SM where the split rule counts four: 16 x 16384 took 424 us
+    against 375 capped on an H100); the unsplit launch keeps the compiler's choice."""
+    seen = record_attention_launches(
+        monkeypatch, lambda grid, kw: (grid[2], kw["EVEN_SPLITS"], kw.get("maxnreg")))
     case = make_paged_case([600, 150, 70, 1], [1, 1, 1, 1], 8, 1, 32, 16, torch.float32, "cpu", 4)
     case = dataclasses.replace(case, max_seq_len=4096)  # as a decode graph: the split rule splits
     ref = reference.paged_attention(*case.args())
@@ -131,26 +139,13 @@ def test_split_decode_launch_caps_registers(monkeypatch):
     assert one == 1 and not even_unsplit and maxnreg_unsplit is None
 
 
-
 @pytest.mark.parametrize("window", [0, 5])
 def test_unsplit_decode_takes_the_bulk_tile(monkeypatch, window):
     """An unsplit decode launch over a cache of the query's dtype runs UNSPLIT_DECODE_TILE through
     _attend_bulk (BULK_N = its BLOCK_N; block-aligned addresses unless a window masks the start); a
     split one keeps the (64, 4, 3) tile; both match the reference, with and without a sliding window."""
-    real = triton_attention._paged_attention_kernel
-    seen = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            launch = real[grid]
-
-            def call(*args, **kwargs):
-                seen.append((grid[2], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"],
-                             kwargs["BULK_N"], kwargs["BLOCK_ADDR"]))
-                return launch(*args, **kwargs)
-            return call
-
-    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Recorder())
+    seen = record_attention_launches(monkeypatch, lambda grid, kw: (
+        grid[2], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"], kw["BULK_N"], kw["BLOCK_ADDR"]))
     case = make_paged_case([600, 150, 70, 33], [1, 1, 1, 1], 8, 2, 32, 16, torch.float32, "cpu", 5)
     ref = reference.paged_attention(*case.args(), window)
     for kwargs in ({"num_splits": 1}, {"num_splits": 3}):
@@ -160,6 +155,8 @@ def test_unsplit_decode_takes_the_bulk_tile(monkeypatch, window):
     tile = triton_attention.UNSPLIT_DECODE_TILE
     assert unsplit == (1, *tile, tile[0], window == 0)
     assert split[:5] == (3, 64, 4, 3, 0)
+
+
 def test_split_count_follows_grid_size():
     choose = triton_attention.choose_num_splits
     assert choose(num_programs=512, max_seq_len=4096, num_slots=264) == 1  # a wave or more: no split
