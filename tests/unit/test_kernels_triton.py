@@ -139,17 +139,18 @@ def test_split_decode_launch_caps_registers(monkeypatch):
     assert one == 1 and not even_unsplit and maxnreg_unsplit is None
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_unsplit_decode_takes_the_bulk_tile(monkeypatch, window):
+@pytest.mark.parametrize(("window", "softcap", "head_dim"), [(0, 0.0, 32), (5, 0.0, 32), (0, 30.0, 96)])
+def test_unsplit_decode_takes_the_bulk_tile(monkeypatch, window, softcap, head_dim):
     """An unsplit decode launch over a cache of the query's dtype runs UNSPLIT_DECODE_TILE through
     _attend_bulk (BULK_N = its BLOCK_N; block-aligned addresses unless a window masks the start); a
-    split one keeps the (64, 4, 3) tile; both match the reference, with and without a sliding window."""
+    split one keeps the (64, 4, 3) tile; both match the reference, with a sliding window, a logit
+    soft-cap and a head_dim below its power of two too."""
     seen = record_attention_launches(monkeypatch, lambda grid, kw: (
         grid[2], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"], kw["BULK_N"], kw["BLOCK_ADDR"]))
-    case = make_paged_case([600, 150, 70, 33], [1, 1, 1, 1], 8, 2, 32, 16, torch.float32, "cpu", 5)
-    ref = reference.paged_attention(*case.args(), window)
+    case = make_paged_case([600, 150, 70, 33], [1, 1, 1, 1], 8, 2, head_dim, 16, torch.float32, "cpu", 5)
+    ref = reference.paged_attention(*case.args(), window, softcap)
     for kwargs in ({"num_splits": 1}, {"num_splits": 3}):
-        out = triton_attention.paged_attention(*case.args(), window, **kwargs)
+        out = triton_attention.paged_attention(*case.args(), window, softcap, **kwargs)
         assert relative_error(out, ref) < 1e-5, kwargs
     unsplit, split = seen
     tile = triton_attention.UNSPLIT_DECODE_TILE
