@@ -7,7 +7,6 @@ reach the device in one copy (`pack_to_device`).
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -178,27 +177,33 @@ def build_model_input(
 
     `generator` (CPU) draws the seeds of rows whose request has no seed.
     """
-    for s in scheduled:
-        _validate(s, block_size)
+    # One pass over the sequences: checks, the per-sequence columns, the new tokens, the sampled rows.
+    lens: list[int] = []
+    begins: list[int] = []
+    tokens: list[int] = []
+    sampled: list[int] = []
+    for i, s in enumerate(scheduled):
+        state, n = s.state, s.num_new_tokens
+        begin, ids = state.num_computed_tokens, state.token_ids
+        end = begin + n
+        if n < 1 or end > len(ids) or len(state.block_table) * block_size < end:
+            _validate(s, block_size)  # raises, naming what is wrong
+        lens.append(n)
+        begins.append(begin)
+        if n == 1:
+            tokens.append(ids[begin])
+        else:
+            tokens.extend(ids[begin:end])
+        if end == len(ids):
+            sampled.append(i)
     num_seqs = len(scheduled)
-    q_lens = torch.tensor([s.num_new_tokens for s in scheduled], dtype=torch.int64)  # [B]
-    starts = torch.tensor([s.state.num_computed_tokens for s in scheduled], dtype=torch.int64)  # [B]
+    q_lens = torch.tensor(lens, dtype=torch.int64)  # [B]
+    starts = torch.tensor(begins, dtype=torch.int64)  # [B]
     seq_lens = starts + q_lens  # [B]
     query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)  # [B + 1]
     torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-
-    input_ids = torch.tensor(
-        list(
-            itertools.chain.from_iterable(
-                s.state.token_ids[
-                    s.state.num_computed_tokens : s.state.num_computed_tokens + s.num_new_tokens
-                ]
-                for s in scheduled
-            )
-        ),
-        dtype=torch.int64,
-    )  # [T]
+    num_tokens = len(tokens)
+    input_ids = torch.tensor(tokens, dtype=torch.int64)  # [T]
     if num_tokens == num_seqs:  # all decoding: one token each
         seq_of_token = torch.arange(num_seqs)  # [T]
     else:
@@ -209,11 +214,6 @@ def build_model_input(
     block_of_token = block_tables[seq_of_token, positions // block_size].long()
     slot_mapping = block_of_token * block_size + positions % block_size
 
-    sampled = [
-        i
-        for i, s in enumerate(scheduled)
-        if s.state.num_computed_tokens + s.num_new_tokens == len(s.state.token_ids)
-    ]
     logits_indices = query_start_loc[torch.tensor(sampled, dtype=torch.int64) + 1] - 1  # [S]
     sampling = _sampling_metadata([scheduled[i].state for i in sampled], generator)
     sampling_tensors = _tensor_fields(sampling)
@@ -270,6 +270,7 @@ def _block_tables(scheduled: list[ScheduledSequence]) -> torch.Tensor:
 
 
 def _validate(s: ScheduledSequence, block_size: int) -> None:
+    """Raises PlanError where the sequence's tokens or block table cannot hold its new tokens."""
     state = s.state
     end = state.num_computed_tokens + s.num_new_tokens
     if s.num_new_tokens < 1 or end > len(state.token_ids):
