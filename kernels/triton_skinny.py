@@ -1,5 +1,5 @@
 """Decode-batch GEMMs: y = x @ w.T for a few rows (M <= SKINNY_MAX_ROWS), and the MLP's gate/up
-projection with SiLU-and-mul in its epilogue.
+projection with SiLU-and-mul in its epilogue (also at M in SKINNY_GATED_WIDE_ROWS, 96..128).
 
 At decode batch sizes a projection reads its weight once and does almost no arithmetic, so its time
 is the weight's bytes over the memory bandwidth. cuBLAS's kernels for these shapes read llama3-8b's
