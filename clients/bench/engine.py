@@ -15,6 +15,11 @@ time per step, the scheduler process's CPU time per step (`time.process_time`, a
 a breakdown by part (perf_counter accumulators around the engine's calls, exclusive of nested
 parts). "other" is the rest of the process's CPU: the servicer's stream writes, gRPC and the
 event loop. `--profile FILE` writes cProfile stats of the same window.
+
+`--gpu-step-ms X` gives every step X ms of simulated device time (`DeviceTimedSimWorker`: the executor
+launches one plan ahead and each step's samples are ready X ms after the previous step's end, as on
+a GPU), and the report says what fraction of the run that device was busy: below 1, the host loop
+(scheduler, executor servicer, streaming) is what bounds the run, as for a small model on a GPU.
 """
 
 from __future__ import annotations
@@ -98,16 +103,50 @@ class SimWorker(OneStepAtATime):
         return self.sim.step(plan)[0]
 
 
-def serve_executor(num_gpu_blocks: int, max_model_len: int, model_dir: str) -> None:
+class DeviceTimedSimWorker(SimWorker):
+    """A SimWorker that launches ahead as the real Worker does, holding each step for `step_s` of
+    simulated device time: a step's samples are ready step_s after the later of its launch and the
+    previous step's end, so the servicer launches the next plan while this one "runs" and the host
+    loop (scheduler, executor servicer, streaming) must keep up with a GPU of that step time."""
+
+    launches_ahead = True
+
+    def __init__(self, num_gpu_blocks: int, max_model_len: int, step_s: float):
+        self.step_s = step_s
+        self._device_free_at = 0.0
+        super().__init__(num_gpu_blocks, max_model_len)
+
+    def launch(self, plan: StepPlan) -> tuple[StepResult, float]:
+        result = self.execute(plan)
+        ready = max(self._device_free_at, time.perf_counter()) + self.step_s
+        self._device_free_at = ready
+        return result, ready
+
+    def wait(self, step: tuple[StepResult, float]) -> None:
+        delay = step[1] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+    def finish(self, step: tuple[StepResult, float]) -> StepResult:
+        self.wait(step)
+        return step[0]
+
+
+def serve_executor(num_gpu_blocks: int, max_model_len: int, model_dir: str, gpu_step_ms: float = 0.0) -> None:
     """Writes the tiny model folder (for its tokenizer: torch stays out of the scheduler process,
-    as in production), then serves a SimWorker and prints the port."""
+    as in production), then serves a SimWorker (DeviceTimedSimWorker with gpu_step_ms > 0) and prints
+    the port."""
     from executor_svc.models.tiny import make_tiny_model
     from executor_svc.server.main import start_executor_server
 
     make_tiny_model(model_dir, "llama")
+    if gpu_step_ms > 0:
+        worker = DeviceTimedSimWorker(num_gpu_blocks, max_model_len, gpu_step_ms / 1e3)
+    else:
+        worker = SimWorker(num_gpu_blocks, max_model_len)
 
     async def run() -> None:
-        server, port = await start_executor_server(SimWorker(num_gpu_blocks, max_model_len))
+        server, port = await start_executor_server(worker)
         print(port, flush=True)
         await server.wait_for_termination()
 
@@ -331,7 +370,9 @@ async def bench(args: argparse.Namespace, model_dir: str, executor_target: str) 
     if engine.metrics is not None:
         engine.metrics.close()
     clients = json.loads(out.decode().strip().splitlines()[-1])
+    busy = steps * args.gpu_step_ms / 1e3 / clients["wall_s"] if args.gpu_step_ms else None
     return {"requests": args.requests, "max_tokens": args.max_tokens, "steps": steps,
+            "gpu_step_ms": args.gpu_step_ms, "device_busy_fraction": busy,
             "steps_per_s": steps / clients["wall_s"], "clients_wall_s": clients["wall_s"],
             "bench_wall_s": wall_s, "errors": clients["errors"], **window.report()}
 
@@ -342,7 +383,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = f"{tmp}/tiny"
         cmd = [sys.executable, "-m", "clients.bench.engine", "--serve-executor", model_dir,
-               "--num-gpu-blocks", str(num_gpu_blocks), "--max-model-len", str(max_model_len)]
+               "--num-gpu-blocks", str(num_gpu_blocks), "--max-model-len", str(max_model_len),
+               "--gpu-step-ms", str(args.gpu_step_ms)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         try:
             port = int(proc.stdout.readline())
@@ -355,6 +397,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_report(r: dict[str, Any]) -> None:
     print(f"{r['requests']} streaming requests x {r['max_tokens']} tokens: {r['steps']} steps, "
           f"{r['steps_per_s']:.1f} steps/s, errors: {len(r['errors'])}")
+    if r.get("device_busy_fraction") is not None:
+        print(f"simulated device: {r['gpu_step_ms']:g} ms a step, busy {r['device_busy_fraction']:.1%} of "
+              "the run (the rest: the device waits for the host)")
     if "full_steps" not in r:
         print("no full-batch decode steps to measure")
         return
@@ -374,6 +419,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-metrics", action="store_true", help="serve without /metrics")
     parser.add_argument("--api-frontend", action="store_true",
                         help="clients connect through an API front-end process (frontend_server.py)")
+    parser.add_argument("--gpu-step-ms", type=float, default=0.0,
+                        help="simulated device time of each step: the executor launches one plan ahead "
+                             "and holds each step this long (0: steps take no device time, one at a time)")
     parser.add_argument("--profile", default=None, help="write cProfile stats of the measured window")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--serve-executor", default=None, help=argparse.SUPPRESS)
@@ -385,8 +433,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.gpu_step_ms < 0 or args.gpu_step_ms != args.gpu_step_ms:
+        raise SystemExit(f"--gpu-step-ms: a non-negative number of milliseconds, got {args.gpu_step_ms}")
     if args.serve_executor:
-        serve_executor(args.num_gpu_blocks, args.max_model_len, args.serve_executor)
+        serve_executor(args.num_gpu_blocks, args.max_model_len, args.serve_executor, args.gpu_step_ms)
         return 0
     if args.run_clients:
         report = asyncio.run(run_clients(args.run_clients, args.requests, args.max_tokens, args.prompt_len))

@@ -1,6 +1,8 @@
 """clients.bench.engine end to end, tiny: the real scheduler and executor servers, a sim worker,
 streaming clients that each check they got exactly their tokens; the report has its figures."""
 
+import pytest
+
 from clients.bench import engine as bench_engine
 
 
@@ -25,3 +27,36 @@ def test_sim_worker_follows_the_step_order_after_reset():
     assert worker.execute(StepPlan(step_id=41)).step_id == 41
     worker.reset()
     assert worker.execute(StepPlan(step_id=7)).step_id == 7
+
+
+def test_simulated_device_time_launches_ahead_and_bounds_the_step_rate():
+    """--gpu-step-ms: the executor launches one plan ahead and holds each step that long; every
+    request still gets exactly its tokens, and the run cannot go faster than the device: the busy
+    fraction is at most 1 (and 1000 / gpu_step_ms bounds the steps per second)."""
+    report = bench_engine.run(bench_engine.parse_args(
+        ["--requests", "8", "--max-tokens", "16", "--gpu-step-ms", "20"]))
+    assert report["errors"] == []
+    assert report["gpu_step_ms"] == 20.0
+    assert 0.2 < report["device_busy_fraction"] <= 1.0
+    assert report["steps_per_s"] <= 1000 / 20 * 1.02
+
+
+def test_device_timed_sim_worker_queues_steps_behind_each_other():
+    import time
+
+    from scheduler_svc.wire.step_plan import StepPlan
+
+    worker = bench_engine.DeviceTimedSimWorker(num_gpu_blocks=8, max_model_len=64, step_s=0.05)
+    assert worker.launches_ahead
+    begin = time.perf_counter()
+    first = worker.launch(StepPlan(step_id=0))
+    second = worker.launch(StepPlan(step_id=1))  # queued behind the first: ready 0.1 s after begin
+    assert second[1] - first[1] == pytest.approx(0.05, abs=1e-3)
+    assert worker.finish(first).step_id == 0 and worker.finish(second).step_id == 1
+    assert time.perf_counter() - begin >= 0.1
+
+
+def test_gpu_step_ms_must_be_a_non_negative_number():
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit, match="gpu-step-ms"):
+            bench_engine.main(["--gpu-step-ms", bad, "--requests", "1"])
