@@ -18,7 +18,8 @@ event loop. `--profile FILE` writes cProfile stats of the same window.
 
 `--gpu-step-ms X` gives every step X ms of simulated device time (`DeviceTimedSimWorker`: the executor
 launches one plan ahead and each step's samples are ready X ms after the previous step's end, as on
-a GPU), and the report says what fraction of the run that device was busy: below 1, the host loop
+a GPU), and the report says what fraction of the full-batch steps' wall time that device was busy
+(X ÷ the wall time a step took): below 1, the host loop
 (scheduler, executor servicer, streaming) is what bounds the run, as for a small model on a GPU.
 """
 
@@ -370,11 +371,13 @@ async def bench(args: argparse.Namespace, model_dir: str, executor_target: str) 
     if engine.metrics is not None:
         engine.metrics.close()
     clients = json.loads(out.decode().strip().splitlines()[-1])
-    busy = steps * args.gpu_step_ms / 1e3 / clients["wall_s"] if args.gpu_step_ms else None
+    window = window.report()
+    # over the full-batch steps: the device's step time against the wall time a step took
+    busy = args.gpu_step_ms / window["wall_ms_per_step"] if args.gpu_step_ms and window else None
     return {"requests": args.requests, "max_tokens": args.max_tokens, "steps": steps,
             "gpu_step_ms": args.gpu_step_ms, "device_busy_fraction": busy,
             "steps_per_s": steps / clients["wall_s"], "clients_wall_s": clients["wall_s"],
-            "bench_wall_s": wall_s, "errors": clients["errors"], **window.report()}
+            "bench_wall_s": wall_s, "errors": clients["errors"], **window}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -399,7 +402,7 @@ def print_report(r: dict[str, Any]) -> None:
           f"{r['steps_per_s']:.1f} steps/s, errors: {len(r['errors'])}")
     if r.get("device_busy_fraction") is not None:
         print(f"simulated device: {r['gpu_step_ms']:g} ms a step, busy {r['device_busy_fraction']:.1%} of "
-              "the run (the rest: the device waits for the host)")
+              "the full-batch steps' time (the rest: the device waits for the host)")
     if "full_steps" not in r:
         print("no full-batch decode steps to measure")
         return

@@ -31,14 +31,15 @@ def test_sim_worker_follows_the_step_order_after_reset():
 
 def test_simulated_device_time_launches_ahead_and_bounds_the_step_rate():
     """--gpu-step-ms: the executor launches one plan ahead and holds each step that long; every
-    request still gets exactly its tokens, and the run cannot go faster than the device: the busy
-    fraction is at most 1 (and 1000 / gpu_step_ms bounds the steps per second)."""
+    request still gets exactly its tokens, and a full-batch step cannot be shorter than the device's
+    (timer jitter aside): the busy fraction is at most ~1."""
     report = bench_engine.run(bench_engine.parse_args(
         ["--requests", "8", "--max-tokens", "16", "--gpu-step-ms", "20"]))
     assert report["errors"] == []
     assert report["gpu_step_ms"] == 20.0
-    assert 0.2 < report["device_busy_fraction"] <= 1.0
-    assert report["steps_per_s"] <= 1000 / 20 * 1.02
+    assert report["wall_ms_per_step"] >= 20 * 0.95
+    assert 0.2 < report["device_busy_fraction"] <= 1.05
+    assert report["device_busy_fraction"] == pytest.approx(20 / report["wall_ms_per_step"])
 
 
 def test_device_timed_sim_worker_queues_steps_behind_each_other():
