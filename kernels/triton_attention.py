@@ -42,9 +42,11 @@ PREFILL_TUNING_MIN_TOKENS_PER_SEQ query tokens a sequence run DEFAULT_PREFILL_TU
 addressing and the softmax scale inside exp2's argument. Other PrefillTuning values (tile sizes,
 pipelining depth, register cap, each switch on or off) are the candidates of
 `python -m kernels.bench --only prefill --sweep`. Deterministic mode, a forced `tile` or `block_m`
-and launches of mostly decode rows keep the untuned path (_attend_context with BULK_N 0); so does the
-decode launch of a bf16/fp16 cache, while an FP8 cache's decode launch takes _attend_bulk (32-position
-tiles, one warp, six stages: H100 0.60 -> 0.58 of the bf16 cache's time at 256 x 1024).
+and launches of mostly decode rows keep the untuned path (_attend_context with BULK_N 0); so does a
+split decode launch of a bf16/fp16 cache (64-position tiles, 4 warps, 3 stages). An FP8 cache's decode
+launch takes _attend_bulk (32-position tiles, one warp, six stages: H100 0.60 -> 0.58 of the bf16
+cache's time at 256 x 1024), and so does an unsplit decode launch of a bf16/fp16 cache
+(UNSPLIT_DECODE_TILE, the same tile: 0.93-1.00 of the (64, 4, 3) tile's time from 40 to 320 sequences).
 
 Fresh K/V (`fresh_kv=`): the step's own K/V as the QKV projection left them (strided [T, KV, D]
 views, the keys rotated: rotary_and_cache(rotate_key_in_place=True)). Where fresh_kv_usable (a cache
@@ -557,7 +559,9 @@ def split_slots(device: torch.device) -> int:
     Calibrated on an H100 (132 SMs), decode tile (BLOCK_N 64, d 128, 4 warps, 3 stages: 128
     registers, 39 KB shared, so 4 resident programs per SM by registers): 512 programs unsplit beat
     every split for (64 seqs, 1024 or 4096 context); 128 programs were fastest split 3, 4 or 8 ways
-    (within 1 %), while 5 ways (640 programs, 1.2 x the 528 resident) ran 15 % slower."""
+    (within 1 %), while 5 ways (640 programs, 1.2 x the 528 resident) ran 15 % slower. Unsplit
+    launches take UNSPLIT_DECODE_TILE since 2026-11-27 (one warp, more programs an SM); this
+    threshold was not swept again with it."""
     if device.type != "cuda":
         return 8
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count

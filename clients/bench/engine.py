@@ -30,6 +30,7 @@ import asyncio
 import cProfile
 import gc
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -371,13 +372,13 @@ async def bench(args: argparse.Namespace, model_dir: str, executor_target: str) 
     if engine.metrics is not None:
         engine.metrics.close()
     clients = json.loads(out.decode().strip().splitlines()[-1])
-    window = window.report()
+    measured = window.report()
     # over the full-batch steps: the device's step time against the wall time a step took
-    busy = args.gpu_step_ms / window["wall_ms_per_step"] if args.gpu_step_ms and window else None
+    busy = args.gpu_step_ms / measured["wall_ms_per_step"] if args.gpu_step_ms and measured else None
     return {"requests": args.requests, "max_tokens": args.max_tokens, "steps": steps,
             "gpu_step_ms": args.gpu_step_ms, "device_busy_fraction": busy,
             "steps_per_s": steps / clients["wall_s"], "clients_wall_s": clients["wall_s"],
-            "bench_wall_s": wall_s, "errors": clients["errors"], **window}
+            "bench_wall_s": wall_s, "errors": clients["errors"], **measured}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -436,7 +437,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.gpu_step_ms < 0 or args.gpu_step_ms != args.gpu_step_ms:
+    if not (math.isfinite(args.gpu_step_ms) and args.gpu_step_ms >= 0):
         raise SystemExit(f"--gpu-step-ms: a non-negative number of milliseconds, got {args.gpu_step_ms}")
     if args.serve_executor:
         serve_executor(args.num_gpu_blocks, args.max_model_len, args.serve_executor, args.gpu_step_ms)

@@ -58,6 +58,6 @@ def test_device_timed_sim_worker_queues_steps_behind_each_other():
 
 
 def test_gpu_step_ms_must_be_a_non_negative_number():
-    for bad in ("-1", "nan"):
+    for bad in ("-1", "nan", "inf"):
         with pytest.raises(SystemExit, match="gpu-step-ms"):
             bench_engine.main(["--gpu-step-ms", bad, "--requests", "1"])
