@@ -17,12 +17,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from scheduler_svc.wire.errors import InvalidRequestError
+
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 6
 
 
 class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class TokenIdsOnly:
+    """The tokenizer of a model folder without tokenizer.json (e.g. a benchmark shape with dummy
+    weights): prompts must be token ids (a text prompt is INVALID_ARGUMENT) and outputs carry token
+    ids with empty text."""
+
+    def encode(self, text: str):
+        raise InvalidRequestError("prompt", "this server has no tokenizer; send token_ids")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
 
 
 class IncrementalDetokenizer:

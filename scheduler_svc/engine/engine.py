@@ -28,7 +28,7 @@ from scheduler_svc.engine.api import (
 )
 from scheduler_svc.engine.detokenizer import StopStringMatcher
 from scheduler_svc.engine.outputs import RequestDelta, RequestState, RequestStream
-from scheduler_svc.engine.stats import engine_stats, record_output, record_step
+from scheduler_svc.engine.stats import TokenTally, engine_stats, record_output, record_step
 from scheduler_svc.request.sequence import FinishReason
 from scheduler_svc.sched.interface import SchedulerInterface
 from scheduler_svc.sched.output_processor import RequestOutput
@@ -322,19 +322,41 @@ class Engine:
         self._wakeup.set()
 
     def _emit_all(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        tally = TokenTally(self.metrics) if self.metrics is not None else None
         for out in outputs:
-            self._emit(out)
+            self._emit(out, tally)
+        if tally is not None:
+            tally.flush()
         return []
 
-    def _emit(self, out: RequestOutput) -> None:
+    def _emit(self, out: RequestOutput, tally: TokenTally | None = None) -> None:
+        """`tally`: where a plain request's metrics are counted (flushed by the caller); without
+        one, this call makes and flushes its own."""
+        own = TokenTally(self.metrics) if tally is None and self.metrics is not None else None
         try:  # (free in CPython 3.11+ when nothing raises)
-            self._emit_one(out)
+            self._emit_one(out, tally or own)
         except Exception as err:  # noqa: BLE001 - this request's fault (detokenizer, stop strings, ...)
             self._fail_request(out.request_id, err)
+        if own is not None:
+            own.flush()
 
-    def _emit_one(self, out: RequestOutput) -> None:
+    def _emit_one(self, out: RequestOutput, tally: TokenTally | None) -> None:
         request = self._requests.get(out.request_id)
         if request is None:
+            return
+        sink = request.token_sink
+        sample = out.samples[0] if sink is not None and len(out.samples) == 1 else None
+        if (  # a plain request's step: its tokens go out bare (the text is made where they go)
+            sink is not None and sample is not None and out.error is None and sample.token_ids
+            and len(sample.logprobs) == len(sample.token_ids)
+        ):
+            finished = out.finished or self.scheduler.get_group(out.request_id) is None
+            reason = sample.finish_reason.value if sample.finish_reason is not None else None
+            if finished:
+                self._forget(out.request_id)
+            if tally is not None:
+                tally.add(request, len(sample.token_ids), finished, reason)
+            sink(sample.token_ids, sample.logprobs, reason, finished)
             return
         delta = RequestDelta(out.request_id, len(request.prompt_ids), finished=out.finished, error=out.error)
         if out.beams:

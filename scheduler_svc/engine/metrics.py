@@ -19,6 +19,9 @@ rather than no data.
 
 from __future__ import annotations
 
+import bisect
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from scheduler_svc.wire.client_identity import APIS, DEFAULT_API
@@ -154,6 +157,19 @@ class SchedulerMetrics:
 
     def observe(self, name: str, value: float, api: str = DEFAULT_API) -> None:
         self._series(name, api).observe(value)  # type: ignore[union-attr]  # a histogram's name
+
+    def observe_many(self, name: str, value: float, count: int, api: str = DEFAULT_API) -> None:
+        """`count` observations of `value`, as `count` calls of observe would leave the histogram
+        (its bucket and count up by `count`, its sum by value × count), in one update where
+        prometheus_client's Histogram has the fields it has had since 0.4 (else observe, `count` times)."""
+        series: Any = self._series(name, api)
+        bounds, buckets, total = (getattr(series, f, None) for f in ("_upper_bounds", "_buckets", "_sum"))
+        if count == 1 or bounds is None or buckets is None or total is None or value != value:
+            for _ in range(count):
+                series.observe(value)
+            return
+        total.inc(value * count)
+        buckets[bisect.bisect_left(bounds, value)].inc(count)  # the first bound >= value (the last is +Inf)
 
     def count_rejected(self, code: str, api: str = DEFAULT_API) -> None:
         """A request answered with the gRPC status `code` (its name, e.g. "INVALID_ARGUMENT"). An `api`

@@ -1,5 +1,9 @@
 """Per-request output state of the engine: turns the scheduler's per-step `RequestOutput`s into
-streamed deltas with text (incremental detokenization, stop strings), counters and logprobs."""
+streamed deltas with text (incremental detokenization, stop strings), counters and logprobs.
+
+A request whose stream can take bare tokens (`RequestStream.set_token_sink`: the API front-end makes
+the text) skips all of that: each step hands its one new token to the sink (`TokenSink`), which is
+what keeps the engine's per-request work per step to a few attribute reads at hundreds of streams."""
 
 from __future__ import annotations
 
@@ -8,7 +12,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler_svc.engine.detokenizer import Decoder, IncrementalDetokenizer, OutputText
+from scheduler_svc.engine.detokenizer import (
+    PROMPT_CONTEXT_TOKENS,
+    Decoder,
+    IncrementalDetokenizer,
+    OutputText,
+)
 from scheduler_svc.request.beam import BeamHypothesis
 from scheduler_svc.request.sequence import SequenceGroup
 from scheduler_svc.sched.output_processor import SampleDelta
@@ -29,6 +38,11 @@ class OutputDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_output_tokens: int = 0
     cumulative_logprob: float = 0.0
+
+
+# (token_ids, logprobs, finish_reason, finished): one output's new tokens in a step, its finish reason
+# ("stop" | "length" | None) and whether the request ends with them.
+TokenSink = Callable[[list[int], list[float], "str | None", bool], None]
 
 
 @dataclass(slots=True)
@@ -75,6 +89,8 @@ class RequestState:
         # Where deltas go instead of the queue, when set (the API front-end link hands every
         # step's deltas on in one batch: scheduler_svc/server/frontend_link.py).
         self.sink: Callable[[RequestDelta], None] | None = None
+        # Where the new tokens go instead of a delta with text (set_token_sink; only a plain request).
+        self.token_sink: TokenSink | None = None
         self.outputs: dict[int, OutputState] = {}
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None
@@ -85,6 +101,14 @@ class RequestState:
             self.sink(delta)
         else:
             self.queue.put_nowait(delta)
+
+    @property
+    def is_plain(self) -> bool:
+        """One output (no n > 1, no beam search), no stop strings, no logprobs: its deltas are its
+        new tokens, a finish reason and counts, so another process holding the tokenizer can make
+        its text exactly as sample_output would (the front-end link's token lane)."""
+        p = self.params
+        return p.n == 1 and p.beam_width == 1 and not p.stop and p.logprobs is None
 
     def output(self, index: int) -> OutputState:
         if index not in self.outputs:
@@ -176,3 +200,17 @@ class RequestStream:
         """Deltas go to `sink(delta)` as they are produced instead of `next_delta()` (one call per
         delta, on the engine's thread; errors arrive as deltas with `error` set)."""
         self._request.sink = sink
+
+    def set_token_sink(self, sink: TokenSink) -> bool:
+        """For a plain request (RequestState.is_plain), its sampled tokens go to `sink` as they are
+        produced, with no text; a last delta (an abort, an error) still goes to the delta sink.
+        Returns False, and changes nothing, for a request that is not plain."""
+        if not self._request.is_plain:
+            return False
+        self._request.token_sink = sink
+        return True
+
+    @property
+    def prompt_tail_ids(self) -> list[int]:
+        """The prompt's last tokens: the detokenizer's context for the first output token."""
+        return self._request.prompt_ids[-PROMPT_CONTEXT_TOKENS:]

@@ -83,27 +83,72 @@ def record_output(
     """Generated tokens, time to first token, queue time, inter-token latency (per output), and at
     the end the end-to-end latency and finish reason. Beam search streams its hypotheses whole at the
     end: their tokens (every returned beam's) count then, and no inter-token latency is observed."""
-    m, now, api = metrics, time.monotonic(), request.api
+    now = time.monotonic()
     num_tokens = 0
     for out in delta.outputs:
         if is_beam:
             num_tokens += len(out.token_ids)
-            continue
-        if not out.token_ids:
-            continue
-        num_tokens += len(out.token_ids)
-        last = request.last_token_s.get(out.index)
+        elif out.token_ids:
+            num_tokens += len(out.token_ids)
+            last = request.last_token_s.get(out.index)
+            if last is not None:
+                metrics.observe("inter_token_latency_seconds", (now - last) / len(out.token_ids), request.api)
+            request.last_token_s[out.index] = now
+    metrics.inc("generation_tokens", num_tokens, request.api)
+    reason = (delta.outputs[0].finish_reason if delta.outputs else None) or "abort"
+    _first_and_last(metrics, request, num_tokens > 0 or bool(delta.outputs) and is_beam, delta.finished,
+                    reason, now)
+
+
+class TokenTally:
+    """record_output for the plain requests of one emit pass (their tokens handed to a token sink,
+    no delta made), in bulk: the tokens counted per API, and the inter-token latencies grouped by
+    (API, when the output's previous token went out, tokens): at hundreds of streams a step's
+    observations are a handful of values, each observed once with its count
+    (SchedulerMetrics.observe_many) instead of once per request. One clock reading serves the
+    whole pass (its outputs come from one step result)."""
+
+    __slots__ = ("metrics", "now", "tokens", "gaps")
+
+    def __init__(self, metrics: SchedulerMetrics) -> None:
+        self.metrics = metrics
+        self.now = time.monotonic()
+        self.tokens: dict[str, int] = {}
+        self.gaps: dict[tuple[str, float, int], int] = {}
+
+    def add(self, request: RequestState, num_tokens: int, finished: bool, reason: str | None) -> None:
+        api, now, last_token_s = request.api, self.now, request.last_token_s
+        last = last_token_s.get(0)
         if last is not None:
-            m.observe("inter_token_latency_seconds", (now - last) / len(out.token_ids), api)
-        request.last_token_s[out.index] = now
-    if request.first_token_s is None and (num_tokens or delta.outputs and is_beam):
+            key = (api, last, num_tokens)
+            self.gaps[key] = self.gaps.get(key, 0) + 1
+        last_token_s[0] = now
+        self.tokens[api] = self.tokens.get(api, 0) + num_tokens
+        if last is None or finished:
+            _first_and_last(self.metrics, request, True, finished, reason or "abort", now)
+
+    def flush(self) -> None:
+        metrics = self.metrics
+        for api, num_tokens in self.tokens.items():
+            metrics.inc("generation_tokens", num_tokens, api)
+        now = self.now
+        for (api, last, num_tokens), count in self.gaps.items():
+            metrics.observe_many("inter_token_latency_seconds", (now - last) / num_tokens, count, api)
+        self.tokens.clear()
+        self.gaps.clear()
+
+
+def _first_and_last(metrics: SchedulerMetrics, request: RequestState, has_output: bool, finished: bool,
+                    reason: str, now: float) -> None:
+    """Time to first token and queue time at a request's first output; at its end, the end-to-end
+    latency and the finish reason."""
+    m, api = metrics, request.api
+    if request.first_token_s is None and has_output:
         request.first_token_s = now
         m.observe("time_to_first_token_seconds", now - request.arrival_s, api)
         group = request.group
         if group is not None and group.first_scheduled_time is not None:
             m.observe("request_queue_time_seconds", group.first_scheduled_time - group.arrival_time, api)
-    m.inc("generation_tokens", num_tokens, api)
-    if delta.finished:
+    if finished:
         m.observe("e2e_request_latency_seconds", now - request.arrival_s, api)
-        reason = delta.outputs[0].finish_reason if delta.outputs else "abort"
-        m.inc("requests_finished", api=api, reason=reason or "abort")
+        m.inc("requests_finished", api=api, reason=reason)

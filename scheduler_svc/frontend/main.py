@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 
 from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
+from scheduler_svc.frontend.token_lane import TokenLane
 from scheduler_svc.wire.client_identity import CLIENT_KEY, DEFAULT_API
 from scheduler_svc.wire.convert import maps_errors
 from scheduler_svc.wire.errors import RelayedError, ResourceExhaustedError, ServiceUnavailableError
@@ -73,6 +74,9 @@ class EngineLink:
         self._ids = itertools.count(1)
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._call: Any = None  # the Streams call while the link is up
+        # The streams whose text this process makes (token_lane.py), once the scheduler's tokenizer
+        # is here; None: every stream's text comes from the scheduler.
+        self.lane: TokenLane | None = None
         self.connected = asyncio.Event()
         self.scheduler_serving = True  # the scheduler's own health (watch_scheduler_health)
         # called with True / False when serving through the link starts / stops
@@ -82,15 +86,13 @@ class EngineLink:
         """Keeps the link up for as long as the front-end runs."""
         await asyncio.wait_for(self.channel.channel_ready(), connect_timeout_s)
         while True:
+            self.lane = await self._fetch_lane()
             self._call = self._link_stub.Streams(metadata=self.metadata)
             writer = asyncio.ensure_future(self._write(self._call))
             self._set_connected(True)
             try:
                 async for batch in self._call:
-                    for event in batch.events:
-                        queue = self._streams.get(event.stream_id)
-                        if queue is not None:
-                            queue.put_nowait(event)
+                    self._route(batch)
             except grpc.aio.AioRpcError as err:
                 _log.warning("link to the scheduler broke: %s %s", err.code().name, err.details())
             finally:
@@ -101,6 +103,39 @@ class EngineLink:
                 self._streams.clear()
                 self._outbox = asyncio.Queue()
             await asyncio.sleep(RECONNECT_S)
+
+    async def _fetch_lane(self) -> TokenLane | None:
+        """The token lane with the scheduler's tokenizer; None if it cannot be had (a scheduler
+        without the call: its streams' text comes from the scheduler, as before)."""
+        try:
+            reply = await self._link_stub.Tokenizer(frontend_pb2.TokenizerRequest(), metadata=self.metadata,
+                                                    timeout=60.0)
+            return TokenLane.from_reply(reply)
+        except grpc.aio.AioRpcError as err:
+            _log.warning("no tokenizer from the scheduler (%s): it makes every stream's text",
+                         err.code().name)
+        except Exception:  # noqa: BLE001 - an unreadable tokenizer: the scheduler makes the text
+            _log.exception("the scheduler's tokenizer could not be loaded: it makes every stream's text")
+        return None
+
+    def _route(self, batch: frontend_pb2.StreamBatch) -> None:
+        """A batch's events, then its token rows, to their streams' queues."""
+        streams, lane = self._streams, self.lane
+        for event in batch.events:
+            if lane is not None:
+                if event.text_by_frontend:
+                    lane.announce(event)
+                    continue
+                if event.stream_id in lane:
+                    lane.complete(event)
+            queue = streams.get(event.stream_id)
+            if queue is not None:
+                queue.put_nowait(event)
+        if lane is not None and batch.tokens.stream_ids:
+            for stream_id, event in lane.rows(batch.tokens):
+                queue = streams.get(stream_id)
+                if queue is not None:
+                    queue.put_nowait(event)
 
     def _set_connected(self, up: bool) -> None:
         (self.connected.set if up else self.connected.clear)()
@@ -141,7 +176,8 @@ class EngineLink:
             raise ServiceUnavailableError("the scheduler is not reachable")
         stream_id = next(self._ids)
         opened = frontend_pb2.LinkRequest(
-            open=frontend_pb2.OpenStream(stream_id=stream_id, request=request, client=client, api=api))
+            open=frontend_pb2.OpenStream(stream_id=stream_id, request=request, client=client, api=api,
+                                         make_text=self.lane is not None))
         num_bytes = opened.ByteSize()  # the request's size (the gRPC server let in) plus a few dozen
         if num_bytes > self.max_open_bytes:
             raise ResourceExhaustedError(f"the request is {num_bytes} bytes with its link envelope; at most "
@@ -152,6 +188,8 @@ class EngineLink:
         return stream_id, queue
 
     def close(self, stream_id: int, cancel: bool) -> None:
+        if self.lane is not None:
+            self.lane.forget(stream_id)
         if self._streams.pop(stream_id, None) is not None and cancel:
             self._outbox.put_nowait(frontend_pb2.LinkRequest(cancel=stream_id))
 

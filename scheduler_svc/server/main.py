@@ -23,6 +23,7 @@ from protos.pagedserve.v1 import frontend_pb2_grpc, generation_pb2, generation_p
 from scheduler_svc.engine.admission import MAX_REQUESTS_PER_CLIENT, MAX_WAITING_REQUESTS, AdmissionLimits
 from scheduler_svc.engine.api import ExecutorError, RecoveryOptions
 from scheduler_svc.engine.api import Tokenizer as EngineTokenizer
+from scheduler_svc.engine.detokenizer import TokenIdsOnly
 from scheduler_svc.engine.engine import Engine, ModelLimits
 from scheduler_svc.engine.executor_client import ExecutorPool
 from scheduler_svc.sched.kv_policies import PAGED, POLICIES, check_policy_options, make_kv_manager
@@ -41,7 +42,6 @@ from scheduler_svc.server.frontend_link import FrontendLinkServicer
 from scheduler_svc.server.generation_config import GenerationDefaults, union_ids
 from scheduler_svc.server.servicer import GenerationServicer
 from scheduler_svc.wire.chat_template import ChatTemplate
-from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.grpc_serving import (
     EXECUTOR_TOKEN_ENV,
     MAX_MESSAGE_BYTES,
@@ -229,18 +229,6 @@ def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
         bos_token=limits.chat_template.bos_token,
         eos_token=limits.chat_template.eos_token,
     )
-
-
-class TokenIdsOnly:
-    """The tokenizer of a model folder without tokenizer.json (e.g. a benchmark shape with dummy
-    weights): prompts must be token ids (a text prompt is INVALID_ARGUMENT) and outputs carry token
-    ids with empty text."""
-
-    def encode(self, text: str):
-        raise InvalidRequestError("prompt", "this server has no tokenizer; send token_ids")
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return ""
 
 
 def freeze_startup_heap(gen0_threshold: int = GC_GEN0_THRESHOLD) -> None:

@@ -1,8 +1,9 @@
 """The API front-end process path (scheduler_svc/frontend/main.py + frontend_servicer.py), served
 in the test's event loop in front of a real stack: the same tokens as a direct connection (greedy ==
-transformers, seeded n = 3, under preemption), errors passed through with their code and message, a cancelled
-stream frees its blocks, unary calls passed through, and the scheduler writes one batch per step
-for many streams."""
+transformers, seeded n = 3, under preemption), every streamed response equal to a direct connection's
+(text, counts, finish reasons) whichever process made the text (the token lane), errors passed
+through with their code and message, a cancelled stream frees its blocks, unary calls passed
+through, and the scheduler writes one batch per step for many streams."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def test_many_streams_get_one_batch_per_step(tiny_llama_dir):
     async def counting(self, reader):
         batch = await original(self, reader)
         if batch is not None:
-            batches.append(len(batch.events))
+            batches.append(len(batch.events) + len(batch.tokens.stream_ids))
         return batch
 
     frontend_servicer._Link.next_batch = counting
@@ -118,6 +119,102 @@ def test_many_streams_get_one_batch_per_step(tiny_llama_dir):
     assert all(len(r.outputs[0].token_ids) == MAX_TOKENS for r in results)
     assert sum(batches) >= 32 * MAX_TOKENS  # every response went through a batch
     assert len(batches) < sum(batches) / 8
+
+
+# Requests of every kind, for the token lane: plain ones (greedy, seeded, text prompts with characters
+# of several bytes, EOS allowed) take it; stop strings, logprobs and n > 1 keep the scheduler's text.
+LANE_REQUESTS = [
+    *[(p, dict(max_tokens=MAX_TOKENS, temperature=0.0)) for p in PROMPTS],
+    (PROMPTS[2], dict(max_tokens=MAX_TOKENS, temperature=0.9, seed=5)),
+    ("héllo wörld, ünïcode ✓ 日本語 🙂", dict(max_tokens=MAX_TOKENS, temperature=1.0, seed=6)),
+    ("The capital of France is", dict(max_tokens=40, temperature=1.0, seed=7)),
+    (PROMPTS[3], dict(max_tokens=MAX_TOKENS, temperature=1.0, seed=8, stop=("e", "th"))),
+    (PROMPTS[4], dict(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2)),
+    (PROMPTS[5], dict(max_tokens=MAX_TOKENS, temperature=0.8, seed=9, n=2)),
+]
+
+
+def _stream_all(target: str) -> list[list]:
+    """Every request of LANE_REQUESTS at once; per request, each streamed response (protobuf)."""
+    from clients.client import build_request
+    from protos.pagedserve.v1 import generation_pb2_grpc
+
+    async def one(stub, i, prompt, params):
+        call = stub.Generate(build_request(prompt, request_id=f"lane-{i}", **params))
+        return [response async for response in call]
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            return await asyncio.gather(*(one(stub, i, p, kw) for i, (p, kw) in enumerate(LANE_REQUESTS)))
+
+    return asyncio.run(scenario())
+
+
+def _comparable(responses: list) -> tuple[list, list]:
+    """The responses without their logprobs (serialized: compared exactly), and the logprobs (the
+    model's floats move in their last bits with the batch a step ran in: compared with a tolerance)."""
+    exact, floats = [], []
+    for response in responses:
+        for out in response.outputs:
+            floats += [out.cumulative_logprob, *out.logprobs.token_logprobs, *out.logprobs.top_logprobs]
+            out.cumulative_logprob = 0.0
+            del out.logprobs.token_logprobs[:], out.logprobs.top_logprobs[:]
+        exact.append(response.SerializeToString(deterministic=True))
+    return exact, floats
+
+
+def test_the_front_end_makes_the_text_of_plain_streams_as_the_scheduler_would(tiny_llama_dir):
+    """The token lane: plain requests reach the front-end as bare tokens (rows), which makes their
+    text and counts; every response a client sees (text, token ids, completion_tokens, finish reason,
+    cumulative logprob) equals a direct connection's, message by message, for every kind of request."""
+    from scheduler_svc.server import frontend_link
+
+    rows, original = [], frontend_link._Link._on_tokens
+
+    def counting(self, stream_id, *args):
+        rows.append(stream_id)
+        return original(self, stream_id, *args)
+
+    with Stack(tiny_llama_dir) as direct:
+        expected = _stream_all(direct.target)
+    frontend_link._Link._on_tokens = counting
+    try:
+        with FrontendStack(tiny_llama_dir) as stack:
+            got = _stream_all(stack.target)
+            assert not stack.engine._requests  # every request left the engine's table
+    finally:
+        frontend_link._Link._on_tokens = original
+    plain = sum(1 for _, kw in LANE_REQUESTS if not {"stop", "logprobs", "n"} & kw.keys())
+    assert len(set(rows)) == plain  # each plain request, and only those, went through the lane
+    assert len(rows) >= plain * 2
+    texts = "".join(o.text for r in expected for resp in r for o in resp.outputs)
+    assert texts.strip()  # the tiny tokenizer makes text: the comparison below covers it
+    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
+        (want_exact, want_floats), (have_exact, have_floats) = _comparable(want), _comparable(have)
+        assert have_exact == want_exact, f"request {i}: {LANE_REQUESTS[i]}"
+        assert have_floats == pytest.approx(want_floats, abs=1e-3), f"request {i}: {LANE_REQUESTS[i]}"
+
+
+def test_an_aborted_lane_stream_ends_with_its_counts(frontend_stack):
+    """A plain stream aborted midway (Abort by request id): its last response says abort, with the
+    tokens streamed so far counted by the front-end; the front-end forgets the stream."""
+
+    async def scenario():
+        async with AsyncClient(frontend_stack.target) as client:
+            stream = client.stream(PROMPTS[1], max_tokens=150, ignore_eos=True, request_id="to-abort")
+            received, last = 0, None
+            async for delta in stream:
+                received += len(delta.outputs[0].token_ids)
+                if received == 3 and delta.outputs[0].token_ids:
+                    assert await client.abort("to-abort")
+                last = delta
+            return received, last
+
+    received, last = asyncio.run(scenario())
+    out = last.outputs[0]
+    assert out.finish_reason == "abort" and last.finished
+    assert out.completion_tokens == received >= 3 and not out.token_ids
 
 
 def test_a_broken_link_ends_streams_unavailable_and_reconnects_to_a_restarted_scheduler(tiny_llama_dir):

@@ -7,17 +7,29 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerResponse(_message.Message):
+    __slots__ = ("tokenizer_json_zlib",)
+    TOKENIZER_JSON_ZLIB_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json_zlib: bytes
+    def __init__(self, tokenizer_json_zlib: _Optional[bytes] = ...) -> None: ...
+
 class OpenStream(_message.Message):
-    __slots__ = ("stream_id", "request", "client", "api")
+    __slots__ = ("stream_id", "request", "client", "api", "make_text")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     API_FIELD_NUMBER: _ClassVar[int]
+    MAKE_TEXT_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     request: _generation_pb2.GenerateRequest
     client: str
     api: str
-    def __init__(self, stream_id: _Optional[int] = ..., request: _Optional[_Union[_generation_pb2.GenerateRequest, _Mapping]] = ..., client: _Optional[str] = ..., api: _Optional[str] = ...) -> None: ...
+    make_text: bool
+    def __init__(self, stream_id: _Optional[int] = ..., request: _Optional[_Union[_generation_pb2.GenerateRequest, _Mapping]] = ..., client: _Optional[str] = ..., api: _Optional[str] = ..., make_text: _Optional[bool] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
     __slots__ = ("open", "cancel")
@@ -28,21 +40,41 @@ class LinkRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
 
 class StreamEvent(_message.Message):
-    __slots__ = ("stream_id", "response", "end", "code", "message")
+    __slots__ = ("stream_id", "response", "end", "code", "message", "text_by_frontend", "prompt_tail_ids")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_BY_FRONTEND_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TAIL_IDS_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     response: _generation_pb2.GenerateResponse
     end: bool
     code: int
     message: str
-    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[_generation_pb2.GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    text_by_frontend: bool
+    prompt_tail_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[_generation_pb2.GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., text_by_frontend: _Optional[bool] = ..., prompt_tail_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenColumns(_message.Message):
+    __slots__ = ("stream_ids", "token_ids", "logprobs", "finish_reasons", "finished")
+    STREAM_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    stream_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reasons: _containers.RepeatedScalarFieldContainer[int]
+    finished: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, stream_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reasons: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class StreamBatch(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "tokens")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[StreamEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ...) -> None: ...
+    tokens: TokenColumns
+    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ..., tokens: _Optional[_Union[TokenColumns, _Mapping]] = ...) -> None: ...

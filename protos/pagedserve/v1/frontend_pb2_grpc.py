@@ -39,6 +39,11 @@ class FrontendLinkStub:
                 request_serializer=protos_dot_pagedserve_dot_v1_dot_frontend__pb2.LinkRequest.SerializeToString,
                 response_deserializer=protos_dot_pagedserve_dot_v1_dot_frontend__pb2.StreamBatch.FromString,
                 _registered_method=True)
+        self.Tokenizer = channel.unary_unary(
+                '/pagedserve.v1.FrontendLink/Tokenizer',
+                request_serializer=protos_dot_pagedserve_dot_v1_dot_frontend__pb2.TokenizerRequest.SerializeToString,
+                response_deserializer=protos_dot_pagedserve_dot_v1_dot_frontend__pb2.TokenizerResponse.FromString,
+                _registered_method=True)
 
 
 class FrontendLinkServicer:
@@ -50,6 +55,13 @@ class FrontendLinkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenizer(self, request, context):
+        """The scheduler's tokenizer, for the front-end to make the text of streams opened with make_text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FrontendLinkServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_FrontendLinkServicer_to_server(servicer, server):
                     servicer.Streams,
                     request_deserializer=protos_dot_pagedserve_dot_v1_dot_frontend__pb2.LinkRequest.FromString,
                     response_serializer=protos_dot_pagedserve_dot_v1_dot_frontend__pb2.StreamBatch.SerializeToString,
+            ),
+            'Tokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenizer,
+                    request_deserializer=protos_dot_pagedserve_dot_v1_dot_frontend__pb2.TokenizerRequest.FromString,
+                    response_serializer=protos_dot_pagedserve_dot_v1_dot_frontend__pb2.TokenizerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class FrontendLink:
             '/pagedserve.v1.FrontendLink/Streams',
             protos_dot_pagedserve_dot_v1_dot_frontend__pb2.LinkRequest.SerializeToString,
             protos_dot_pagedserve_dot_v1_dot_frontend__pb2.StreamBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.FrontendLink/Tokenizer',
+            protos_dot_pagedserve_dot_v1_dot_frontend__pb2.TokenizerRequest.SerializeToString,
+            protos_dot_pagedserve_dot_v1_dot_frontend__pb2.TokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,
