@@ -105,6 +105,7 @@ class StepTrace:
     gpu_gap_s: float = -1.0
     gpu_busy_s: float = -1.0
     context_tokens: int = -1  # positions the step's sequences attend to (-1: an older trace)
+    prepare_cpu_s: float = -1.0  # the launching thread's CPU time from start_s to launch_s (-1: older)
 
     @property
     def is_decode(self) -> bool:
@@ -117,12 +118,14 @@ def read_step_trace(path: str, start_s: float, end_s: float) -> list[StepTrace]:
     with open(path) as trace:
         for line in trace:
             fields = line.split()
-            if len(fields) not in (6, 8, 9):
+            if len(fields) not in (6, 8, 9, 10):
                 continue  # a line being written
             events = [float(f) / 1e3 if float(f) >= 0 else -1.0 for f in fields[6:8]]
             times = map(float, fields[1:4])
             context = [int(f) for f in fields[8:9]]
-            step = StepTrace(int(fields[0]), *times, int(fields[4]), int(fields[5]), *events, *context)
+            prepare = [float(f) / 1e3 for f in fields[9:10]]
+            step = StepTrace(int(fields[0]), *times, int(fields[4]), int(fields[5]), *events, *context,
+                             *prepare)
             if step.end_s >= start_s and step.start_s <= end_s:
                 steps.append(step)
     return steps

@@ -22,6 +22,8 @@ class LaunchedStep:
     step_id: int
     start: float  # perf_counter at launch
     launch: float = 0.0  # perf_counter when the forward pass was queued
+    start_cpu: float = 0.0  # time.thread_time at launch
+    prepare_cpu_s: float = -1.0  # the launching thread's CPU time from start to launch
     num_seqs: int = 0
     num_tokens: int = 0
     context_tokens: int = 0  # sum over the step's sequences of the positions they attend to

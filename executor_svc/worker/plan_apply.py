@@ -58,7 +58,7 @@ class PlanApplier:
                 f"step {plan.step_id} does not follow step {self.last_step_id}; expected "
                 f"{self.last_step_id + 1} (reset the executor to start over)"
             )
-        step = LaunchedStep(plan.step_id, time.perf_counter())
+        step = LaunchedStep(plan.step_id, time.perf_counter(), start_cpu=time.thread_time())
         runner = self._ensure_runner()
         for seq_id in plan.finished_seq_ids:
             state = self.seqs.pop(seq_id, None)
@@ -78,6 +78,7 @@ class PlanApplier:
         # previous step's end to it unless this step was queued while that one ran.
         start_event = self._record_event() if self._trace is not None else None  # timing: trace only
         step.launch = time.perf_counter()
+        step.prepare_cpu_s = time.thread_time() - step.start_cpu
         if self._trace is not None:  # the trace's context field; no per-step walk otherwise
             step.context_tokens = sum(s.state.num_computed_tokens + s.num_new_tokens for s in scheduled)
         if batch is not None:

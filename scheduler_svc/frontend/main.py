@@ -95,6 +95,9 @@ class EngineLink:
                     self._route(batch)
             except grpc.aio.AioRpcError as err:
                 _log.warning("link to the scheduler broke: %s %s", err.code().name, err.details())
+            except Exception:  # noqa: BLE001 - a batch this side cannot read: start the link over
+                _log.exception("unreadable batch from the scheduler: reconnecting")
+                self._call.cancel()
             finally:
                 writer.cancel()
                 self._set_connected(False)

@@ -217,6 +217,34 @@ def test_an_aborted_lane_stream_ends_with_its_counts(frontend_stack):
     assert out.completion_tokens == received >= 3 and not out.token_ids
 
 
+def test_lane_streams_are_counted_in_the_schedulers_metrics(tiny_llama_dir):
+    """Plain streams through the front-end (tallied per step, TokenTally) count as streams with
+    deltas do (tests/service/test_metrics.py): every token, one inter-token latency per token but the
+    first, a first-token latency, an end-to-end latency and a finish reason per request."""
+    from tests.service.test_metrics import diff, scrape
+
+    with FrontendStack(tiny_llama_dir, metrics_port=0) as stack:
+        port = stack.engine.metrics.port
+        before = scrape(port)
+
+        async def scenario():
+            async with AsyncClient(stack.target) as client:
+                calls = [client.generate(p, max_tokens=MAX_TOKENS, ignore_eos=True, seed=i)
+                         for i, p in enumerate(PROMPTS)]
+                return await asyncio.gather(*calls)
+
+        results = asyncio.run(scenario())
+        after = scrape(port)
+    num = len(PROMPTS)
+    assert all(len(r.outputs[0].token_ids) == MAX_TOKENS for r in results)
+    assert diff(after, before, "generation_tokens_total") == num * MAX_TOKENS
+    assert diff(after, before, "inter_token_latency_seconds_count") == num * (MAX_TOKENS - 1)
+    assert 0 < diff(after, before, "inter_token_latency_seconds_sum") < 60
+    assert diff(after, before, "time_to_first_token_seconds_count") == num
+    assert diff(after, before, "e2e_request_latency_seconds_count") == num
+    assert diff(after, before, "requests_finished_total", reason="length") == num
+
+
 def test_a_broken_link_ends_streams_unavailable_and_reconnects_to_a_restarted_scheduler(tiny_llama_dir):
     from dataclasses import replace
 

@@ -45,9 +45,11 @@ def test_the_step_trace_has_one_line_per_step_and_no_gpu_times_on_cpu(tiny_llama
     # step, sequences, tokens, and the positions attended to (5 prompt tokens; then 6 with the decode)
     fields = [(int(f[0]), int(f[4]), int(f[5]), int(f[8])) for f in lines]
     assert fields == [(0, 1, 5, 5), (1, 1, 1, 6), (2, 0, 0, 0)]
-    assert all(f[6:8] == ["-1.0000", "-1.0000"] and len(f) == 9 for f in lines)
+    assert all(f[6:8] == ["-1.0000", "-1.0000"] and len(f) == 10 for f in lines)
     start, launch, end = (float(x) for x in lines[0][1:4])
     assert start <= launch <= end
+    prepare_cpu_ms = float(lines[0][9])  # the thread's CPU time while preparing: at most the wall time
+    assert 0 <= prepare_cpu_ms <= (launch - start) * 1e3 + 0.5
     assert open_step_trace(str(trace), rank=1) is None  # rank 0 alone writes it
 
 
