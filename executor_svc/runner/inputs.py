@@ -175,8 +175,19 @@ def build_model_input(
     """Tensors for one forward pass over `num_new_tokens` tokens of each sequence from its
     `num_computed_tokens` on; a row is sampled for each sequence that reaches the end of its tokens.
 
-    `generator` (CPU) draws the seeds of rows whose request has no seed.
+    `generator` (CPU) draws the seeds of rows whose request has no seed. A step of decodes alone
+    (one token each, every sequence sampled) takes `_decode_model_input`: the same tensors.
     """
+    decode = _decode_model_input(scheduled, block_size, device, generator)
+    if decode is not None:
+        return decode
+    return _general_model_input(scheduled, block_size, device, generator)
+
+
+def _general_model_input(
+    scheduled: list[ScheduledSequence], block_size: int, device: torch.device, generator: torch.Generator
+) -> ModelInput:
+    """build_model_input of any step (prompts, chunks, decodes)."""
     # One pass over the sequences: checks, the per-sequence columns, the new tokens, the sampled rows.
     lens: list[int] = []
     begins: list[int] = []
@@ -255,6 +266,107 @@ def build_model_input(
         ),
         pending_token_indices=holes,
         pending_seq_ids=tuple(scheduled[i].seq_id for i in seq_of_token[holes].tolist()),
+    )
+
+
+# The integer columns of a decode step, one row of DECODE_INT_COLUMNS per sequence in the host list
+# the fast path builds: the step's own columns, then the sampling ones (_sampling_row's five, then
+# sample_index and output_positions).
+DECODE_INT_COLUMNS = ("input_ids", "positions", "slot_mapping", "top_k", "has_seed", "given_seeds",
+                      "num_logprobs", "num_beam_candidates", "sample_index", "output_positions")
+
+
+def _decode_model_input(
+    scheduled: list[ScheduledSequence], block_size: int, device: torch.device, generator: torch.Generator
+) -> ModelInput | None:
+    """build_model_input of a step whose every sequence decodes one token and is sampled; None for
+    any other step. The generic path's dozens of small tensor ops (each ~15-30 µs on a slow host,
+    docs/benchmarks.md Round 11) become a handful: Python reads each sequence once into one flat
+    integer list and one float list (its slot from its block table, its sampling row cached on its
+    state), which become two tensors; the [B, M] block tables are one gather; everything reaches the
+    device in one copy, as row views of the packed integer matrix."""
+    num_seqs = len(scheduled)
+    if not num_seqs:
+        return None
+    ints: list = []
+    floats: list = []
+    holes: list[int] = []
+    max_logprobs, max_beams, any_top_k_top_p, all_greedy = -1, 0, False, True
+    for i, s in enumerate(scheduled):
+        state = s.state
+        begin, ids, table = state.num_computed_tokens, state.token_ids, state.block_table
+        if s.num_new_tokens != 1 or begin + 1 != len(ids) or begin >= len(table) * block_size:
+            return None  # not a decode of the last known token (or a table too short: the generic
+            # path names the error)
+        token = ids[begin]
+        if token == PENDING_TOKEN:
+            holes.append(i)
+        row = _sampling_row(state)
+        static = row[1]
+        ints += (token, begin, table[begin // block_size] * block_size + begin % block_size, *static,
+                 state.sample_index, len(ids) - state.prompt_len)
+        floats += row[0]
+        if row[0][0] > 0:
+            all_greedy = False
+        if row[2]:
+            any_top_k_top_p = True
+        if static[3] > max_logprobs:
+            max_logprobs = static[3]
+        if static[4] > max_beams:
+            max_beams = static[4]
+    columns = torch.tensor(ints, dtype=torch.int64).view(num_seqs, len(DECODE_INT_COLUMNS)).t()  # [10, B]
+    float_columns = torch.tensor(floats, dtype=torch.float32).view(num_seqs, 2).t()  # [2, B]
+    positions = columns[1]
+    fresh = torch.randint(0, 2**62, (num_seqs,), generator=generator, dtype=torch.int64)
+    seeds = torch.where(columns[4].bool(), columns[5], fresh)  # [B]
+    host = {
+        "ints": columns.contiguous(),  # [10, B] int64
+        "floats": float_columns.contiguous(),  # [2, B] float32
+        "seeds": seeds,
+        "block_tables": _block_tables(scheduled),  # [B, M] int32
+        "seq_lens": (positions + 1).to(torch.int32),  # [B]
+        "query_start_loc": torch.arange(num_seqs + 1, dtype=torch.int32),  # [B + 1]
+    }
+    on_device = pack_to_device(host, device)
+    cols = dict(zip(DECODE_INT_COLUMNS, on_device["ints"].unbind(0), strict=True))
+    temperature, top_p = on_device["floats"].unbind(0)
+    query_start_loc = on_device["query_start_loc"]
+    attn = AttentionMetadata(
+        slot_mapping=cols["slot_mapping"],
+        block_tables=on_device["block_tables"],
+        seq_lens=on_device["seq_lens"],
+        query_start_loc=query_start_loc,
+        max_query_len=1,
+        max_seq_len=int(positions.max()) + 1,
+    )
+    num_logprobs, num_beams = cols["num_logprobs"], cols["num_beam_candidates"]
+    sampling = SamplingMetadata(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=cols["top_k"],
+        seeds=on_device["seeds"],
+        has_seed=cols["has_seed"].bool(),
+        sample_index=cols["sample_index"],
+        output_positions=cols["output_positions"],
+        num_logprobs=num_logprobs,
+        num_beam_candidates=num_beams,
+        max_num_logprobs=max(0, max_logprobs),
+        max_num_beam_candidates=max(0, max_beams),
+        all_greedy=all_greedy,
+        any_top_k_top_p=any_top_k_top_p,
+    )
+    seq_ids = tuple(s.seq_id for s in scheduled)
+    return ModelInput(
+        input_ids=cols["input_ids"],
+        positions=cols["positions"],
+        attn=attn,
+        logits_indices=query_start_loc[:num_seqs].long(),
+        sampling=sampling,
+        sampled_seq_ids=seq_ids,
+        num_logprobs=tuple(columns[6].tolist()) if max_logprobs > 0 else None,
+        num_beam_candidates=tuple(columns[7].tolist()) if max_beams > 0 else None,
+        pending_token_indices=torch.tensor(holes, dtype=torch.int64),
+        pending_seq_ids=tuple(seq_ids[i] for i in holes),
     )
 
 

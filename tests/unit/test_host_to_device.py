@@ -313,3 +313,83 @@ def test_build_model_input_moves_the_step_with_one_copy(monkeypatch):
     assert len(moves) == 1
     # the step's 7 columns, the prefill kernel's work list (a step with prompts), the sampler's 9
     assert len(packs) == 1 and len(packs[0]) == 7 + 1 + 9 and "prefill_tile_starts" in packs[0]
+
+
+# --- the decode fast path (_decode_model_input) -----------------------------------------------------
+
+
+def decode_step(rows: BlockTableRows | None = None) -> list[ScheduledSequence]:
+    """Five decodes of one token each, every one sampled: seeds, top-k, top-p, logprobs, a beam, two
+    tokens planned ahead (PENDING_TOKEN), tables of different widths, positions on and off a block's
+    first slot."""
+
+    def state(num_tokens, table, params, sample_index=0, prompt_len=3):
+        tokens = [(5 * i + 7) % 89 + 3 for i in range(num_tokens)]
+        s = SequenceState(tokens, num_tokens - 1, table, params, sample_index, prompt_len)
+        if rows is not None:
+            s.attach(rows)
+        return s
+
+    a = state(11, [9, 2, 5], SamplingParams(temperature=0.7, top_k=5, seed=1234), 1, 6)
+    b = state(5, [4, 11], SamplingParams(temperature=1.2, top_p=0.9, logprobs=3))  # position 4: slot 0
+    b.token_ids[-1] = PENDING_TOKEN
+    c = state(17, [1, 3, 8, 12, 13], SamplingParams(temperature=0.0))
+    d = state(9, [9, 6, 7], SamplingParams(temperature=0.0, logprobs=0))
+    d.token_ids[-1] = PENDING_TOKEN
+    e = state(8, [10, 14], SamplingParams(beam_width=2), 2, 5)
+    return [ScheduledSequence(20 + i, s, 1) for i, s in enumerate((a, b, c, d, e))]
+
+
+def _model_input_fields(batch) -> dict:
+    """Every field of a ModelInput, its attention and sampling metadata, by name."""
+    out = {}
+    for name in ("input_ids", "positions", "logits_indices", "sampled_seq_ids", "pending_token_indices",
+                 "pending_seq_ids", "num_logprobs", "num_beam_candidates"):
+        out[name] = getattr(batch, name)
+    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "max_query_len",
+                 "max_seq_len", "prefill_tile_starts"):
+        out[f"attn.{name}"] = getattr(batch.attn, name)
+    for name in batch.sampling.__dataclass_fields__:
+        out[f"sampling.{name}"] = getattr(batch.sampling, name)
+    return out
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_the_decode_path_builds_what_the_general_path_builds(attached, monkeypatch):
+    rows = BlockTableRows(rows=2, width=2) if attached else None
+    scheduled = decode_step(rows)
+    general = inputs._general_model_input(scheduled, BS, CPU, torch.Generator().manual_seed(42))
+    moves = count_device_moves(monkeypatch)
+    fast = inputs._decode_model_input(scheduled, BS, CPU, torch.Generator().manual_seed(42))
+    assert fast is not None and len(moves) == 1  # one copy to the device
+    want, got = _model_input_fields(general), _model_input_fields(fast)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[name].dtype == value.dtype and got[name].shape == value.shape, name
+            assert got[name].is_contiguous() and same_bits(got[name], value), (name, got[name], value)
+        else:
+            assert got[name] == value, name
+    reference_columns = reference(scheduled, 42)
+    assert same_bits(fast.attn.slot_mapping, reference_columns["slot_mapping"])
+    assert fast.pending_seq_ids == (21, 23) and fast.num_logprobs == (-1, 3, -1, 0, -1)
+    assert fast.sampling.max_num_beam_candidates == 4 and not fast.sampling.all_greedy
+
+
+def test_build_model_input_takes_the_decode_path_only_for_decode_steps(monkeypatch):
+    calls = []
+    original = inputs._general_model_input
+    monkeypatch.setattr(inputs, "_general_model_input", lambda *a: calls.append(1) or original(*a))
+    gen = torch.Generator().manual_seed(0)
+    build_model_input(decode_step(), BS, CPU, gen)
+    assert calls == []
+    build_model_input(mixed_step(), BS, CPU, gen)  # prompts and a chunk: the general path
+    assert calls == [1]
+    chunk = decode_step()
+    chunk[2].state.num_computed_tokens -= 1  # one token of two still to compute: not the last token
+    build_model_input(chunk, BS, CPU, gen)
+    assert calls == [1, 1]
+    short = decode_step()
+    short[0].state.block_table[:] = [9]  # a table too short for the position: the general path says so
+    with pytest.raises(Exception, match="block table of 1 blocks cannot hold"):
+        build_model_input(short, BS, CPU, gen)
