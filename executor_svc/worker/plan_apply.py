@@ -125,10 +125,16 @@ class PlanApplier:
                 raise PlanError(f"sequence {seq_id}: pending token, step {prev.step_id} sampled none for it")
             rows.append(row)
         assert prev.token_ids is not None  # it sampled rows
-        source = torch.tensor(rows, dtype=torch.int64)
-        batch.input_ids[to_device(batch.pending_token_indices, self.device)] = prev.token_ids[
-            to_device(source, self.device)
-        ]
+        holes = batch.pending_token_indices  # [P] ascending
+        assert holes is not None
+        num_pending = len(rows)
+        if rows == list(range(num_pending)) and int(holes[-1]) == num_pending - 1:
+            # the step's first P tokens are the previous step's first P samples, in order (a decode
+            # batch that kept its sequences and their order): one copy, no index upload
+            batch.input_ids[:num_pending].copy_(prev.token_ids[:num_pending])
+        else:
+            index = to_device(torch.stack((holes, torch.tensor(rows, dtype=torch.int64))), self.device)
+            batch.input_ids[index[0]] = prev.token_ids[index[1]]  # [P] <- [P]
         for seq_id, row in zip(batch.pending_seq_ids, rows, strict=True):
             state = self.seqs[seq_id]
             index = len(state.token_ids) - 1

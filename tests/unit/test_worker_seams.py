@@ -88,3 +88,29 @@ def test_only_the_graph_buckets_a_step_can_use_are_captured(tiny_llama_dir, monk
     worker.use_cuda_graphs = True  # as on a GPU: the worker hands its limits to the capture
     worker._ensure_cache()
     assert captured == [(worker.model_config.max_model_len, 24)]
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1], [1, 2]])
+def test_tokens_planned_ahead_are_the_previous_steps_samples_in_any_order(tiny_llama_dir, order):
+    """A decode plan built before the previous step's result (PENDING_TOKEN) takes each sequence's
+    token from that step's samples: with the sequences in the previous order (one copy on the device)
+    or reordered or fewer (an index), the samples equal those of plans that name the tokens."""
+    from scheduler_svc.wire.step_plan import PENDING_TOKEN
+
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24]]
+
+    def prefill(worker):
+        new = [NewSequence(i, p, 0, len(p), [4 * i, 4 * i + 1], GREEDY) for i, p in enumerate(prompts)]
+        return worker.execute(StepPlan(0, new_seqs=new)).samples
+
+    known = make_worker(tiny_llama_dir, block_size=4)
+    first = {s.seq_id: s.token_id for s in prefill(known)}
+    ids = [i for i in order]
+    want = known.execute(StepPlan(1, decode_seq_ids=ids, decode_token_ids=[first[i] for i in ids])).samples
+
+    ahead = make_worker(tiny_llama_dir, block_size=4)
+    step0 = ahead.launch(StepPlan(0, new_seqs=[
+        NewSequence(i, p, 0, len(p), [4 * i, 4 * i + 1], GREEDY) for i, p in enumerate(prompts)]))
+    step1 = ahead.launch(StepPlan(1, decode_seq_ids=ids, decode_token_ids=[PENDING_TOKEN] * len(ids)))
+    assert [s.token_id for s in ahead.finish(step0).samples] == [first[i] for i in range(3)]
+    assert ahead.finish(step1).samples == want
