@@ -7,8 +7,11 @@ reach the device in one copy (`pack_to_device`).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from itertools import repeat
+from operator import add, attrgetter, floordiv, ge, getitem, is_, itemgetter, mod, mul, sub
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -68,9 +71,13 @@ class BlockTableRows:
         self.write(row, 0, [])
         self._free.append(row)
 
-    def gather(self, rows: list[int], width: int) -> torch.Tensor:
-        """[len(rows), width] int32: the tables of `rows`, zero-padded to width (a new tensor)."""
-        index = torch.tensor(rows, dtype=torch.int64)
+    def gather(self, rows: list[int] | array, width: int) -> torch.Tensor:
+        """[len(rows), width] int32: the tables of `rows` (a list, or an array of int64), zero-padded
+        to width (a new tensor)."""
+        if isinstance(rows, array) and rows:
+            index = torch.frombuffer(rows, dtype=torch.int64)
+        else:
+            index = torch.tensor(rows, dtype=torch.int64)
         gathered = self._table[:, :width].index_select(0, index)
         if width > gathered.shape[1]:  # wider than any table written: zeros
             gathered = torch.nn.functional.pad(gathered, (0, width - gathered.shape[1]))
@@ -141,8 +148,10 @@ class SequenceState:
         return child
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledSequence:
+class ScheduledSequence(NamedTuple):
+    """A sequence of a step: its state and how many of its tokens the step computes (a named tuple:
+    a step makes hundreds, each in a fraction of a frozen dataclass's time)."""
+
     seq_id: int
     state: SequenceState
     num_new_tokens: int
@@ -280,56 +289,51 @@ def _decode_model_input(
     scheduled: list[ScheduledSequence], block_size: int, device: torch.device, generator: torch.Generator
 ) -> ModelInput | None:
     """build_model_input of a step whose every sequence decodes one token and is sampled; None for
-    any other step. The generic path's dozens of small tensor ops (each ~15-30 µs on a slow host,
-    docs/benchmarks.md Round 11) become a handful: Python reads each sequence once into one flat
-    integer list and one float list (its slot from its block table, its sampling row cached on its
-    state), which become two tensors; the [B, M] block tables are one gather; everything reaches the
-    device in one copy, as row views of the packed integer matrix."""
+    any other step. The general path's Python loop and dozens of small tensor ops cost ~1.8 ms at 256
+    sequences on the H100 machine's slow host cores (docs/benchmarks.md Round 11); here each column
+    is read from the states by a C-level `map` (no Python frame per sequence), the integer columns
+    become one [10, B] tensor and the floats one [2, B], the [B, M] block tables are one gather, and
+    everything reaches the device in one copy, as row views of those matrices."""
     num_seqs = len(scheduled)
-    if not num_seqs:
+    if not num_seqs or any(map((1).__ne__, map(_NUM_NEW_TOKENS, scheduled))):
         return None
-    ints: list = []
-    floats: list = []
-    holes: list[int] = []
-    max_logprobs, max_beams, any_top_k_top_p, all_greedy = -1, 0, False, True
-    for i, s in enumerate(scheduled):
-        state = s.state
-        begin, ids, table = state.num_computed_tokens, state.token_ids, state.block_table
-        if s.num_new_tokens != 1 or begin + 1 != len(ids) or begin >= len(table) * block_size:
-            return None  # not a decode of the last known token (or a table too short: the generic
-            # path names the error)
-        token = ids[begin]
-        if token == PENDING_TOKEN:
-            holes.append(i)
-        row = _sampling_row(state)
-        static = row[1]
-        ints += (token, begin, table[begin // block_size] * block_size + begin % block_size, *static,
-                 state.sample_index, len(ids) - state.prompt_len)
-        floats += row[0]
-        if row[0][0] > 0:
-            all_greedy = False
-        if row[2]:
-            any_top_k_top_p = True
-        if static[3] > max_logprobs:
-            max_logprobs = static[3]
-        if static[4] > max_beams:
-            max_beams = static[4]
-    columns = torch.tensor(ints, dtype=torch.int64).view(num_seqs, len(DECODE_INT_COLUMNS)).t()  # [10, B]
-    float_columns = torch.tensor(floats, dtype=torch.float32).view(num_seqs, 2).t()  # [2, B]
-    positions = columns[1]
+    states = list(map(_STATE, scheduled))
+    begins = list(map(_NUM_COMPUTED, states))
+    token_ids = list(map(_TOKEN_IDS, states))
+    lens = list(map(len, token_ids))
+    tables = list(map(_BLOCK_TABLE, states))
+    if any(map((1).__ne__, map(sub, lens, begins))) or any(
+        map(ge, begins, map(mul, map(len, tables), repeat(block_size)))
+    ):
+        return None  # not the last known token of each (a chunk), or a table too short: the general
+        # path (which names the error)
+    tokens = list(map(getitem, token_ids, begins))
+    blocks = map(getitem, tables, map(floordiv, begins, repeat(block_size)))
+    slots = list(map(add, map(mul, blocks, repeat(block_size)), map(mod, begins, repeat(block_size))))
+    rows = list(map(_SAMPLING_ROW, states))  # cached on the states; computed for any new one
+    if None in rows:
+        rows = list(map(_sampling_row, states))
+    top_k, has_seed, given, num_logprobs, num_beams = zip(*map(_STATIC_INTS, rows), strict=True)
+    temperature, top_p = zip(*map(_FLOATS, rows), strict=True)
+    output_positions = list(map(sub, lens, map(_PROMPT_LEN, states)))
+    packed = array("q")  # the [10, B] columns in DECODE_INT_COLUMNS order (array + frombuffer: a
+    for column in (tokens, begins, slots, top_k, has_seed, given, num_logprobs, num_beams,  # quarter of
+                   map(_SAMPLE_INDEX, states), output_positions):  # torch.tensor's time on lists)
+        packed.extend(column)
+    columns = torch.frombuffer(packed, dtype=torch.int64).view(len(DECODE_INT_COLUMNS), num_seqs)
+    max_logprobs, max_beams = max(num_logprobs), max(num_beams)
     fresh = torch.randint(0, 2**62, (num_seqs,), generator=generator, dtype=torch.int64)
-    seeds = torch.where(columns[4].bool(), columns[5], fresh)  # [B]
+    positions = columns[1]
     host = {
-        "ints": columns.contiguous(),  # [10, B] int64
-        "floats": float_columns.contiguous(),  # [2, B] float32
-        "seeds": seeds,
-        "block_tables": _block_tables(scheduled),  # [B, M] int32
+        "ints": columns,
+        "floats": torch.frombuffer(array("f", temperature + top_p), dtype=torch.float32).view(2, num_seqs),
+        "seeds": torch.where(columns[4].bool(), columns[5], fresh),  # [B]
+        "block_tables": _block_tables_of(states, tables),  # [B, M] int32
         "seq_lens": (positions + 1).to(torch.int32),  # [B]
         "query_start_loc": torch.arange(num_seqs + 1, dtype=torch.int32),  # [B + 1]
     }
     on_device = pack_to_device(host, device)
     cols = dict(zip(DECODE_INT_COLUMNS, on_device["ints"].unbind(0), strict=True))
-    temperature, top_p = on_device["floats"].unbind(0)
     query_start_loc = on_device["query_start_loc"]
     attn = AttentionMetadata(
         slot_mapping=cols["slot_mapping"],
@@ -337,25 +341,26 @@ def _decode_model_input(
         seq_lens=on_device["seq_lens"],
         query_start_loc=query_start_loc,
         max_query_len=1,
-        max_seq_len=int(positions.max()) + 1,
+        max_seq_len=max(begins) + 1,
     )
-    num_logprobs, num_beams = cols["num_logprobs"], cols["num_beam_candidates"]
+    on_temperature, on_top_p = on_device["floats"].unbind(0)
     sampling = SamplingMetadata(
-        temperature=temperature,
-        top_p=top_p,
+        temperature=on_temperature,
+        top_p=on_top_p,
         top_k=cols["top_k"],
         seeds=on_device["seeds"],
         has_seed=cols["has_seed"].bool(),
         sample_index=cols["sample_index"],
         output_positions=cols["output_positions"],
-        num_logprobs=num_logprobs,
-        num_beam_candidates=num_beams,
+        num_logprobs=cols["num_logprobs"],
+        num_beam_candidates=cols["num_beam_candidates"],
         max_num_logprobs=max(0, max_logprobs),
         max_num_beam_candidates=max(0, max_beams),
-        all_greedy=all_greedy,
-        any_top_k_top_p=any_top_k_top_p,
+        all_greedy=not any(map((0.0).__lt__, temperature)),
+        any_top_k_top_p=any(map(_TOP_K_TOP_P, rows)),
     )
-    seq_ids = tuple(s.seq_id for s in scheduled)
+    seq_ids = tuple(map(_SEQ_ID, scheduled))
+    holes = [i for i, token in enumerate(tokens) if token == PENDING_TOKEN]
     return ModelInput(
         input_ids=cols["input_ids"],
         positions=cols["positions"],
@@ -363,22 +368,33 @@ def _decode_model_input(
         logits_indices=query_start_loc[:num_seqs].long(),
         sampling=sampling,
         sampled_seq_ids=seq_ids,
-        num_logprobs=tuple(columns[6].tolist()) if max_logprobs > 0 else None,
-        num_beam_candidates=tuple(columns[7].tolist()) if max_beams > 0 else None,
+        num_logprobs=num_logprobs if max_logprobs > 0 else None,
+        num_beam_candidates=num_beams if max_beams > 0 else None,
         pending_token_indices=torch.tensor(holes, dtype=torch.int64),
         pending_seq_ids=tuple(seq_ids[i] for i in holes),
     )
 
 
+_STATE, _SEQ_ID, _NUM_NEW_TOKENS = attrgetter("state"), attrgetter("seq_id"), attrgetter("num_new_tokens")
+_NUM_COMPUTED, _TOKEN_IDS = attrgetter("num_computed_tokens"), attrgetter("token_ids")
+_BLOCK_TABLE, _PROMPT_LEN, _SAMPLE_INDEX = attrgetter("block_table"), attrgetter("prompt_len"), attrgetter(
+    "sample_index")
+_FLOATS, _STATIC_INTS, _TOP_K_TOP_P = itemgetter(0), itemgetter(1), itemgetter(2)  # of a _sampling_row
+_ROWS, _ROW, _SAMPLING_ROW = attrgetter("_rows"), attrgetter("_row"), attrgetter("_sampling_row")
+
+
 def _block_tables(scheduled: list[ScheduledSequence]) -> torch.Tensor:
     """[B, M] int32, each sequence's table zero-padded to the longest: one gather when the states share
     a BlockTableRows (the executor's), else their tensors padded."""
-    rows = scheduled[0].state._rows if scheduled else None
-    if rows is not None and all(s.state._rows is rows for s in scheduled):
-        width = max(len(s.state.block_table) for s in scheduled)
-        return rows.gather([s.state._row for s in scheduled], width)
-    tables = [s.state.block_table_tensor() for s in scheduled]
-    return pad_sequence(tables, batch_first=True).to(torch.int32)
+    states = list(map(_STATE, scheduled))
+    return _block_tables_of(states, list(map(_BLOCK_TABLE, states)))
+
+
+def _block_tables_of(states: list[SequenceState], tables: list[list[int]]) -> torch.Tensor:
+    rows = states[0]._rows if states else None
+    if rows is not None and all(map(is_, map(_ROWS, states), repeat(rows))):
+        return rows.gather(array("q", map(_ROW, states)), max(map(len, tables)))
+    return pad_sequence([s.block_table_tensor() for s in states], batch_first=True).to(torch.int32)
 
 
 def _validate(s: ScheduledSequence, block_size: int) -> None:

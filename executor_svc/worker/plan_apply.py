@@ -10,7 +10,10 @@ executor_svc/worker/protocol.py.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
+from itertools import repeat
+from operator import attrgetter
 
 import torch
 
@@ -21,6 +24,8 @@ from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.worker.launched_step import LaunchedStep, copy_to_host, to_samples
 from executor_svc.worker.step_trace import StepTrace
 from scheduler_svc.wire.step_plan import PENDING_TOKEN, StepPlan, StepResult
+
+_TOKEN_IDS = attrgetter("token_ids")
 
 
 class PlanApplier:
@@ -196,13 +201,15 @@ class PlanApplier:
             if cont.block_ids:  # no block ids: the table is unchanged (whatever block_table_start says)
                 state.set_blocks(cont.block_table_start, cont.block_ids)
             scheduled.append(ScheduledSequence(cont.seq_id, state, cont.num_new_tokens))
-        seqs = self.seqs
-        for seq_id, token_id in zip(plan.decode_seq_ids, plan.decode_token_ids, strict=True):
-            decoding = seqs.get(seq_id)
-            if decoding is None:
-                raise PlanError(f"decoding sequence {seq_id} is unknown to this executor")
-            decoding.token_ids.append(token_id)
-            scheduled.append(ScheduledSequence(seq_id, decoding, 1))
+        seq_ids, token_ids = plan.decode_seq_ids, plan.decode_token_ids
+        if len(seq_ids) != len(token_ids):
+            raise PlanError(f"{len(seq_ids)} decoding sequences but {len(token_ids)} decode tokens")
+        try:  # (C-level maps: no Python frame per decoding sequence)
+            decoding = list(map(self.seqs.__getitem__, seq_ids))
+        except KeyError as err:
+            raise PlanError(f"decoding sequence {err.args[0]} is unknown to this executor") from None
+        deque(map(list.append, map(_TOKEN_IDS, decoding), token_ids), maxlen=0)
+        scheduled.extend(map(ScheduledSequence, seq_ids, decoding, repeat(1)))
         return scheduled
 
     def _state(self, seq_id: int, what: str) -> SequenceState:
