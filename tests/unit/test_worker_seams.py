@@ -114,3 +114,19 @@ def test_tokens_planned_ahead_are_the_previous_steps_samples_in_any_order(tiny_l
     step1 = ahead.launch(StepPlan(1, decode_seq_ids=ids, decode_token_ids=[PENDING_TOKEN] * len(ids)))
     assert [s.token_id for s in ahead.finish(step0).samples] == [first[i] for i in range(3)]
     assert ahead.finish(step1).samples == want
+
+
+def test_a_token_planned_ahead_from_a_step_that_sampled_none_for_it_is_refused(tiny_llama_dir):
+    from executor_svc.runner.errors import PlanError
+    from scheduler_svc.wire.step_plan import PENDING_TOKEN
+
+    worker = make_worker(tiny_llama_dir, block_size=4)
+    worker.launch(StepPlan(0, new_seqs=[NewSequence(i, [5, 6, 7], 0, 3, [2 * i, 2 * i + 1], GREEDY)
+                                        for i in range(2)]))
+    worker.launch(StepPlan(1, decode_seq_ids=[0], decode_token_ids=[PENDING_TOKEN]))
+    with pytest.raises(PlanError, match="sequence 1: pending token, step 1 sampled none for it"):
+        worker.launch(StepPlan(2, decode_seq_ids=[1], decode_token_ids=[PENDING_TOKEN]))
+    with pytest.raises(PlanError, match="sequence 9 is unknown"):
+        worker.launch(StepPlan(2, decode_seq_ids=[9], decode_token_ids=[3]))
+    with pytest.raises(PlanError, match="2 decoding sequences but 1 decode tokens"):
+        worker.launch(StepPlan(2, decode_seq_ids=[0, 1], decode_token_ids=[3]))
