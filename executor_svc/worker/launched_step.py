@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from executor_svc.runner.inputs import SequenceState
 from scheduler_svc.wire.step_plan import SampledToken
 
 
@@ -31,8 +32,8 @@ class LaunchedStep:
     token_ids: torch.Tensor | None = None  # [S] sampled tokens on the device
     host: tuple | None = None  # (sampled_seq_ids, host copies of the sampler's outputs)
     sampled_token_ids: list[int] | None = None  # [S], once finished
-    # (a later step's sequence's token ids, index, row): its token at index is this step's sample at row
-    pending_fixes: list[tuple[list[int], int, int]] = field(default_factory=list)
+    # (state, index, row): token ids of later steps' sequences that are this step's samples
+    pending_fixes: list[tuple[SequenceState, int, int]] = field(default_factory=list)
 
 
 def copy_to_host(batch, output) -> tuple:

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from itertools import repeat
-from operator import attrgetter, getitem, setitem, sub
+from operator import attrgetter
 
 import torch
 
@@ -25,12 +25,7 @@ from executor_svc.worker.launched_step import LaunchedStep, copy_to_host, to_sam
 from executor_svc.worker.step_trace import StepTrace
 from scheduler_svc.wire.step_plan import PENDING_TOKEN, StepPlan, StepResult
 
-_TOKEN_IDS, _TOKEN_ID = attrgetter("token_ids"), attrgetter("token_id")
-
-
-def _set_all(lists, indexes, values) -> None:
-    """lists[i][indexes[i]] = values[i] for every i (a C-level loop)."""
-    deque(map(setitem, lists, indexes, values), maxlen=0)
+_TOKEN_IDS = attrgetter("token_ids")
 
 
 class PlanApplier:
@@ -113,11 +108,10 @@ class PlanApplier:
         self.wait(step)
         end = time.perf_counter()
         samples = to_samples(*step.host) if step.host is not None else []
-        step.sampled_token_ids = sampled = list(map(_TOKEN_ID, samples))
-        if step.pending_fixes:
-            token_ids, last, rows = zip(*step.pending_fixes, strict=True)
-            _set_all(token_ids, last, map(sampled.__getitem__, rows))
-            step.pending_fixes.clear()
+        step.sampled_token_ids = [s.token_id for s in samples]
+        for state, index, row in step.pending_fixes:
+            state.token_ids[index] = step.sampled_token_ids[row]
+        step.pending_fixes.clear()
         if self._trace is not None:
             self._trace.write(step, end)
         return StepResult(step.step_id, samples, end - step.start)
@@ -129,12 +123,12 @@ class PlanApplier:
         prev = self._last_launched
         if prev is None or prev.step_id != step_id - 1:
             raise PlanError(f"step {step_id} takes tokens from a previous step this executor did not run")
-        pending = batch.pending_seq_ids
-        try:  # (C-level maps here and below: no Python frame per pending sequence)
-            rows = list(map(prev.rows.__getitem__, pending))
-        except KeyError as err:
-            raise PlanError(
-                f"sequence {err.args[0]}: pending token, step {prev.step_id} sampled none for it") from None
+        rows = []
+        for seq_id in batch.pending_seq_ids:
+            row = prev.rows.get(seq_id)
+            if row is None:
+                raise PlanError(f"sequence {seq_id}: pending token, step {prev.step_id} sampled none for it")
+            rows.append(row)
         assert prev.token_ids is not None  # it sampled rows
         holes = batch.pending_token_indices  # [P] ascending
         assert holes is not None
@@ -146,16 +140,15 @@ class PlanApplier:
         else:
             index = to_device(torch.stack((holes, torch.tensor(rows, dtype=torch.int64))), self.device)
             batch.input_ids[index[0]] = prev.token_ids[index[1]]  # [P] <- [P]
-        states = list(map(self.seqs.__getitem__, pending))
-        token_ids = list(map(_TOKEN_IDS, states))
-        last = list(map(sub, map(len, token_ids), repeat(1)))
-        if any(map(PENDING_TOKEN.__ne__, map(getitem, token_ids, last))):
-            seq_id = next(i for i, ids in zip(pending, token_ids, strict=True) if ids[-1] != PENDING_TOKEN)
-            raise PlanError(f"sequence {seq_id}: a pending token that is not its last")
-        if prev.sampled_token_ids is not None:  # the previous step is finished already
-            _set_all(token_ids, last, map(prev.sampled_token_ids.__getitem__, rows))
-        else:
-            prev.pending_fixes.extend(zip(token_ids, last, rows, strict=True))
+        for seq_id, row in zip(batch.pending_seq_ids, rows, strict=True):
+            state = self.seqs[seq_id]
+            index = len(state.token_ids) - 1
+            if state.token_ids[index] != PENDING_TOKEN:
+                raise PlanError(f"sequence {seq_id}: a pending token that is not its last")
+            if prev.sampled_token_ids is not None:  # the previous step is finished already
+                state.token_ids[index] = prev.sampled_token_ids[row]
+            else:
+                prev.pending_fixes.append((state, index, row))
 
     def _record_event(self):
         if self.device.type != "cuda":
@@ -215,7 +208,7 @@ class PlanApplier:
             decoding = list(map(self.seqs.__getitem__, seq_ids))
         except KeyError as err:
             raise PlanError(f"decoding sequence {err.args[0]} is unknown to this executor") from None
-        deque(map(list.append, map(_TOKEN_IDS, decoding), token_ids), maxlen=0)  # (each its token)
+        deque(map(list.append, map(_TOKEN_IDS, decoding), token_ids), maxlen=0)
         scheduled.extend(map(ScheduledSequence, seq_ids, decoding, repeat(1)))
         return scheduled
 
