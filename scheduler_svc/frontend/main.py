@@ -127,7 +127,8 @@ class EngineLink:
         for event in batch.events:
             if lane is not None:
                 if event.text_by_frontend:
-                    lane.announce(event)
+                    if event.stream_id in streams:  # (not a stream its client left meanwhile)
+                        lane.announce(event)
                     continue
                 if event.stream_id in lane:
                     lane.complete(event)

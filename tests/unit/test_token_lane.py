@@ -2,7 +2,8 @@
 events and stay under their byte limit, the front-end's TokenLane turns rows into the responses the
 engine would have made (text, counts, finish, the stream forgotten at its end) and skips rows of
 streams it does not know, a batch with misaligned columns is refused, and observe_many leaves a
-histogram as that many observe calls do."""
+histogram as that many observe calls do; the front-end routes a batch's events before its rows and
+ignores the announcement of a stream its client already left."""
 
 from __future__ import annotations
 
@@ -152,3 +153,25 @@ def test_observe_many_leaves_the_histogram_as_that_many_observes():
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-12), key
+
+
+def test_the_front_end_routes_events_before_rows_and_skips_streams_it_left():
+    import asyncio
+
+    from scheduler_svc.frontend.main import EngineLink
+
+    link = object.__new__(EngineLink)  # (no channel: _route alone)
+    link.lane = TokenLane(TokenIdsOnly())
+    queue: asyncio.Queue = asyncio.Queue()
+    link._streams = {1: queue}
+    batch = frontend_pb2.StreamBatch()
+    for stream_id in (1, 2):  # stream 2's client left before its announcement came
+        event = batch.events.add(stream_id=stream_id, text_by_frontend=True)
+        event.response.request_id = f"r{stream_id}"
+    rows = [(1, 7, -0.5, 0, False), (2, 8, -0.5, 0, False), (1, 9, -0.25, LENGTH, True)]
+    batch.tokens.CopyFrom(_columns(rows))
+    link._route(batch)
+    assert 2 not in link.lane and len(link.lane) == 0  # 1 ended, 2 never announced
+    got = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert [list(e.response.outputs[0].token_ids) for e in got] == [[7], [9]]
+    assert [e.end for e in got] == [False, True] and got[1].response.outputs[0].completion_tokens == 2
