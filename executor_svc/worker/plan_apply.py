@@ -138,8 +138,8 @@ class PlanApplier:
             # batch that kept its sequences and their order): one copy, no index upload
             batch.input_ids[:num_pending].copy_(prev.token_ids[:num_pending])
         else:
-            index = to_device(torch.stack((holes, torch.tensor(rows, dtype=torch.int64))), self.device)
-            batch.input_ids[index[0]] = prev.token_ids[index[1]]  # [P] <- [P]
+            where = to_device(torch.stack((holes, torch.tensor(rows, dtype=torch.int64))), self.device)
+            batch.input_ids[where[0]] = prev.token_ids[where[1]]  # [P] <- [P]: [2, P] (holes, rows)
         for seq_id, row in zip(batch.pending_seq_ids, rows, strict=True):
             state = self.seqs[seq_id]
             index = len(state.token_ids) - 1
