@@ -122,8 +122,15 @@ class BlockManager(KVCacheManager):
         num_needed = sum(needs)
         if self.num_free_blocks - num_needed >= self.watermark_blocks:
             return AllocStatus.OK
-        for seq in waiting:  # prefix hits on used blocks cost no free block
-            num_needed -= sum(1 for b in self._lookup_prefix(seq.token_ids) if b.ref_cnt > 0)
+        # A prefix hit costs no free block when the block is in use, or when another of the group's
+        # sequences hits it too (allocate shares it: the samples of a group recomputed after a
+        # preemption have the same prompt blocks); a cached block nobody uses costs one, once.
+        counted: set[int] = set()
+        for seq in waiting:
+            for block in self._lookup_prefix(seq.token_ids):
+                if block.ref_cnt > 0 or block.block_id in counted:
+                    num_needed -= 1
+                counted.add(block.block_id)
         ok = self.num_free_blocks - num_needed >= self.watermark_blocks
         return AllocStatus.OK if ok else AllocStatus.LATER
 

@@ -196,3 +196,25 @@ def test_integrity_check_catches_a_table_refcount_mismatch():
     bm.block_table(seq).append(2)  # a reference the pool never counted
     with pytest.raises(AssertionError):
         bm.check_integrity()
+
+
+def test_samples_recomputed_together_count_their_shared_prefix_blocks_once():
+    """A group whose n samples wait again (recompute after a preemption) with the same cached prompt
+    blocks: can_allocate counts those blocks once, as allocate shares them (counting them per
+    sample said LATER, which with nothing else in the cache dropped a request that fits)."""
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, enable_prefix_caching=True)
+    first = admit(bm, range(9))
+    compute_all(bm, first)  # blocks 0 and 1 full and cached
+    bm.free(first)
+    assert bm.num_free_blocks == 8
+    seqs = [Sequence(100 + i, [*range(8), 50 + i, 60 + i, 70 + i], 8) for i in range(3)]
+    group = SequenceGroup("samples", seqs, SamplingParams(n=3), 0.0)
+    # 3 blocks each = 9 > 8 free; sharing the two cached blocks: 2 + 3 x 1 = 5
+    assert bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    assert [bm.block_table(s) for s in seqs] == [[0, 1, 2], [0, 1, 3], [0, 1, 4]]
+    assert bm.num_free_blocks == 3 and all(s.num_computed_tokens == 8 for s in seqs)
+    bm.check_integrity()
+    crowded = SequenceGroup("more", [Sequence(200 + i, [*range(8), 90 + i, 91, 92, 93, 94], 8)
+                                     for i in range(2)], SamplingParams(n=2), 0.0)
+    assert bm.can_allocate(crowded) is AllocStatus.LATER  # 2 blocks of its own each: 4 > 3 free
