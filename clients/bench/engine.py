@@ -14,7 +14,9 @@ Measured over the steps that decode the full batch (every request running, one t
 time per step, the scheduler process's CPU time per step (`time.process_time`, all its threads), and
 a breakdown by part (perf_counter accumulators around the engine's calls, exclusive of nested
 parts). "other" is the rest of the process's CPU: the servicer's stream writes, gRPC and the
-event loop. `--profile FILE` writes cProfile stats of the same window.
+event loop. `--profile FILE` writes cProfile stats of the same window. With `--api-frontend`, the
+front-end process's CPU time per step too (from /proc: Linux), which with the token lane does the
+per-request text and client writes the scheduler no longer does.
 
 `--gpu-step-ms X` gives every step X ms of simulated device time (`DeviceTimedSimWorker`: the executor
 launches one plan ahead and each step's samples are ready X ms after the previous step's end, as on
@@ -31,6 +33,7 @@ import cProfile
 import gc
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -266,6 +269,7 @@ def instrument(engine, probe: Probe, num_requests: int, on_full_step: Callable[[
         "messages streamed", probe.timed("delta to protobuf", servicer.request_delta_to_pb))
     frontend_servicer.request_delta_to_pb = servicer.request_delta_to_pb
     engine._emit = probe.count("deltas", engine._emit)
+    frontend_servicer._Link._on_tokens = probe.count("lane rows", frontend_servicer._Link._on_tokens)
     executor_client.step_result_from_pb = probe.timed("result decode", executor_client.step_result_from_pb)
     to_pb = probe.timed("plan encode", executor_client.step_plan_to_pb)
 
@@ -296,9 +300,13 @@ class Window:
         self.first: tuple | None = None
         self.last: tuple | None = None
         self.num_steps = 0
+        self.frontend_pid: int | None = None  # the API front-end process, whose CPU time is read too
 
     def mark(self) -> None:
-        snap = (time.perf_counter(), time.process_time(), dict(self.probe.totals))
+        totals = dict(self.probe.totals)
+        if self.frontend_pid is not None:
+            totals["frontend cpu"] = process_cpu_s(self.frontend_pid)
+        snap = (time.perf_counter(), time.process_time(), totals)
         if self.first is None:
             self.first = snap
             if self.profiler is not None:
@@ -322,7 +330,19 @@ class Window:
         return {"full_steps": n, "wall_ms_per_step": (w1 - w0) / n * 1e3, "cpu_ms_per_step": cpu_ms,
                 "parts_ms_per_step": parts,
                 "executor_round_trip_ms": per_step("executor round trip (wall)") * 1e3,
-                "deltas_per_step": per_step("deltas"), "messages_per_step": per_step("messages streamed")}
+                "deltas_per_step": per_step("deltas"), "messages_per_step": per_step("messages streamed"),
+                "lane_rows_per_step": per_step("lane rows"),
+                "frontend_cpu_ms_per_step": per_step("frontend cpu") * 1e3 if self.frontend_pid else None}
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` used so far, from /proc (Linux); 0 elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 async def bench(args: argparse.Namespace, model_dir: str, executor_target: str) -> dict[str, Any]:
@@ -354,6 +374,7 @@ async def bench(args: argparse.Namespace, model_dir: str, executor_target: str) 
         target = f"127.0.0.1:{port}"
         while await asyncio.to_thread(health_status, target, "", 1.0) != "SERVING":
             await asyncio.sleep(0.1)
+        window.frontend_pid = frontend.pid
     cmd = [sys.executable, "-m", "clients.bench.engine", "--run-clients", target,
            "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
            "--prompt-len", str(args.prompt_len)]
@@ -412,7 +433,10 @@ def print_report(r: dict[str, Any]) -> None:
     for part, ms in r["parts_ms_per_step"].items():
         print(f"  {part:<42} {ms:7.3f} ms")
     print(f"  (executor round trip, wall: {r['executor_round_trip_ms']:.2f} ms, overlapping the emit; "
-          f"{r['deltas_per_step']:.0f} deltas and {r['messages_per_step']:.0f} gRPC messages per step)")
+          f"{r['deltas_per_step']:.0f} outputs per step: {r['messages_per_step']:.0f} as deltas, "
+          f"{r['lane_rows_per_step']:.0f} as token-lane rows)")
+    if r.get("frontend_cpu_ms_per_step") is not None:
+        print(f"API front-end process CPU {r['frontend_cpu_ms_per_step']:.2f} ms/step")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
