@@ -262,13 +262,13 @@ def instrument(engine, probe: Probe, num_requests: int, on_full_step: Callable[[
 
     sched.schedule = schedule_and_mark
     sched.process_result = probe.timed("process_result", sched.process_result)
-    engine._emit = probe.timed("emit", engine._emit)
+    engine._emit_one = probe.timed("emit", engine._emit_one)
     engine_module.record_step = probe.timed("metrics", engine_module.record_step)
     engine_module.record_output = probe.timed("metrics", engine_module.record_output)
     servicer.request_delta_to_pb = probe.count(
         "messages streamed", probe.timed("delta to protobuf", servicer.request_delta_to_pb))
     frontend_servicer.request_delta_to_pb = servicer.request_delta_to_pb
-    engine._emit = probe.count("deltas", engine._emit)
+    engine._emit_one = probe.count("deltas", engine._emit_one)
     frontend_servicer._Link._on_tokens = probe.count("lane rows", frontend_servicer._Link._on_tokens)
     executor_client.step_result_from_pb = probe.timed("result decode", executor_client.step_result_from_pb)
     to_pb = probe.timed("plan encode", executor_client.step_plan_to_pb)
