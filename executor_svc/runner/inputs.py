@@ -2,7 +2,9 @@
 
 Everything per token is built with tensor ops; Python touches each scheduled sequence once (to
 slice its new token ids and read its block table). The step's tensors, sampling parameters included,
-reach the device in one copy (`pack_to_device`).
+reach the device in one copy (`pack_to_device`). A step of decodes alone (the common step) takes a
+path of its own, `_decode_model_input`: its columns are read from the states by C-level maps into
+two arrays (at 256 sequences ~0.6 of the general path's host time; the same ModelInput).
 """
 
 from __future__ import annotations
