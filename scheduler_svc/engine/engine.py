@@ -330,15 +330,11 @@ class Engine:
         return []
 
     def _emit(self, out: RequestOutput, tally: TokenTally | None = None) -> None:
-        """`tally`: where a plain request's metrics are counted (flushed by the caller); without
-        one, this call makes and flushes its own."""
-        own = TokenTally(self.metrics) if tally is None and self.metrics is not None else None
+        """`tally`: where a plain request's metrics are counted (flushed by the caller)."""
         try:  # (free in CPython 3.11+ when nothing raises)
-            self._emit_one(out, tally or own)
+            self._emit_one(out, tally)
         except Exception as err:  # noqa: BLE001 - this request's fault (detokenizer, stop strings, ...)
             self._fail_request(out.request_id, err)
-        if own is not None:
-            own.flush()
 
     def _emit_one(self, out: RequestOutput, tally: TokenTally | None) -> None:
         request = self._requests.get(out.request_id)
@@ -354,8 +350,11 @@ class Engine:
             reason = sample.finish_reason.value if sample.finish_reason is not None else None
             if finished:
                 self._forget(out.request_id)
-            if tally is not None:
-                tally.add(request, len(sample.token_ids), finished, reason)
+            if self.metrics is not None:  # (counted in the caller's tally, else in one of its own)
+                counted = tally or TokenTally(self.metrics)
+                counted.add(request, len(sample.token_ids), finished, reason)
+                if counted is not tally:
+                    counted.flush()
             sink(sample.token_ids, sample.logprobs, reason, finished)
             return
         delta = RequestDelta(out.request_id, len(request.prompt_ids), finished=out.finished, error=out.error)

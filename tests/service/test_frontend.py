@@ -290,3 +290,25 @@ def test_front_end_health_follows_the_schedulers(frontend_stack):
     wait_for("NOT_SERVING")
     frontend_stack.run(frontend_stack.scheduler.health.set_serving(True))
     wait_for("SERVING")
+
+
+def test_an_unreadable_batch_ends_its_streams_and_the_link_reconnects(tiny_llama_dir, monkeypatch):
+    """Misaligned token columns (TokenLane.rows raises): the streams on the link end UNAVAILABLE,
+    the front-end reconnects on its own and serves again."""
+    from scheduler_svc.frontend import token_lane
+
+    original, calls = token_lane.TokenLane.rows, []
+
+    def broken_once(self, columns):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("zip() argument 2 is shorter than argument 1")
+        return original(self, columns)
+
+    monkeypatch.setattr(token_lane.TokenLane, "rows", broken_once)
+    with FrontendStack(tiny_llama_dir) as stack, Client(stack.target) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(PROMPTS[0], max_tokens=5, temperature=0.0)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        wait_until(stack.frontend_link_up, 10, 0.05, "the front-end to reconnect")
+        assert len(client.generate(PROMPTS[0], max_tokens=5, temperature=0.0).outputs[0].token_ids) == 5
