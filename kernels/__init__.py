@@ -9,7 +9,9 @@ Deliberately no `__version__` here: transformers probes for an unrelated PyPI pa
 `kernels` (tests/unit/test_layering.py).
 """
 
+import functools
 import importlib
+import os
 
 import torch
 
@@ -23,6 +25,8 @@ __all__ = [
     "greedy_sample",
     "layer_norm",
     "paged_attention",
+    "pdl",
+    "pdl_launch",
     "prefill_tile_starts",
     "reshape_and_cache",
     "rms_norm",
@@ -50,6 +54,44 @@ def prefill_tile_starts(query_start_loc: torch.Tensor) -> torch.Tensor:
     starts = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=query_start_loc.device)
     torch.cumsum(tiles, 0, dtype=torch.int32, out=starts[1:])
     return starts
+
+
+# ---- programmatic dependent launch (PDL, sm_90+): a kernel's programs start while the one before ends ----
+
+PDL_ENV = "PAGEDSERVE_PDL"  # "0": launch every kernel plainly (for comparisons)
+
+
+@functools.cache
+def _pdl_on(device_index: int) -> bool:
+    if os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether the decode path's Triton kernels (the skinny GEMMs, RMSNorm, rotary + cache write,
+    paged attention and its split reduce) launch on `device` with programmatic dependent launch.
+
+    Launched so, a kernel's programs may become resident before the kernel ahead of it in the stream
+    has finished; each program first waits (`griddepcontrol.wait`, every program, before any load of
+    a value an earlier kernel may write and before any store) for that kernel to complete and its
+    writes to be visible, then lets the next kernel launch. So the order of a step's effects is the
+    order of its launches, as without PDL (a kernel that completes has waited for the one before,
+    so the chain holds across kernels launched plainly, cuBLAS's or torch's, too); what overlaps is
+    the launch and a program's set-up, and in the skinny GEMM the prefetch of its first weight
+    columns into L2 (the weights are never written by a step). On for Hopper and later GPUs; off on
+    other devices, on the CPU and under the Triton interpreter, or with PAGEDSERVE_PDL=0. How we
+    know it works: the GPU tests of every kernel and model run with it on (the default), and
+    `clients.bench.step` prints a decode step's graph time with and without it (docs/benchmarks.md,
+    round 12)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The launch keyword for a kernel with a PDL constexpr: {"launch_pdl": True} where pdl(device)."""
+    return {"launch_pdl": True} if pdl(device) else {}
 
 
 def _cuda_module(name: str):

@@ -93,7 +93,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels import pdl, pdl_launch
 from kernels.reference import check_scales
 
 F16_MAX = tl.constexpr(65504.0)
@@ -440,7 +442,11 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DETERMINISTIC: tl.constexpr, SCALE_V: tl.constexpr,
     Q_F16: tl.constexpr,
     BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # kernels.pdl: before any load (the query, the step's tables) and every early return
+        gdc_wait()
+        gdc_launch_dependents()
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -531,8 +537,11 @@ def _paged_attention_kernel(
 def _reduce_splits_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     num_heads, num_splits, head_dim, stride_o_tok, stride_o_head,
-    S_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # kernels.pdl
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, S_PAD)
@@ -753,6 +762,7 @@ def paged_attention(
             BLOCK_ADDR=sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0,
         )
 
+    on = pdl(query.device)
     f32 = dict(dtype=torch.float32, device=query.device)
     part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32) if split else out
     part_max = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
@@ -771,11 +781,13 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0, DETERMINISTIC=deterministic,
         SCALE_V=v_scale != 1.0, Q_F16=q_f16, **tuning, num_warps=num_warps, num_stages=num_stages, **launch,
+        PDL=on, **pdl_launch(query.device),
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_max, part_sum, num_heads, num_splits, head_dim, out.stride(0), out.stride(1),
             S_PAD=triton.next_power_of_2(num_splits), D_PAD=d_pad, num_warps=4,
+            PDL=on, **pdl_launch(query.device),
         )
     return out
 

@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels import pdl, pdl_launch
 from kernels.reference import check_scales, is_fp8
 from kernels.triton_cache import as_cached
 
@@ -34,8 +36,11 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
     stride_x, stride_res, stride_y, stride_res_out,
     dim, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # kernels.pdl
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
@@ -65,6 +70,7 @@ def rms_norm(x, weight, eps, residual=None):
         x.stride(0), res.stride(0), y.stride(0), res_out.stride(0),
         dim, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        PDL=pdl(x.device), **pdl_launch(x.device),
     )
     return y, res_out
 
@@ -155,8 +161,11 @@ def _rotary_and_cache_kernel(
     stride_cos,
     num_heads, num_kv_heads, num_q_blocks, half, k_inv_scale, v_inv_scale,
     HEADS: tl.constexpr, HALF_PAD: tl.constexpr, FP8: tl.constexpr, KEY_IN_PLACE: tl.constexpr,
-    RN: tl.constexpr,
+    RN: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # kernels.pdl
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     offs = tl.arange(0, HALF_PAD)  # [HALF_PAD]
@@ -250,8 +259,8 @@ def rotary_and_cache(
         cos_cache.stride(0),
         num_heads, num_kv_heads, num_q_blocks, half, 1.0 / k_scale, 1.0 / v_scale,
         HEADS=heads, HALF_PAD=half_pad, FP8=is_fp8(key_cache.dtype), KEY_IN_PLACE=rotate_key_in_place,
-        RN=query.is_cuda,
-        num_warps=2,
+        RN=query.is_cuda, PDL=pdl(query.device),
+        num_warps=2, **pdl_launch(query.device),
     )
     return query_out
 

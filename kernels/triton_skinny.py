@@ -23,15 +23,20 @@ Target: no projection slower than cuBLAS at 1-64 rows, and a decode step faster.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import SKINNY_GATED_BLOCK_N, SKINNY_GATED_WIDE_ROWS, SKINNY_MAX_ROWS
+from kernels import SKINNY_GATED_BLOCK_N, SKINNY_GATED_WIDE_ROWS, SKINNY_MAX_ROWS, pdl, pdl_launch
 
 _WIDE_N = 25_000  # at and above: 128-row weight tiles (enough programs to fill an H100 twice over)
+# With PDL (kernels.pdl), each program first prefetches this many columns of its weight rows into L2,
+# while the kernel before it in the stream is still running (0: none).
+PREFETCH_K = int(os.environ.get("PAGEDSERVE_SKINNY_PREFETCH_K", "512"))
 
 
 @dataclass(frozen=True)
@@ -64,13 +69,31 @@ def shared_memory_bytes(num_rows: int, n: int, k: int, gated: bool = False, elem
 
 
 @triton.jit
+def _prefetch_rows(w_ptr, rows, stride_w, LINES: tl.constexpr, LINE: tl.constexpr):
+    """prefetch.global.L2 of the first LINES lines (LINE elements each) of the weight rows `rows`."""
+    cols = tl.arange(0, LINES) * LINE
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _skinny_kernel(
-    x_desc, w_desc, y_ptr, bias_ptr,
-    num_rows, n, gate_rows, stride_y,
+    x_desc, w_desc, y_ptr, bias_ptr, w_ptr,
+    num_rows, n, gate_rows, stride_y, stride_w,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
+    if PDL:  # kernels.pdl: the weight is never written by a step; x and y are, after the wait only
+        if PREFETCH_LINES > 0:
+            rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), n - 1)
+            _prefetch_rows(w_ptr, rows, stride_w, PREFETCH_LINES, LINE)
+            if GATED:
+                _prefetch_rows(w_ptr, gate_rows + rows, stride_w, PREFETCH_LINES, LINE)
+        gdc_wait()
+        gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y.T tile: weight rows x tokens
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for i in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
@@ -112,13 +135,16 @@ def _launch(x, weight, bias, out, n, gated, config):
     cfg = config or skinny_config(num_rows, n, k, gated)
     block_m = max(16, triton.next_power_of_2(num_rows))
     upcast = not x.is_cuda and x.dtype != torch.float32
+    on = pdl(x.device)
+    line = 128 // weight.element_size()  # elements of a 128-byte L2 line
+    lines = 1 << (max(1, min(PREFETCH_K, k) // line).bit_length() - 1) if on and PREFETCH_K > 0 else 0
     _skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
         _descriptor(x, [block_m, cfg.block_k]), _descriptor(weight, [cfg.block_n, cfg.block_k]),
-        out, bias if bias is not None else out,
-        num_rows, n, n if gated else 0, out.stride(0),
+        out, bias if bias is not None else out, weight,
+        num_rows, n, n if gated else 0, out.stride(0), weight.stride(0),
         K=k, HAS_BIAS=bias is not None, GATED=gated, UPCAST=upcast,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.stages,
-        num_warps=cfg.warps,
+        PDL=on, PREFETCH_LINES=lines, LINE=line, num_warps=cfg.warps, **pdl_launch(x.device),
     )
     return out
 

@@ -173,3 +173,18 @@ def test_shared_memory_of_the_pipelines():
     assert triton_skinny.shared_memory_bytes(64, 6144, 4096) == 6 * (64 + 64) * 128 * 2
     assert triton_skinny.shared_memory_bytes(8, 14336, 4096, gated=True) == 4 * (16 + 2 * 64) * 128 * 2
     assert triton_skinny.shared_memory_bytes(96, 14336, 4096, gated=True) == 3 * (128 + 2 * 64) * 128 * 2
+
+
+def test_pdl_only_on_a_gpu_and_not_when_turned_off(monkeypatch):
+    import kernels
+
+    kernels._pdl_on.cache_clear()
+    try:
+        assert not kernels.pdl(torch.device("cpu")) and kernels.pdl_launch(torch.device("cpu")) == {}
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs no inline PTX
+        assert not kernels.pdl(torch.device("cuda", 0)) and kernels.pdl_launch(torch.device("cuda", 0)) == {}
+        monkeypatch.delenv("TRITON_INTERPRET")
+        monkeypatch.setenv(kernels.PDL_ENV, "0")  # decided before any CUDA query: works without a GPU
+        assert not kernels.pdl(torch.device("cuda", 0))
+    finally:
+        kernels._pdl_on.cache_clear()
