@@ -136,11 +136,18 @@ class BlockManager(KVCacheManager):
 
     def allocate(self, group: SequenceGroup) -> None:
         bs = self.block_size
-        for seq in group.seqs_with_status(SequenceStatus.WAITING):
+        waiting = group.seqs_with_status(SequenceStatus.WAITING)
+        # Every sequence's prefix hits are taken before any new block: a new block comes from the
+        # head of the free queue and may evict a cached block, which must not be one that a later
+        # sequence of the group hits (can_allocate counted it once for all of them).
+        hits_of = []
+        for seq in waiting:
             assert seq.seq_id not in self._seqs, f"seq {seq.seq_id} already has blocks"
             hits = self._lookup_prefix(seq.token_ids)
             for block in hits:
                 self._share(block)
+            hits_of.append(hits)
+        for seq, hits in zip(waiting, hits_of, strict=True):
             num_tokens = seq.num_tokens
             table = [b.block_id for b in hits]
             for i in range(len(hits), self._num_blocks(num_tokens)):
@@ -230,7 +237,8 @@ class BlockManager(KVCacheManager):
         bs, states = self.block_size, self._seqs
         for seq in seqs:
             state = states.get(seq.seq_id)
-            if state is not None and seq.num_computed_tokens // bs > state.num_published_blocks:
+            known = min(seq.num_computed_tokens, len(seq.token_ids) - seq.pending)
+            if state is not None and known // bs > state.num_published_blocks:
                 self.mark_computed(seq)
 
     def mark_computed(self, seq: Sequence) -> None:
@@ -238,7 +246,9 @@ class BlockManager(KVCacheManager):
             return
         state = self._seqs.get(seq.seq_id)
         if state is not None and not state.on_cpu and not state.chain_broken:
-            publish_computed_blocks(self.gpu, self.block_size, state, seq.token_ids, seq.num_computed_tokens)
+            # tokens still being sampled (placeholders) are in no published block
+            known = min(seq.num_computed_tokens, len(seq.token_ids) - seq.pending)
+            publish_computed_blocks(self.gpu, self.block_size, state, seq.token_ids, known)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         src = self._seqs[parent.seq_id]

@@ -218,3 +218,26 @@ def test_samples_recomputed_together_count_their_shared_prefix_blocks_once():
     crowded = SequenceGroup("more", [Sequence(200 + i, [*range(8), 90 + i, 91, 92, 93, 94], 8)
                                      for i in range(2)], SamplingParams(n=2), 0.0)
     assert bm.can_allocate(crowded) is AllocStatus.LATER  # 2 blocks of its own each: 4 > 3 free
+
+
+def test_a_samples_new_block_never_evicts_a_cached_block_a_later_sample_hits():
+    """allocate takes every sample's prefix hits before any new block: the first sample's new blocks
+    come from the free queue's head, which here holds cached blocks the other two samples hit (and
+    can_allocate counted once for both); taking those would have left the group two blocks short
+    of what can_allocate promised (found by the property test: the pool ran out)."""
+    bm = BlockManager(block_size=2, num_gpu_blocks=8, enable_prefix_caching=True)
+    a = admit(bm, range(1, 10))  # blocks 0..3 full ([1, 2] .. [7, 8]), 4 partial
+    d = admit(bm, range(50, 56))  # blocks 5..7, full
+    compute_all(bm, a)
+    compute_all(bm, d)
+    bm.free(a)
+    bm.free(d)  # free queue: 4 (uncached), then cached 3, 2, 1, 0, 7, 6, 5
+    seqs = [Sequence(300, [1, 2, 3, 4, 90, 91, 92, 93], 8),  # hits 0, 1; two new blocks
+            Sequence(301, [*range(1, 9), 95], 9),  # hits 0..3; one new block
+            Sequence(302, [*range(1, 9), 96], 9)]
+    group = SequenceGroup("samples", seqs, SamplingParams(n=3), 0.0)
+    assert bm.can_allocate(group) is AllocStatus.OK  # 4 shared + 2 + 1 + 1 = 8 free
+    bm.allocate(group)
+    assert [bm.block_table(s) for s in seqs] == [[0, 1, 4, 7], [0, 1, 2, 3, 6], [0, 1, 2, 3, 5]]
+    assert [s.num_computed_tokens for s in seqs] == [4, 8, 8] and bm.num_free_blocks == 0
+    bm.check_integrity()
