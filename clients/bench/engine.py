@@ -23,6 +23,8 @@ launches one plan ahead and each step's samples are ready X ms after the previou
 a GPU), and the report says what fraction of the full-batch steps' wall time that device was busy
 (X ÷ the wall time a step took): below 1, the host loop
 (scheduler, executor servicer, streaming) is what bounds the run, as for a small model on a GPU.
+`--launch-ms Y` makes each simulated launch spend Y ms of CPU first, holding the executor's thread
+as a real executor's input preparation does; `--plans-ahead 2` runs the scheduler two plans ahead.
 """
 
 from __future__ import annotations
@@ -116,12 +118,16 @@ class DeviceTimedSimWorker(SimWorker):
 
     launches_ahead = True
 
-    def __init__(self, num_gpu_blocks: int, max_model_len: int, step_s: float):
+    def __init__(self, num_gpu_blocks: int, max_model_len: int, step_s: float, launch_s: float = 0.0):
         self.step_s = step_s
+        self.launch_s = launch_s
         self._device_free_at = 0.0
         super().__init__(num_gpu_blocks, max_model_len)
 
     def launch(self, plan: StepPlan) -> tuple[StepResult, float]:
+        busy_until = time.thread_time() + self.launch_s
+        while time.thread_time() < busy_until:  # CPU work, holding the thread (and the GIL) as a launch does
+            pass
         result = self.execute(plan)
         ready = max(self._device_free_at, time.perf_counter()) + self.step_s
         self._device_free_at = ready
@@ -137,7 +143,8 @@ class DeviceTimedSimWorker(SimWorker):
         return step[0]
 
 
-def serve_executor(num_gpu_blocks: int, max_model_len: int, model_dir: str, gpu_step_ms: float = 0.0) -> None:
+def serve_executor(num_gpu_blocks: int, max_model_len: int, model_dir: str, gpu_step_ms: float = 0.0,
+                   launch_ms: float = 0.0) -> None:
     """Writes the tiny model folder (for its tokenizer: torch stays out of the scheduler process,
     as in production), then serves a SimWorker (DeviceTimedSimWorker with gpu_step_ms > 0) and prints
     the port."""
@@ -146,7 +153,7 @@ def serve_executor(num_gpu_blocks: int, max_model_len: int, model_dir: str, gpu_
 
     make_tiny_model(model_dir, "llama")
     if gpu_step_ms > 0:
-        worker = DeviceTimedSimWorker(num_gpu_blocks, max_model_len, gpu_step_ms / 1e3)
+        worker = DeviceTimedSimWorker(num_gpu_blocks, max_model_len, gpu_step_ms / 1e3, launch_ms / 1e3)
     else:
         worker = SimWorker(num_gpu_blocks, max_model_len)
 
@@ -353,7 +360,7 @@ async def bench(args: argparse.Namespace, model_dir: str, executor_target: str) 
         start_scheduler_server,
     )
 
-    opts = ServeOptions(model=model_dir, executors=(executor_target,), port=0,
+    opts = ServeOptions(model=model_dir, executors=(executor_target,), port=0, plans_ahead=args.plans_ahead,
                         max_num_seqs=max(256, args.requests), metrics_port=None if args.no_metrics else 0)
     engine = await build_engine(opts)
     running = await start_scheduler_server(engine, port=0)
@@ -409,7 +416,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_dir = f"{tmp}/tiny"
         cmd = [sys.executable, "-m", "clients.bench.engine", "--serve-executor", model_dir,
                "--num-gpu-blocks", str(num_gpu_blocks), "--max-model-len", str(max_model_len),
-               "--gpu-step-ms", str(args.gpu_step_ms)]
+               "--gpu-step-ms", str(args.gpu_step_ms), "--launch-ms", str(args.launch_ms)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         try:
             port = int(proc.stdout.readline())
@@ -450,6 +457,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-step-ms", type=float, default=0.0,
                         help="simulated device time of each step: the executor launches one plan ahead "
                              "and holds each step this long (0: steps take no device time, one at a time)")
+    parser.add_argument("--plans-ahead", type=int, choices=(1, 2), default=1,
+                        help="the scheduler's --plans-ahead")
+    parser.add_argument("--launch-ms", type=float, default=0.0,
+                        help="with --gpu-step-ms: host CPU time the simulated executor spends launching a "
+                        "step (a real executor's input preparation), holding its thread")
     parser.add_argument("--profile", default=None, help="write cProfile stats of the measured window")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--serve-executor", default=None, help=argparse.SUPPRESS)
@@ -463,8 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not (math.isfinite(args.gpu_step_ms) and args.gpu_step_ms >= 0):
         raise SystemExit(f"--gpu-step-ms: a non-negative number of milliseconds, got {args.gpu_step_ms}")
+    if not (math.isfinite(args.launch_ms) and args.launch_ms >= 0):
+        raise SystemExit(f"--launch-ms: a non-negative number of milliseconds, got {args.launch_ms}")
     if args.serve_executor:
-        serve_executor(args.num_gpu_blocks, args.max_model_len, args.serve_executor, args.gpu_step_ms)
+        serve_executor(args.num_gpu_blocks, args.max_model_len, args.serve_executor, args.gpu_step_ms,
+                       args.launch_ms)
         return 0
     if args.run_clients:
         report = asyncio.run(run_clients(args.run_clients, args.requests, args.max_tokens, args.prompt_len))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -80,32 +81,32 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def StepStream(self, request_iterator, context):
         """Plans in, results out, in order. When plan i+1 arrives while the GPU still runs step i
         (the scheduler plans ahead), step i+1 is launched before step i's result is collected, so
-        the GPU goes from one step to the next without waiting for the host."""
+        the GPU goes from one step to the next without waiting for the host; a plan that arrives
+        while steps are launched and unfinished (the scheduler two plans ahead) is launched behind
+        them as well."""
         if not self._worker.launches_ahead:  # launch would run the step to the end: one at a time
             async for request in request_iterator:
                 yield await self._step(request)
             return
         plans = aiter(request_iterator)
         next_plan = asyncio.ensure_future(anext(plans, None))
-        launched = None
+        launched: deque = deque()  # (step, start) launched, results not yet sent; oldest first
         try:
             while True:
-                if launched is None:
+                if not launched:
                     request = await next_plan
                     if request is None:
                         return
                     next_plan = asyncio.ensure_future(anext(plans, None))
-                    launched = await self._launch(request)
-                gpu_done = asyncio.ensure_future(asyncio.to_thread(self._worker.wait, launched[0]))
+                    launched.append(await self._launch(request))
+                gpu_done = asyncio.ensure_future(asyncio.to_thread(self._worker.wait, launched[0][0]))
                 await asyncio.wait({gpu_done, next_plan}, return_when=asyncio.FIRST_COMPLETED)
-                following = None
-                if next_plan.done() and next_plan.result() is not None:
+                while next_plan.done() and next_plan.result() is not None:
                     request = next_plan.result()
                     next_plan = asyncio.ensure_future(anext(plans, None))
-                    following = await self._launch(request)
+                    launched.append(await self._launch(request))
                 await gpu_done
-                yield await self._finish(launched)
-                launched = following
+                yield await self._finish(launched.popleft())
         finally:
             next_plan.cancel()
 

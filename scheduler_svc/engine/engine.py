@@ -175,10 +175,11 @@ class Engine:
     async def run(self) -> None:
         """Overlap, two ways. Async scheduling (`async_scheduling`, when the scheduler allows it):
         plan i+1 is built and sent before step i's result is back, so the executors prepare it while
-        the GPU runs step i and start it the moment step i ends. And step i's outputs are streamed
-        to the clients only once the next plan is on its way (streaming a delta to each of hundreds
-        of requests takes milliseconds of this thread). Outputs of requests with stop strings are
-        streamed at once (a stop string finishes its sequence)."""
+        the GPU runs step i and start it the moment step i ends (with `plans_ahead` 2, plan i+2 as
+        well: then the scheduler builds a plan while the executors launch the one before). And step
+        i's outputs are streamed to the clients only once the next plan is on its way (streaming a
+        delta to each of hundreds of requests takes milliseconds of this thread). Outputs of requests
+        with stop strings are streamed at once (a stop string finishes its sequence)."""
         deferred: list[RequestOutput] = []
         in_flight: deque[tuple[StepPlan, asyncio.Future, float]] = deque()
         while not self._stopping:
@@ -198,7 +199,7 @@ class Engine:
                     await self._wakeup.wait()
                     continue
                 self._send(in_flight)
-            if self.async_scheduling and self.scheduler.can_schedule_ahead():
+            while self.async_scheduling and self.scheduler.can_schedule_ahead():
                 self._send(in_flight)
             if deferred:
                 for _ in range(3):  # let the step tasks encode the plans and start their calls

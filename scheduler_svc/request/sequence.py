@@ -50,9 +50,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     executor_num_tokens: int = -1
     executor_num_blocks: int = 0
-    # Async scheduling: token_ids[-1] is PENDING_TOKEN, the token the step in flight is sampling (the
-    # next plan was built before its result); `take_sample` puts the real one in its place.
-    pending: bool = False
+    # Async scheduling: the last `pending` token ids are PENDING_TOKEN, the tokens the steps in flight
+    # are sampling (later plans were built before their results), oldest first; `take_sample` puts
+    # each real one in its place.
+    pending: int = 0
+    pending_step: int = -1  # the step whose sample the newest placeholder stands for
 
     @property
     def num_tokens(self) -> int:
@@ -78,17 +80,23 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
+    def drop_placeholders(self) -> None:
+        """Forgets the tokens still being sampled (a sequence that finished or lost its state)."""
+        if self.pending:
+            del self.token_ids[len(self.token_ids) - self.pending :]
+            self.pending = 0
+
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
         self.output_logprobs.append(logprob)
 
     def take_sample(self, token_id: int, logprob: float) -> None:
-        """The token sampled for this sequence: it replaces the pending placeholder, if there is one,
-        else it is appended."""
+        """The token sampled for this sequence: it replaces the oldest pending placeholder, if there is
+        one, else it is appended."""
         if self.pending:
-            self.token_ids[-1] = token_id
-            self.pending = False
+            self.token_ids[len(self.token_ids) - self.pending] = token_id
+            self.pending -= 1
         else:
             self.token_ids.append(token_id)
         self.cumulative_logprob += logprob

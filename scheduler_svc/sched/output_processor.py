@@ -70,7 +70,7 @@ def process_samples(
         reason = None
         if token_id in stop_token_ids:
             reason = FinishReason.STOP
-        elif seq.num_tokens - seq.prompt_len >= max_tokens:
+        elif seq.num_tokens - seq.pending - seq.prompt_len >= max_tokens:
             reason = FinishReason.LENGTH
         top = [list(sample.top_logprobs)] if want_top else []
         out.samples.append(SampleDelta(seq.sample_index, [token_id], [sample.logprob], top, reason))
@@ -89,7 +89,7 @@ def process_single_sample(
     reason = None
     if token_id in group.stop_token_ids:
         reason = FinishReason.STOP
-    elif len(seq.token_ids) - seq.prompt_len >= group.sampling_params.max_tokens:
+    elif len(seq.token_ids) - seq.pending - seq.prompt_len >= group.sampling_params.max_tokens:
         reason = FinishReason.LENGTH
     top = [list(sample.top_logprobs)] if group.sampling_params.logprobs is not None else []
     delta = SampleDelta(seq.sample_index, [token_id], [logprob], top, reason)

@@ -46,6 +46,7 @@ class RequestTable:
 
     # ---- sequence operations (the output processor's SeqOps) ----------------------------------------
     def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: FinishReason) -> None:
+        seq.drop_placeholders()  # (planned two ahead: the step after its last one sampled for nothing)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         group.seqs.remove(seq)

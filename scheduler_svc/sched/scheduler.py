@@ -26,7 +26,11 @@ token in its place. A sequence that then turns out to be finished (a stop token)
 token computed in the plan ahead; its result is ignored. A sequence sampling its last token (its
 max_tokens) gets no placeholder, so it is not scheduled ahead. Beam search needs every step's
 result to choose the next tokens: while a beam group runs, plans are built one at a time. At most
-two plans are in flight.
+1 + `config.plans_ahead` plans are in flight. With two plans ahead a sequence may hold two
+placeholders (`Sequence.pending`, filled oldest first); one that finishes with a placeholder left
+drops it (its token was computed for nothing), and a preempted group whose tokens are still being
+sampled is not admitted or swapped in until they are known (a plan never carries a placeholder
+other than a decode's input, the token of the step just before).
 """
 
 from __future__ import annotations
@@ -165,9 +169,7 @@ class Scheduler:
         self.waiting.clear()
         for group in groups:
             for seq in group.seqs:
-                if seq.pending:  # its token was lost with the step in flight (never streamed)
-                    seq.token_ids.pop()
-                    seq.pending = False
+                seq.drop_placeholders()  # their tokens were lost with the steps in flight (never streamed)
             self.requests.preempt_by_recompute(group)
             self.waiting.append(group)
         self._in_flight.clear()
@@ -198,11 +200,11 @@ class Scheduler:
 
     # ---- scheduling ------------------------------------------------------------------------------
     def can_schedule_ahead(self) -> bool:
-        """Whether `schedule()` may build the next plan now, before the result of the plan in
-        flight: exactly one is in flight, some request is unfinished, and no beam group runs (beam
-        search picks each step's tokens from the previous step's candidates)."""
+        """Whether `schedule()` may build the next plan now, before the results of the plans in
+        flight: one to `config.plans_ahead` are in flight, some request is unfinished, and no beam
+        group runs (beam search picks each step's tokens from the previous step's candidates)."""
         return (
-            len(self._in_flight) == 1
+            0 < len(self._in_flight) <= self.config.plans_ahead
             and bool(self._groups)
             and not any(g.beam is not None for g in self.running)
         )
@@ -222,18 +224,19 @@ class Scheduler:
         return self.plans.end()
 
     def _add_placeholders(self, in_flight: list[Sequence]) -> None:
-        """Each sequence the step in flight samples gets PENDING_TOKEN as its next token, unless that
-        sample is its last (max_tokens)."""
-        running, seqs = SequenceStatus.RUNNING, self._seqs
+        """Each sequence the latest step in flight (self._step_id) samples gets PENDING_TOKEN as its
+        next token, unless that sample is its last (max_tokens)."""
+        running, seqs, step_id = SequenceStatus.RUNNING, self._seqs, self._step_id
         for seq in in_flight:
             num_tokens = len(seq.token_ids)
-            if seq.status is not running or seq.num_computed_tokens != num_tokens or seq.pending:
+            if seq.status is not running or seq.num_computed_tokens != num_tokens:
                 continue
             group = seqs[seq.seq_id][1]
             if num_tokens + 1 - seq.prompt_len >= group.sampling_params.max_tokens:
                 continue
             seq.token_ids.append(PENDING_TOKEN)
-            seq.pending = True
+            seq.pending += 1
+            seq.pending_step = step_id
 
     def process_result(self, result: StepResult) -> list[RequestOutput]:
         oldest = self._step_id - len(self._in_flight) + 1
@@ -245,7 +248,8 @@ class Scheduler:
             for sample in result.samples:
                 entry = seqs.get(sample.seq_id)
                 if entry is not None and entry[0].pending:
-                    entry[0].token_ids[-1] = sample.token_id
+                    seq = entry[0]
+                    seq.token_ids[len(seq.token_ids) - seq.pending] = sample.token_id
         running = SequenceStatus.RUNNING
         self.kv.mark_computed_many([s for s in in_flight if s.status is running])
         requests = self.requests

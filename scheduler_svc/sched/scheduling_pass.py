@@ -42,18 +42,21 @@ class SchedulingPass:
         self.scheduled_groups: set[int] = set()
         self.preempted = False
         self.num_preemptions = 0
+        self.previous_step = plans.plan.step_id - 1  # the step whose samples a decode may take unseen
 
     def run(self) -> list[Sequence]:
         single_decodes: list[SequenceGroup] = []
         multi: list[SequenceGroup] = []
         prefilling: list[SequenceGroup] = []
+        previous = self.previous_step
         for group in self.requests.running:
             seqs = group.seqs
             if len(seqs) == 1 and (group.samples_forked or group.sampling_params.n == 1):
                 seq = seqs[0]
                 if len(seq.token_ids) - seq.num_computed_tokens == 1:
-                    single_decodes.append(group)
-                    continue
+                    if not seq.pending or seq.pending_step == previous:
+                        single_decodes.append(group)
+                    continue  # (else its input is a token an older step in flight samples: _held)
             (prefilling if self._is_prefilling(group) else multi).append(group)
         self._schedule_single_decodes(single_decodes)
         for group in multi + prefilling:
@@ -137,8 +140,18 @@ class SchedulingPass:
             self._lifted_cap = max(self.prefill_cap, -(-backlog // PREFILL_BACKLOG_STEPS))
         return self._lifted_cap
 
+    def _held(self, group: SequenceGroup) -> bool:
+        """Whether a sequence of the group has a token still being sampled by a step older than the
+        previous one (plans built two ahead, scheduler.py): a plan's only unknown input is the token
+        the step just before it samples, so the group sits this step out (its result is one step
+        away). Never with one plan ahead."""
+        previous = self.previous_step
+        return any(seq.pending and seq.pending_step != previous for seq in group.seqs)
+
     def _tokens_to_compute(self, group: SequenceGroup) -> list[tuple[Sequence, int]]:
         """(seq, num_new_tokens) to schedule now, [] when the group cannot run this step."""
+        if self._held(group):
+            return []
         self._maybe_fork_samples(group)
         unforked = group.sampling_params.n > 1 and not group.samples_forked
         todo: list[tuple[Sequence, int]] = []
@@ -211,6 +224,8 @@ class SchedulingPass:
         requests = self.requests
         while requests.swapped:
             group = requests.swapped[0]
+            if any(seq.pending for seq in group.seqs):  # preempted with tokens being sampled: they come first
+                return
             todo = self._tokens_to_compute(group)
             if not todo:
                 return
@@ -234,6 +249,8 @@ class SchedulingPass:
             group = requests.waiting[0]
             if requests.swapped and arrival_order(requests.swapped[0]) < arrival_order(group):
                 return  # FCFS: an earlier swapped group comes back first
+            if any(seq.pending for seq in group.seqs):  # preempted with tokens being sampled: they come first
+                return
             params = group.sampling_params  # room for every sample or beam the group will grow to
             num_waiting = max(len(group.seqs) + (params.n - 1 if not group.samples_forked else 0),
                               params.beam_width)

@@ -74,6 +74,7 @@ class ServeOptions(ApiServerOptions):
                             "section 6 (no swap, no prefix cache)", choices=POLICIES)
     async_scheduling: bool = option(True, "build plan i+1 while the executors run step i (off: each plan "
                                     "only after the previous step's result)")
+    plans_ahead: int = borrow(SchedulerConfig, "plans_ahead")
     num_gpu_blocks: int | None = option(None, "KV cache blocks (default: what fits on every rank)")
     num_cpu_blocks: int | None = option(None, "swap space blocks (default: what fits on every rank)")
     max_num_seqs: int = borrow(SchedulerConfig, "max_num_seqs")
@@ -170,6 +171,7 @@ async def build_engine(opts: ServeOptions) -> Engine:
         preemption_mode=opts.preemption,
         enable_prefix_caching=opts.enable_prefix_caching and opts.kv_policy == PAGED,
         eos_token_ids=tuple(eos),
+        plans_ahead=opts.plans_ahead,
     )
     limits = ModelLimits(
         model_name=first.model_name or pathlib.Path(opts.model).name,

@@ -28,13 +28,16 @@ class _SeqState:
     params: SamplingParams
     prefix_keys: list[int] = field(default_factory=list)  # verify_kv only
     last_sampled: int | None = None  # the token sampled in this sequence's last step
+    last_sampled_step: int = -1  # that step's id
 
-    def resolve(self, token_id: int) -> int:
-        """PENDING_TOKEN stands for the token sampled in the previous step (async scheduling)."""
+    def resolve(self, token_id: int, step_id: int) -> int:
+        """PENDING_TOKEN stands for the token this sequence sampled in the step just before `step_id`
+        (async scheduling), as a real executor takes it; any other step's is an error, as there."""
         if token_id != PENDING_TOKEN:
             return token_id
-        if self.last_sampled is None:
-            raise ValueError("a pending token for a sequence that sampled nothing yet")
+        if self.last_sampled is None or self.last_sampled_step != step_id - 1:
+            raise ValueError(f"a pending token in step {step_id}, but the sequence sampled nothing in the "
+                             "step before")
         return self.last_sampled
 
     def key(self, position: int) -> int:
@@ -107,6 +110,8 @@ class SimExecutor:
         for new in plan.new_seqs:
             if new.seq_id in states:
                 raise ValueError(f"seq {new.seq_id} sent as new while the executor holds it")
+            if PENDING_TOKEN in new.token_ids:
+                raise ValueError(f"seq {new.seq_id}: a new sequence with a pending token")
             state = _SeqState(
                 list(new.token_ids), list(new.block_table), new.num_computed_tokens, new.sampling_params
             )
@@ -114,14 +119,16 @@ class SimExecutor:
             scheduled.append((new.seq_id, state, new.num_new_tokens))
         for cont in plan.cont_seqs:
             state = states[cont.seq_id]
-            state.token_ids.extend(state.resolve(t) for t in cont.new_token_ids)
+            if PENDING_TOKEN in cont.new_token_ids[:-1]:
+                raise ValueError(f"seq {cont.seq_id}: a pending token that is not its last")
+            state.token_ids.extend(state.resolve(t, plan.step_id) for t in cont.new_token_ids)
             if cont.block_table_start > len(state.block_table):
                 raise ValueError(f"seq {cont.seq_id}: block_table_start past the end of its table")
             state.block_table[cont.block_table_start :] = cont.block_ids
             scheduled.append((cont.seq_id, state, cont.num_new_tokens))
         for seq_id, token_id in zip(plan.decode_seq_ids, plan.decode_token_ids, strict=True):
             state = states[seq_id]
-            state.token_ids.append(state.resolve(token_id))
+            state.token_ids.append(state.resolve(token_id, plan.step_id))
             scheduled.append((seq_id, state, 1))
         if len({seq_id for seq_id, _, _ in scheduled}) != len(scheduled):
             raise ValueError("a sequence is scheduled twice in one plan")
@@ -141,7 +148,7 @@ class SimExecutor:
             work.kv_context_tokens += end
             if end == len(state.token_ids):
                 sample = self._sample(seq_id, state.params)
-                state.last_sampled = sample.token_id
+                state.last_sampled, state.last_sampled_step = sample.token_id, plan.step_id
                 result.samples.append(sample)
         return result, work
 

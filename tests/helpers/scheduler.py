@@ -52,18 +52,21 @@ class FakeExecutor(SimExecutor):
         entry = self.sched._seqs.get(seq_id)  # None: aborted after the plan was made
         if entry is not None:
             seq = entry[0]
-            if seq.pending:  # planned ahead: the executor knows the token the scheduler does not yet
-                assert seq.token_ids[-1] == PENDING_TOKEN and state.token_ids[-1] == state.last_sampled
-                assert state.token_ids[:-1] == seq.token_ids[:-1], f"seq {seq_id}: executor tokens differ"
+            if seq.pending:  # planned ahead: the executor knows tokens the scheduler does not yet
+                k = seq.pending
+                assert seq.token_ids[-k:] == [PENDING_TOKEN] * k and state.token_ids[-1] == state.last_sampled
+                assert len(state.token_ids) == len(seq.token_ids), f"seq {seq_id}: executor tokens differ"
+                assert state.token_ids[:-k] == seq.token_ids[:-k], f"seq {seq_id}: executor tokens differ"
             else:
                 assert state.token_ids == seq.token_ids, f"seq {seq_id}: executor tokens differ"
             assert state.block_table == self.sched.kv.block_table(seq), f"seq {seq_id}: tables differ"
 
     def step_ahead(self, in_flight: deque, ahead: bool) -> None:
-        """Runs a new plan when none is in flight, and one more ahead when `ahead` and allowed."""
+        """Runs a new plan when none is in flight, and more ahead (config.plans_ahead) when `ahead` and
+        allowed."""
         if not in_flight:
             in_flight.append(self.step(self.sched.schedule()))
-        if ahead and self.sched.can_schedule_ahead():
+        while ahead and self.sched.can_schedule_ahead():
             in_flight.append(self.step(self.sched.schedule()))
 
     def step(self, plan: StepPlan) -> StepResult:  # type: ignore[override]  # the result only

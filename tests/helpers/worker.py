@@ -28,7 +28,8 @@ def run(
     **worker_options,
 ):
     """requests: {request_id: (prompt, params)} -> (tokens per request and sample index, beams, scheduler).
-    worker_options: more WorkerConfig fields (kv_cache_dtype, ...)."""
+    ahead: async scheduling with that many plans ahead (True: one). worker_options: more WorkerConfig
+    fields (kv_cache_dtype, ...)."""
     sched = Scheduler(
         SchedulerConfig(
             block_size=BS,
@@ -39,6 +40,7 @@ def run(
             eos_token_ids=() if eos is None else (eos,),
             preemption_mode=mode,
             enable_prefix_caching=True,
+            plans_ahead=max(1, int(ahead)),
         ),
         clock=lambda: 0.0,
     )
@@ -61,7 +63,7 @@ def run(
             break
         if not launched:
             launched.append(worker.launch(sched.schedule()))
-        if ahead and sched.can_schedule_ahead():
+        while ahead and sched.can_schedule_ahead():
             launched.append(worker.launch(sched.schedule()))
         for out in sched.process_result(worker.finish(launched.popleft())):
             for delta in out.samples:

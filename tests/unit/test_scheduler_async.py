@@ -117,3 +117,56 @@ def test_recovery_drops_the_placeholder_with_the_lost_step():
     assert seq.token_ids == [*range(6), 50] and not seq.pending
     (new,) = sched.schedule().new_seqs
     assert new.token_ids == [*range(6), 50]
+
+
+def test_two_plans_ahead_hold_two_placeholders_filled_oldest_first():
+    sched = make(block_size=4, num_gpu_blocks=8, plans_ahead=2)
+    group = add(sched, "a", range(6), max_tokens=4)
+    seq = group.seqs[0]
+    p1 = sched.schedule()
+    p2 = sched.schedule()  # ahead of p1: its input is p1's sample
+    assert sched.can_schedule_ahead()
+    p3 = sched.schedule()  # ahead of p1 and p2: its input is p2's sample
+    assert not sched.can_schedule_ahead()  # three in flight
+    assert p3.decode_token_ids == [PENDING_TOKEN] and seq.pending == 2
+    assert seq.token_ids == [*range(6), PENDING_TOKEN, PENDING_TOKEN]
+    (out,) = sched.process_result(result(p1, {seq.seq_id: 50}))
+    assert out.samples[0].token_ids == [50] and not out.finished
+    assert seq.token_ids == [*range(6), 50, PENDING_TOKEN] and seq.pending == 1
+    p4 = sched.schedule()  # input: p3's sample (a new block); p4 samples the fourth and last token
+    (cont,) = p4.cont_seqs
+    assert cont.new_token_ids == [PENDING_TOKEN] and seq.token_ids[-2:] == [PENDING_TOKEN, PENDING_TOKEN]
+    assert not sched.can_schedule_ahead()  # p2, p3, p4 in flight
+    for plan, token in ((p2, 51), (p3, 52)):
+        sched.process_result(result(plan, {seq.seq_id: token}))
+    (out,) = sched.process_result(result(p4, {seq.seq_id: 53}))
+    assert out.finished and out.samples[0].finish_reason is FinishReason.LENGTH
+    assert group.finished_seqs[0].output_token_ids == [50, 51, 52, 53]
+    assert sched.kv.num_free_blocks == 8
+
+
+def test_a_stop_token_two_plans_ahead_drops_the_placeholder_left_and_both_wasted_tokens():
+    sched = make(block_size=4, num_gpu_blocks=8, eos_token_ids=(2,), plans_ahead=2)
+    group = add(sched, "a", range(5, 11), max_tokens=10)
+    seq = group.seqs[0]
+    p1, p2, p3 = sched.schedule(), sched.schedule(), sched.schedule()
+    (out,) = sched.process_result(result(p1, {seq.seq_id: 2}))  # EOS, with p2's sample still a placeholder
+    assert out.finished and out.samples[0].finish_reason is FinishReason.STOP
+    assert group.finished_seqs[0].token_ids == [*range(5, 11), 2] and seq.pending == 0
+    assert sched.kv.num_free_blocks == 8
+    assert sched.process_result(result(p2, {seq.seq_id: 30})) == []
+    assert sched.process_result(result(p3, {seq.seq_id: 31})) == []
+    assert sched.schedule().finished_seq_ids == [seq.seq_id]
+
+
+def test_a_preempted_group_waits_for_its_placeholders_before_it_runs_again():
+    """Recompute prefills the tokens a group has: with two plans ahead a group preempted while its
+    tokens are still being sampled is not admitted until their results are in (no plan's prefill
+    carries a placeholder; the checking executor refuses one)."""
+    sched = make(block_size=2, num_gpu_blocks=6, plans_ahead=2)
+    a = add(sched, "a", [5, 6, 7], max_tokens=8)
+    b = add(sched, "b", [8, 9, 10], arrival=1.0, max_tokens=8)
+    ex = FakeExecutor(sched, seed=3)
+    ex.run_until_done(ahead=True, check=sched.kv.check_integrity)
+    assert sched.num_preemptions > 0
+    assert [len(g.finished_seqs[0].output_token_ids) for g in (a, b)] == [8, 8]

@@ -1,7 +1,8 @@
 """Property-based test: random configurations and request streams (n samples, beams, shared
 prefixes, EOS, aborts, tiny caches that force preemption by recompute and swap) driven through the
 real Scheduler and BlockManager and a checking fake executor, one plan at a time or with async
-scheduling (the next plan built before the previous result, with placeholder tokens). After every
+scheduling (the next plan, or the next two, built before the previous result, with placeholder
+tokens). After every
 step: check_integrity() and the executor's own checks (state equals the scheduler's, every attended
 KV slot is right); at the end: every request finished, no block leaked, no executor state left."""
 
@@ -38,6 +39,7 @@ def configs(draw):
         enable_chunked_prefill=chunked,
         eos_token_ids=(3,),
         watermark_blocks=draw(st.integers(0, 2)),
+        plans_ahead=draw(st.sampled_from([1, 2])),
     )
 
 
@@ -68,6 +70,7 @@ def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed, 
     accepted: set[str] = set()
     in_flight: deque = deque()
     num_ahead = 0
+    max_in_flight = 0
     for step in range(1000):
         while pending and pending[0][1][4] <= step:
             i, (prefix, suffix, max_tokens, (n, beam), _, abort_after) = pending.pop(0)
@@ -87,7 +90,7 @@ def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed, 
             sched.kv.check_integrity()
         if not sched.has_unfinished() and not pending and not in_flight:
             break
-        for _ in range(2):
+        for _ in range(1 + cfg.plans_ahead):
             if in_flight and not (ahead and sched.can_schedule_ahead()):
                 break
             num_ahead += bool(in_flight)
@@ -96,6 +99,7 @@ def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed, 
             assert plan.num_scheduled_tokens <= cfg.max_num_batched_tokens
             assert plan.num_scheduled_seqs <= cfg.max_num_seqs
             in_flight.append(ex.step(plan))
+            max_in_flight = max(max_in_flight, len(in_flight))
         for out in sched.process_result(in_flight.popleft()):
             if out.finished:
                 finished.add(out.request_id)
@@ -108,6 +112,7 @@ def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed, 
     event(f"steps > 40: {step > 40}")
     event(f"accepted >= 2: {len(accepted) >= 2}")
     event(f"planned ahead: {num_ahead > 0}")
+    event(f"three plans in flight: {max_in_flight == 3}")
     ex.step(sched.schedule())  # delivers the last finished ids
     assert ex.states == {}
     assert sched.kv.num_free_blocks == cfg.num_gpu_blocks

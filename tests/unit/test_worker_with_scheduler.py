@@ -1,7 +1,8 @@
 """The real Scheduler driving the real Worker on a tiny llama (CPU, fp32): greedy outputs equal
 Hugging Face's under chunked prefill and preemption; seeded parallel samples are distinct and do not
 depend on what shares the batch; beam search returns Hugging Face's beams. `ahead`: async
-scheduling, the worker launches step i+1 (with placeholder tokens) before step i is finished."""
+scheduling, the worker launches step i+1 (with placeholder tokens) before step i is finished (2:
+steps i+1 and i+2)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def hf_llama(tiny_llama_dir):
 
 
 @pytest.mark.parametrize(
-    "num_gpu_blocks, mode, ahead", [(14, "recompute", False), (14, "swap", False), (14, "recompute", True)]
+    "num_gpu_blocks, mode, ahead",
+    [(14, "recompute", False), (14, "swap", False), (14, "recompute", True), (14, "recompute", 2),
+     (14, "swap", 2)],
 )
 def test_greedy_outputs_match_hf_under_chunking_and_preemption(
     num_gpu_blocks, mode, ahead, tiny_llama_dir, hf_llama
@@ -50,9 +53,10 @@ def test_seeded_parallel_samples_are_distinct_and_batch_invariant(tiny_llama_dir
         "y": (prompts(4, [6])[0], SamplingParams(n=2, temperature=1.0, max_tokens=9)),
     }
     crowded, _, sched = run(tiny_llama_dir, crowd, num_gpu_blocks=20, num_cpu_blocks=10)
-    crowded_ahead, _, _ = run(tiny_llama_dir, crowd, num_gpu_blocks=20, num_cpu_blocks=10, ahead=True)
-    assert crowded_ahead["a"] == crowded["a"]  # seeded: the same draws however it was scheduled
-    assert [len(t) for t in crowded_ahead["y"].values()] == [9, 9]
+    for ahead in (True, 2):
+        crowded_ahead, _, _ = run(tiny_llama_dir, crowd, num_gpu_blocks=20, num_cpu_blocks=10, ahead=ahead)
+        assert crowded_ahead["a"] == crowded["a"]  # seeded: the same draws however it was scheduled
+        assert [len(t) for t in crowded_ahead["y"].values()] == [9, 9]
     streams = alone["a"]
     assert sorted(streams) == [0, 1, 2] and all(len(t) == 8 for t in streams.values())
     assert len({tuple(t) for t in streams.values()}) == 3
