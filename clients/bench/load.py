@@ -6,6 +6,11 @@ one asyncio channel, records when each token arrives, and samples the server's s
 from its `token_ids`), so the same figures can be taken through either; the server's stats are
 sampled over gRPC either way.
 
+`processes` > 1 spreads the requests over that many load-generator processes (request i to process
+i mod K, each with its own connection, all timed from one start): one Python process reads a few
+tens of thousands of stream messages a second, which a small model's server outruns; with
+`serve --api-frontends N` the connections also spread over the front-end processes.
+
 Every request ignores EOS and asks for exactly its `max_tokens`, so the number of output tokens is
 fixed by the workload. A run's `Decoding` applies to every request: greedy (the default); `n` > 1
 parallel samples, randomly sampled at temperature 1 with a per-request seed (the request's index in
@@ -231,34 +236,122 @@ async def run_load(
     show_progress: bool = True,
     decoding: Decoding = Decoding(),
     http_url: str | None = None,
+    processes: int = 1,
 ) -> LoadRun:
     """Runs `requests` against the gRPC API at `target`, or with `http_url` (http://HOST:PORT) through
-    the OpenAI HTTP API there (stats still from `target`)."""
+    the OpenAI HTTP API there (stats still from `target`), from this process or, `processes` > 1,
+    from that many worker processes (module docstring)."""
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
     async with contextlib.AsyncExitStack() as stack:
         client = await stack.enter_async_context(AsyncClient(target))
-        http = await stack.enter_async_context(_http_client(http_url)) if http_url else None
         info = await client.model_info()
         stats = [_sample(await client.stats())]  # counters before the run (steps, preemptions)
         stop = asyncio.Event()
-        poller = asyncio.create_task(_poll_stats(client, stats, stop))
         num_outputs = decoding.num_counted_outputs
+        indexed = list(enumerate(requests))
+        if processes > 1:
+            workers = await _Worker.start_all(target, http_url, decoding, indexed, processes)
+        poller = asyncio.create_task(_poll_stats(client, stats, stop))
         start = time.perf_counter()
         records = [
             RequestRecord(r.prompt_len, r.max_tokens, start + r.arrival_time_s, num_outputs=num_outputs)
             for r in requests
         ]
-        total = sum(rec.expected_output_tokens for rec in records)
-        progress = Progress(label, len(requests), total, show_progress)
-        pairs = enumerate(zip(requests, records, strict=True))
-        if http is None:
-            sends = [_one_request(client, r, rec, progress, decoding.sampling(i)) for i, (r, rec) in pairs]
+        if processes > 1:
+            await _Worker.run_all(workers, start, records)
         else:
-            sends = [_one_http_request(*http, r, rec, progress, decoding.openai_fields(i))
-                     for i, (r, rec) in pairs]
-        await asyncio.gather(*sends)
+            total = sum(rec.expected_output_tokens for rec in records)
+            progress = Progress(label, len(requests), total, show_progress)
+            await _send_all(client, http_url, decoding, indexed, records, progress)
+            progress.close()
         end = max((rec.end_s for rec in records), default=start)
-        progress.close()
         stop.set()
         await poller
         stats.append(_sample(await client.stats()))
     return LoadRun(records, stats, start, end, info.num_gpu_blocks)
+
+
+async def _send_all(client: AsyncClient, http_url: str | None, decoding: Decoding,
+                    indexed: list[tuple[int, RequestSpec]], records: list[RequestRecord], progress) -> None:
+    """Each (index, request) at its record's arrival time; `index` seeds its sampling."""
+    async with contextlib.AsyncExitStack() as stack:
+        if http_url is None:
+            sends = [_one_request(client, r, rec, progress, decoding.sampling(i))
+                     for (i, r), rec in zip(indexed, records, strict=True)]
+        else:
+            http = await stack.enter_async_context(_http_client(http_url))
+            sends = [_one_http_request(*http, r, rec, progress, decoding.openai_fields(i))
+                     for (i, r), rec in zip(indexed, records, strict=True)]
+        await asyncio.gather(*sends)
+
+
+class _Worker:
+    """A load-generator process (`python -m clients.bench.load --worker`): it reads its requests (a
+    JSON line), connects and says `ready`, reads the run's start time, sends its requests at start +
+    their arrival times and writes their records (a JSON line)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, indices: list[int]):
+        self.proc, self.indices = proc, indices
+
+    @classmethod
+    async def start_all(cls, target: str, http_url: str | None, decoding: Decoding,
+                        indexed: list[tuple[int, RequestSpec]], processes: int) -> list[_Worker]:
+        workers = []
+        for k in range(processes):
+            mine = indexed[k::processes]
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "clients.bench.load", "--worker",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 30)
+            job = {"target": target, "http_url": http_url, "n": decoding.n, "beam_width": decoding.beam_width,
+                   "requests": [[i, r.request_id, list(r.prompt_token_ids), r.max_tokens, r.arrival_time_s]
+                                for i, r in mine]}
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(job).encode() + b"\n")
+            await proc.stdin.drain()
+            workers.append(cls(proc, [i for i, _ in mine]))
+        for worker in workers:  # every worker connected before the clock starts
+            assert worker.proc.stdout is not None
+            line = await worker.proc.stdout.readline()
+            if line.strip() != b"ready":
+                raise RuntimeError(f"a load-generator process did not start: {line[:200]!r}")
+        return workers
+
+    @staticmethod
+    async def run_all(workers: list[_Worker], start: float, records: list[RequestRecord]) -> None:
+        for worker in workers:
+            assert worker.proc.stdin is not None
+            worker.proc.stdin.write(f"{start!r}\n".encode())
+            await worker.proc.stdin.drain()
+        for worker in workers:
+            assert worker.proc.stdout is not None
+            line = await worker.proc.stdout.readline()
+            await worker.proc.wait()
+            if not line:
+                raise RuntimeError("a load-generator process ended without its records "
+                                   f"(exit {worker.proc.returncode})")
+            for i, (sent_s, times, error) in zip(worker.indices, json.loads(line), strict=True):
+                rec = records[i]
+                rec.sent_s, rec.token_times_s, rec.error = sent_s, times, error
+
+
+async def _worker_main() -> None:
+    job = json.loads(sys.stdin.readline())
+    decoding = Decoding(job["n"], job["beam_width"])
+    indexed = [(i, RequestSpec(request_id, arrival, tuple(ids), max_tokens))
+               for i, request_id, ids, max_tokens, arrival in job["requests"]]
+    async with AsyncClient(job["target"]) as client:
+        await client.model_info()  # connected
+        print("ready", flush=True)
+        start = float(await asyncio.to_thread(sys.stdin.readline))
+        records = [RequestRecord(r.prompt_len, r.max_tokens, start + r.arrival_time_s,
+                                 num_outputs=decoding.num_counted_outputs) for _, r in indexed]
+        progress = Progress("", len(indexed), 0, enabled=False)
+        await _send_all(client, job["http_url"], decoding, indexed, records, progress)
+    print(json.dumps([[rec.sent_s, rec.token_times_s, rec.error] for rec in records]), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--worker"]:
+        raise SystemExit("usage: python -m clients.bench.load --worker (started by run_load)")
+    asyncio.run(_worker_main())

@@ -100,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "server gets --http-port), or both in turn on one server (default: grpc)")
         sub.add_argument("--http-url", default=None,
                          help="with --server and --endpoint openai: the server's HTTP API, http://HOST:PORT")
+        sub.add_argument("--client-processes", type=int, default=1,
+                         help="load-generator processes the requests are spread over, each with its own "
+                              "connection (clients/bench/load.py; one Python process reads a few tens of "
+                              "thousands of stream messages a second)")
         if mode == "throughput":
             sub.add_argument("--prefixes", default="", help="also run the first K requests, e.g. 32,100")
             sub.add_argument("--compare", default="", help=f"peers to run after ours: {','.join(PEERS)}")
@@ -141,6 +145,9 @@ def _add_goodput_arguments(sub: argparse.ArgumentParser) -> None:
 # ---- the command ---------------------------------------------------------------------------------
 
 
+MAX_CLIENT_PROCESSES = 64
+
+
 def check_args(args: argparse.Namespace) -> str | None:
     """Why these options cannot run (before any process starts), or None."""
     try:
@@ -153,6 +160,9 @@ def check_args(args: argparse.Namespace) -> str | None:
         return str(err)
     if args.requests < 1:
         return f"--requests must be >= 1, got {args.requests}"
+    processes = getattr(args, "client_processes", 1)
+    if not 1 <= processes <= MAX_CLIENT_PROCESSES:
+        return f"--client-processes must be in [1, {MAX_CLIENT_PROCESSES}], got {processes}"
     duration = getattr(args, "max_duration_s", None)
     if duration is not None and not (math.isfinite(duration) and duration > 0):
         return f"--max-duration-s must be a positive number of seconds, got {duration}"

@@ -89,6 +89,7 @@ def run_ours(
     """steps_out: where given, the run's steps from the trace are appended to it."""
     show = not args.no_progress
     run = asyncio.run(run_load(target, requests, label, show_progress=show, decoding=decoding_of(args),
+                               processes=getattr(args, "client_processes", 1),
                                http_url=_http_url(args, endpoint)))
     summary = {"label": label, "endpoint": endpoint, **summarize(run)}
     if os.path.exists(trace_path) and not args.server:

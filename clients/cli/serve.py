@@ -79,6 +79,10 @@ class LauncherOptions:
     tensor_parallel_size: int = option(1, "executor ranks (one per GPU)")
     api_frontend: bool = option(False, "serve clients from a separate front-end process (one batch per step "
                                 "from the scheduler instead of one message per request)")
+    api_frontends: int = option(1, "API front-end processes (implies --api-frontend when > 1): they share "
+                                "the public port and --http-port, the kernel spreads client connections over "
+                                "them, each has its own link to the scheduler; for more streams than one "
+                                "process can write")
     executor_metrics_port: int | None = option(None, "executors' /metrics: rank r serves on this port + r")
     startup_timeout: float = option(300.0, "seconds to wait for health")
     max_restarts: int = option(5, "restarts of failed processes allowed per --restart-window-s (then "
@@ -90,7 +94,7 @@ class LauncherOptions:
 # an executor's seed stays its default (`bench --seed` seeds the workload).
 LAUNCHER_SETS = {
     "scheduler": ("model", "executors"),
-    "frontend": ("engine", "model_dir"),
+    "frontend": ("engine", "model_dir", "reuse_port"),
     "executor": ("model_dir", "device", "seed", "host", "port", "metrics_port", "rank", "world_size",
                  "dist_init_addr", "dist_timeout_s", "insecure_no_executor_token"),
 }
@@ -104,6 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_arguments(parser, FrontendOptions, exclude=LAUNCHER_SETS["frontend"])
     options.add_arguments(parser, ExecutorOptions, exclude=LAUNCHER_SETS["executor"])
 
+
+MAX_API_FRONTENDS = 64  # --api-frontends: processes, each with its own link and event loop
 
 _PORTS_GIVEN: set[int] = set()
 
@@ -253,9 +259,10 @@ def scheduler_command(args: argparse.Namespace, model: str, executor_targets: li
     return [sys.executable, "-m", "scheduler_svc.server.main", *options.to_argv(scheduler)]
 
 
-def frontend_command(args: argparse.Namespace, engine_target: str, model_dir: str | None = None) -> list[str]:
+def frontend_command(args: argparse.Namespace, engine_target: str, model_dir: str | None = None,
+                     reuse_port: bool = False) -> list[str]:
     frontend = options.from_args(
-        FrontendOptions, args, engine=engine_target, model_dir=model_dir,
+        FrontendOptions, args, engine=engine_target, model_dir=model_dir, reuse_port=reuse_port,
         chat_template=_absolute(args.chat_template),
         tls_cert_file=_absolute(args.tls_cert_file), tls_key_file=_absolute(args.tls_key_file),
         auth_token_file=_absolute(args.auth_token_file),
@@ -299,7 +306,7 @@ def start_public(args: argparse.Namespace, model: str, executor_targets: list[st
     process (the front-end last: it is the one to drain first). --http-port implies the front-end: it
     serves the HTTP API."""
     timeout_s = args.startup_timeout
-    if not args.api_frontend and args.http_port is None:
+    if not args.api_frontend and args.http_port is None and args.api_frontends == 1:
         scheduler, args.port = start_listening(scheduler_command(args, model, executor_targets), timeout_s)
         return [scheduler]
     inner = argparse.Namespace(**vars(args))
@@ -307,19 +314,25 @@ def start_public(args: argparse.Namespace, model: str, executor_targets: list[st
     scheduler, inner_port = start_listening(scheduler_command(inner, model, executor_targets), timeout_s)
     args.scheduler_target = f"127.0.0.1:{inner_port}"  # the front-end's engine (a restarted one's too)
     args.model_dir = model  # the front-end's tokenizer and chat template (the HTTP API)
+    frontends: list[subprocess.Popen] = []
     try:
         wait_serving(args.scheduler_target, [scheduler], timeout_s)
-        frontend = start_frontend(args)
+        if args.api_frontends > 1:  # one port for all: pick it now (and the HTTP API's)
+            args.port = args.port or free_port()
+            if args.http_port == 0:
+                args.http_port = free_port()
+        for _ in range(args.api_frontends):
+            frontends.append(start_frontend(args))
     except BaseException:
-        stop_all([scheduler], grace_s=5.0)
+        stop_all([scheduler, *frontends], grace_s=5.0)
         raise
-    return [scheduler, frontend]
+    return [scheduler, *frontends]
 
 
 def start_frontend(args: argparse.Namespace) -> subprocess.Popen:
-    """The API front-end on args.port (0: the port picked becomes args.port), in front of the
-    scheduler at args.scheduler_target."""
-    command = frontend_command(args, args.scheduler_target, args.model_dir)
+    """An API front-end on args.port (0: the port picked becomes args.port), in front of the
+    scheduler at args.scheduler_target; with --api-frontends > 1 it shares the port with the others."""
+    command = frontend_command(args, args.scheduler_target, args.model_dir, reuse_port=args.api_frontends > 1)
     frontend, args.port = start_listening(command, args.startup_timeout)
     return frontend
 
@@ -331,6 +344,8 @@ def check_options(args: argparse.Namespace) -> str | None:
         RestartBudget(args.max_restarts, args.restart_window_s)
     except ValueError as err:
         return str(err)
+    if not 1 <= args.api_frontends <= MAX_API_FRONTENDS:
+        return f"--api-frontends must be in [1, {MAX_API_FRONTENDS}], got {args.api_frontends}"
     return None
 
 
@@ -409,8 +424,10 @@ def supervise(args: argparse.Namespace, model: str, stop: threading.Event) -> in
         stop_in_order([public_procs[::-1]], grace_s=5.0)
         public_procs[:] = start_public(args, model, targets)
 
-    def restart_frontend() -> None:
-        public_procs[1:] = [start_frontend(args)]
+    def restart_frontend() -> None:  # the ones that exited; the others keep serving on the shared port
+        for i, proc in enumerate(public_procs[1:], start=1):
+            if proc.poll() is not None:
+                public_procs[i] = start_frontend(args)
 
     try:
         executors += start_executors(args, model, ports)

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -206,15 +207,29 @@ class _Server(uvicorn.Server):
 
 
 async def start_http_server(
-    api: HttpApi, host: str, port: int, tls_cert_file: str | None = None, tls_key_file: str | None = None
+    api: HttpApi, host: str, port: int, tls_cert_file: str | None = None, tls_key_file: str | None = None,
+    reuse_port: bool = False,
 ) -> tuple[uvicorn.Server, int, asyncio.Future]:
     """Serves `api` until the returned server's `should_exit` is set; returns it, its port (the one
-    picked for port 0) and the task that serves."""
+    picked for port 0) and the task that serves. `reuse_port`: the listening socket sets SO_REUSEPORT
+    (other front-ends of the scheduler listen on the same port)."""
     config = uvicorn.Config(api.app, host=host, port=port, lifespan="off", log_level="warning",
                             access_log=False, ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file,
                             backlog=4096, timeout_keep_alive=60)
     server = _Server(config)
-    task = asyncio.ensure_future(server.serve())
+    sockets = None
+    if reuse_port:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            sock.close()
+            raise OSError(f"the HTTP API cannot listen on {host}:{port}: {err}") from err
+        sockets = [sock]
+    task = asyncio.ensure_future(server.serve(sockets=sockets))
     while not server.started:
         if task.done():
             task.result()
@@ -248,10 +263,11 @@ class _Link(StreamLink, Protocol):
 
 async def start_http_api(
     link: _Link, host: str, port: int, model_dir: str | None, chat_template_file: str | None,
-    tls_cert_file: str | None, tls_key_file: str | None, auth_token: str | None,
+    tls_cert_file: str | None, tls_key_file: str | None, auth_token: str | None, reuse_port: bool = False,
 ) -> HttpService:
     """Serves the HTTP API through `link` (the front-end's link to the scheduler, connected); prints
-    where. The model's name and limits come from the scheduler; its text from `model_dir`."""
+    where. The model's name and limits come from the scheduler; its text from `model_dir`.
+    `reuse_port`: other front-ends serve the same port (SO_REUSEPORT)."""
     info = await link.generation.GetModelInfo(
         generation_pb2.GetModelInfoRequest(), metadata=link.metadata, timeout=30.0
     )
@@ -260,7 +276,7 @@ async def start_http_api(
     text = ModelText.with_override(reported, model_dir, chat_template_file)
     api = HttpApi(link, info.model_name, max_context_tokens, text, auth_token,
                   lambda: link.connected.is_set() and link.scheduler_serving)
-    server, bound, task = await start_http_server(api, host, port, tls_cert_file, tls_key_file)
+    server, bound, task = await start_http_server(api, host, port, tls_cert_file, tls_key_file, reuse_port)
     scheme = "https" if tls_cert_file else "http"
     print(f"pagedserve OpenAI-compatible HTTP API: {scheme}://{host}:{bound}/v1", flush=True)
     return HttpService(api, server, bound, task)

@@ -262,6 +262,9 @@ class FrontendOptions(ApiServerOptions):
                                    "template")
     chat_template: str | None = option(None, "a Jinja chat template file for /v1/chat/completions, "
                                        "instead of the model folder's")
+    reuse_port: bool = option(False, "share --port (and --http-port) with other front-end processes of the "
+                              "same scheduler (SO_REUSEPORT: the kernel spreads client connections over "
+                              "them; each has its own link)")
 
     def __post_init__(self) -> None:
         ApiServerOptions.__post_init__(self)
@@ -293,10 +296,12 @@ async def start_frontend(
     connect_timeout_s: float = 60.0,
     on_link: Callable[[EngineLink], object] | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int, Health, asyncio.Future]:
     """Serves the front-end once the link is up; returns (server, port, health, link task).
     `on_link` is given the link (the HTTP API serves through it too). A client message is at most
-    `max_request_bytes`; so is a link message (EngineLink.open)."""
+    `max_request_bytes`; so is a link message (EngineLink.open). `reuse_port`: other front-ends of
+    the scheduler listen on the same port (start_grpc_server)."""
     link = EngineLink(engine_target, max_message_bytes, auth_token, max_request_bytes)
     if on_link is not None:
         on_link(link)
@@ -313,7 +318,7 @@ async def start_frontend(
         lambda server: register_decoding(
             generation_pb2_grpc.add_GenerationServicer_to_server, FrontendServicer(link), server
         ),
-        host, port, max_message_bytes, credentials, auth_token, max_request_bytes,
+        host, port, max_message_bytes, credentials, auth_token, max_request_bytes, reuse_port,
     )
     loop = asyncio.get_running_loop()
     link.on_change = lambda up: loop.create_task(health.set_serving(up))
@@ -327,7 +332,7 @@ async def serve(a: FrontendOptions) -> None:
     server, port, health, link_task = await start_frontend(
         a.engine, a.host, a.port, server_credentials(a.tls_cert_file, a.tls_key_file),
         read_auth_token(a.auth_token_file), a.max_message_bytes, a.connect_timeout_s, on_link=links.append,
-        max_request_bytes=a.max_request_bytes,
+        max_request_bytes=a.max_request_bytes, reuse_port=a.reuse_port,
     )
     http = None
     if a.http_port is not None:
@@ -338,7 +343,7 @@ async def serve(a: FrontendOptions) -> None:
             raise SystemExit(f"--http-port needs the http extra ({extra}): {err}") from None
         http = await start_http_api(
             links[0], a.host, a.http_port, a.model_dir, a.chat_template, a.tls_cert_file, a.tls_key_file,
-            read_auth_token(a.auth_token_file),
+            read_auth_token(a.auth_token_file), reuse_port=a.reuse_port,
         )
     print(f"pagedserve api front-end listening on {a.host}:{port} (scheduler {a.engine})", flush=True)
     stop = asyncio.Event()

@@ -125,19 +125,23 @@ async def start_grpc_server(
     credentials: grpc.ServerCredentials | None = None,
     auth_token: str | None = None,
     max_request_bytes: int | None = None,
+    reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int, Health]:
     """A started server with the services `add_servicers` registers, message size limits, health
     (alive and SERVING for `service_name`) and reflection; TLS with `credentials`, the bearer-token
     check with `auth_token`. Returns (server, bound port, health). The port is this server's alone
     (no SO_REUSEPORT): a port another server holds is an OSError naming it, not a second server
-    silently sharing its connections. Messages out are bounded by `max_message_bytes`, messages in
-    by request_limit(max_message_bytes, max_request_bytes): a public server's clients get the
+    silently sharing its connections; unless `reuse_port` (API front-ends of one scheduler: each sets
+    it, and the kernel spreads new connections over them). Messages out are bounded by
+    `max_message_bytes`, messages in by request_limit(max_message_bytes, max_request_bytes): a
+    public server's clients get the
     smaller `max_request_bytes` (grpc refuses a larger message, RESOURCE_EXHAUSTED, before reading
     it whole); without it (the executor link) both ways are bounded by `max_message_bytes`."""
     interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
     receive_bytes = request_limit(max_message_bytes, max_request_bytes)
     server_options = [("grpc.max_send_message_length", max_message_bytes),
-                      ("grpc.max_receive_message_length", receive_bytes), ("grpc.so_reuseport", 0)]
+                      ("grpc.max_receive_message_length", receive_bytes),
+                      ("grpc.so_reuseport", 1 if reuse_port else 0)]
     server = grpc.aio.server(interceptors=interceptors, options=server_options)
     add_servicers(server)
     health = Health(server, [service_name])

@@ -289,3 +289,25 @@ def test_bench_serve_sweeps_poisson_rates(config_only_model, tmp_path, capsys):
     for run in result["runs"]:
         assert run["output_tokens"] == run["expected_output_tokens"] and run["num_failed"] == 0
     assert plot.exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_bench_throughput_over_client_processes_front_ends_and_two_plans_ahead(config_only_model, tmp_path):
+    """--client-processes 3 spreads the requests over three load-generator processes (one start
+    time), --api-frontends 2 serves them from two front-end processes on one port, and the scheduler
+    plans two steps ahead: every request gets exactly its tokens, timed from the run's start."""
+    out_file = tmp_path / "bench.json"
+    args = _args(
+        "throughput", "--model", str(config_only_model), "--load-format", "dummy", "--device", "cpu",
+        "--workload", "alpaca", "--requests", "7", "--max-num-seqs", "4", "--no-progress", "--warmup", "2",
+        "--client-processes", "3", "--api-frontends", "2", "--plans-ahead", "2", "--out", str(out_file),
+    )
+    assert bench.run(args) == 0
+    (run,) = json.loads(out_file.read_text())["runs"]
+    assert run["num_failed"] == 0 and run["output_tokens"] == run["expected_output_tokens"] > 0
+    assert run["num_requests"] == 7 and 0 < run["ttft_ms"]["p50"] < run["wall_s"] * 1e3
+
+
+def test_bench_refuses_a_bad_number_of_processes(config_only_model):
+    for flag, value in (("--client-processes", "0"), ("--client-processes", "65"), ("--api-frontends", "0")):
+        args = _args("throughput", "--model", str(config_only_model), flag, value)
+        assert flag in (bench.check_args(args) or ""), flag

@@ -199,6 +199,33 @@ def test_a_killed_api_frontend_is_restarted_and_the_scheduler_runs_on(tiny_llama
     assert rc == 0, proc.output()
 
 
+def test_front_ends_share_the_port_and_a_killed_one_is_restarted_alone(tiny_llama_dir, tmp_path):
+    """--api-frontends 2: two front-end processes on one port (each with its own link), every new
+    connection served by one of them; when one dies the other keeps the port serving, and the
+    launcher restarts only the dead one."""
+    proc, public = serve(["--model", str(tiny_llama_dir), "--device", "cpu", "--num-gpu-blocks", "64",
+                          "--api-frontends", "2"], tmp_path / "serve.log")
+    try:
+        frontends = pids_of("scheduler_svc.frontend.main", parent=proc.pid)
+        assert len(frontends) == 2, proc.output()
+        for _ in range(6):  # fresh connections, spread by the kernel
+            with Client(public) as client:
+                reference = client.generate([4, 5, 6], max_tokens=8, temperature=0.0).outputs[0].token_ids
+        os.kill(frontends[0], signal.SIGKILL)
+        for _ in range(4):  # the port still answers meanwhile: the other front-end holds it
+            with Client(public) as client:
+                tokens = client.generate([4, 5, 6], max_tokens=8, temperature=0.0).outputs[0].token_ids
+            assert tokens == reference
+        wait_until(lambda: "the API front-end exited; restarting it" in proc.output(), 30, 0.1, "the restart")
+        wait_until(lambda: len(pids_of("scheduler_svc.frontend.main", parent=proc.pid)) == 2, 60, 0.2,
+                   "two front-ends again")
+        now = pids_of("scheduler_svc.frontend.main", parent=proc.pid)
+        assert frontends[1] in now and frontends[0] not in now
+    finally:
+        rc = proc.stop(timeout_s=60)
+    assert rc == 0, proc.output()
+
+
 # ---- TLS: a certificate that does not name localhost -------------------------------------------------
 def test_serve_is_ready_with_a_certificate_for_another_name(tiny_llama_dir, tmp_path):
     if shutil.which("openssl") is None:
