@@ -279,10 +279,34 @@ class DecodeGraphs(_BucketGraphs):
         buckets: tuple[int, ...] = DECODE_BUCKETS,
     ):
         super().__init__(model, kv_cache, max_model_len, buckets, max(buckets))
+        # The greedy sampler over each bucket's logits (kernels.greedy_sample), captured after the
+        # forward graphs: tokens [max bucket] int64 and their log-probabilities float32 (bucket b: the
+        # first b rows), so a plain greedy decode step launches no sampler kernel from Python.
+        self.greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.greedy_tokens: torch.Tensor | None = None
+        self.greedy_logprobs: torch.Tensor | None = None
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    def _capture_buckets(self, pool) -> None:
+        super()._capture_buckets(pool)
+        assert self.output is not None
+        pool = self.graphs[self.buckets[0]].pool()  # the forward graphs' pool, shared
+        for bucket in reversed(self.buckets):
+            kernels.greedy_sample(self.output[:bucket])  # compile, outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                tokens, logprobs = kernels.greedy_sample(self.output[:bucket])
+                if self.greedy_tokens is None:
+                    self.greedy_tokens, self.greedy_logprobs = tokens.clone(), logprobs.clone()
+                else:
+                    assert self.greedy_logprobs is not None
+                    self.greedy_tokens[:bucket].copy_(tokens)
+                    self.greedy_logprobs[:bucket].copy_(logprobs)
+            pool = graph.pool()
+            self.greedy_graphs[bucket] = graph
 
     def bucket_shape(self, bucket: int) -> tuple[int, int, int]:
         return bucket, bucket, 1
@@ -305,6 +329,24 @@ class DecodeGraphs(_BucketGraphs):
             and bucket in self.graphs
             and self.inputs.fits(batch, bucket, bucket)
         )
+
+    def can_run_greedy(self, batch: ModelInput) -> bool:
+        """A decode batch that `can_run` and samples every token, in order (a decode step): its
+        sampler rows are the graph's first rows."""
+        return (self.can_run(batch) and len(batch.sampled_seq_ids) == batch.num_tokens
+                and self.bucket_for(batch.num_tokens) in self.greedy_graphs)
+
+    @torch.inference_mode()
+    def run_greedy(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [S] int64, log-probabilities [S] float32) of a batch that `can_run_greedy`, as
+        `kernels.greedy_sample` of `run`'s logits gives them: views of static outputs, valid until the
+        next replay (work queued on the stream before it, the copy to the host and the next step's
+        planned-ahead tokens, reads them in time)."""
+        bucket = self.bucket_for(batch.num_tokens)
+        self._replay(batch, bucket)
+        self.greedy_graphs[bucket].replay()
+        assert self.greedy_tokens is not None and self.greedy_logprobs is not None
+        return self.greedy_tokens[: batch.num_tokens], self.greedy_logprobs[: batch.num_tokens]
 
     @torch.inference_mode()
     def run(self, batch: ModelInput) -> torch.Tensor:

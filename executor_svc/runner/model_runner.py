@@ -9,7 +9,7 @@ from executor_svc.layers.attention import AttentionMetadata
 from executor_svc.runner.cuda_graphs import MIXED_BUCKETS, DecodeGraphs, MixedGraphs, buckets_up_to
 from executor_svc.runner.inputs import ModelInput
 from executor_svc.runner.kv_cache import KVCache
-from executor_svc.runner.sampler import SamplerOutput, SamplingMetadata, sample
+from executor_svc.runner.sampler import SamplerOutput, SamplingMetadata, greedy_output, plain_greedy, sample
 from scheduler_svc.wire.sampling_params import MAX_LOGPROBS
 
 
@@ -18,6 +18,9 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.decode_graphs: DecodeGraphs | None = None
+        # A plain greedy decode step samples inside its decode graph (`execute`); False: every step
+        # goes through compute_logits and sample (for callers that look at the logits).
+        self.graph_sampling = True
         self.mixed_graphs: MixedGraphs | None = None
 
     def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
@@ -56,7 +59,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> SamplerOutput | None:
-        """Forward pass and sampling; None when no row is sampled."""
+        """Forward pass and sampling; None when no row is sampled. A decode step whose rows are all
+        plain greedy replays its bucket's greedy-sampler graph after the forward graph
+        (`DecodeGraphs.run_greedy`): the same kernels as `sample`, none launched from Python."""
+        graphs = self.decode_graphs
+        if (graphs is not None and self.graph_sampling and plain_greedy(batch.sampling)
+                and graphs.can_run_greedy(batch)):
+            return greedy_output(*graphs.run_greedy(batch))
         logits = self.compute_logits(batch)
         return sample(logits, batch.sampling) if logits.shape[0] else None
 

@@ -117,6 +117,18 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     return torch.zeros_like(keep).scatter_(1, order, keep)
 
 
+def plain_greedy(meta: SamplingMetadata) -> bool:
+    """Every row greedy, no logprobs, no beam candidates: `kernels.greedy_sample` alone answers it."""
+    return meta.all_greedy and not meta.max_num_logprobs and not meta.max_num_beam_candidates
+
+
+def greedy_output(token_ids: torch.Tensor, chosen_logprobs: torch.Tensor) -> SamplerOutput:
+    """The SamplerOutput of a plain_greedy batch from kernels.greedy_sample's (tokens [S], logprobs [S])."""
+    empty_ids = token_ids.new_empty((len(token_ids), 0))
+    empty_lps = chosen_logprobs.new_empty((len(token_ids), 0))
+    return SamplerOutput(token_ids, chosen_logprobs, empty_ids, empty_lps, empty_ids, empty_lps)
+
+
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """logits: [S, V] (any float dtype) -> one token per row plus logprobs and beam candidates.
 
@@ -127,11 +139,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     A batch of greedy rows that asks for no logprobs and no beam candidates (the common decode
     step) takes `kernels.greedy_sample`: the same tokens and chosen log-probabilities from one read
     of the logits, no [S, V] temporaries."""
-    if meta.all_greedy and not meta.max_num_logprobs and not meta.max_num_beam_candidates:
-        token_ids, chosen_logprobs = kernels.greedy_sample(logits)
-        empty_ids = token_ids.new_empty((len(logits), 0))
-        empty_lps = chosen_logprobs.new_empty((len(logits), 0))
-        return SamplerOutput(token_ids, chosen_logprobs, empty_ids, empty_lps, empty_ids, empty_lps)
+    if plain_greedy(meta):
+        return greedy_output(*kernels.greedy_sample(logits))
     logits = logits.float()
     scaled = apply_temperature(logits, meta.temperature)  # [S, V], ours to update in place
     logprobs_all = scaled.log_softmax(dim=-1)  # [S, V]

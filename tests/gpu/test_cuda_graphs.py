@@ -93,3 +93,31 @@ def test_prefill_and_oversized_batches_stay_eager(model_dir):
 
     prefill_like = replace(batch, attn=replace(batch.attn, max_query_len=2))
     assert not graphs.can_run(prefill_like)
+
+
+def test_greedy_decode_steps_sample_inside_the_graphs(model_dir, monkeypatch):
+    """A plain greedy decode step replays its bucket's greedy-sampler graph after the forward graph:
+    the tokens and log-probabilities `sample` gives for the same logits, with no sampler kernel
+    launched from Python."""
+    import kernels
+    from executor_svc.runner.sampler import plain_greedy, sample
+    from executor_svc.worker.worker import Worker
+
+    worker = Worker(str(model_dir), device="cuda", dtype="bfloat16", num_gpu_blocks=2048, num_cpu_blocks=0,
+                    eager_mixed_steps=True)
+    worker.init_cache(2048, 0)
+    runner = worker.runner
+    graphs = runner.decode_graphs
+    assert set(graphs.greedy_graphs) == set(graphs.buckets)
+    calls = []
+    for case, num_seqs in enumerate((1, 5, 40, 256)):
+        batch = _decode_batch(worker, num_seqs, seed=20 + case)
+        assert plain_greedy(batch.sampling) and graphs.can_run_greedy(batch)
+        reference = sample(runner.compute_logits(batch).clone(), batch.sampling)  # writes the same K/V
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "greedy_sample", lambda *a: calls.append(a))
+            out = runner.execute(batch)
+        assert not calls, "the sampler was launched from Python"
+        assert torch.equal(out.token_ids, reference.token_ids), num_seqs
+        assert torch.equal(out.logprobs, reference.logprobs), num_seqs
+        assert out.token_ids.shape == (num_seqs,) and out.top_token_ids.shape == (num_seqs, 0)

@@ -135,6 +135,7 @@ def drive(worker, seqs: list[Seq], recorded: set[int]) -> None:
         return out
 
     runner.compute_logits = recording
+    runner.graph_sampling = False  # every step through compute_logits, which records
     worker.reset()
     step, released = 0, []
     try:
@@ -164,6 +165,7 @@ def drive(worker, seqs: list[Seq], recorded: set[int]) -> None:
             step += 1
     finally:
         runner.compute_logits = compute
+        runner.graph_sampling = True
 
 
 def run_all(worker) -> dict[str, list[Seq]]:

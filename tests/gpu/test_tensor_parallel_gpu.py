@@ -74,6 +74,7 @@ def run_greedy(worker, forced: list[list[int]] | None) -> tuple[torch.Tensor, li
         return out
 
     runner.compute_logits = recording
+    runner.graph_sampling = False  # every step through compute_logits, which records
     worker.reset()
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
     new = [NewSequence(i, p, 0, len(p), tables[i], greedy, 0, len(p)) for i, p in enumerate(prompts)]
@@ -88,6 +89,7 @@ def run_greedy(worker, forced: list[list[int]] | None) -> tuple[torch.Tensor, li
     for s in result.samples:
         sampled[s.seq_id].append(s.token_id)
     runner.compute_logits = compute
+    runner.graph_sampling = True
     return torch.stack(logits), sampled
 
 

@@ -78,6 +78,7 @@ def worker_greedy(
         return logits
 
     runner.compute_logits = recording
+    runner.graph_sampling = False  # every step through compute_logits, which records
     worker.reset()
     try:
         plan = StepPlan(0, new_seqs=[
@@ -90,4 +91,5 @@ def worker_greedy(
             plan = StepPlan(step + 1, cont_seqs=[ContinuingSequence(i, 1, [t]) for i, t in enumerate(fed)])
     finally:
         runner.compute_logits = compute
+        runner.graph_sampling = True
     return {i: torch.stack(rows) for i, rows in captured.items()}, samples
