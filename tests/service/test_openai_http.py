@@ -242,3 +242,37 @@ def test_generate_interrupted_prints_no_traceback(server, tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err
+
+
+def test_two_front_ends_serve_one_http_port(tiny_llama_dir, tmp_path):
+    """--api-frontends 2 with --http-port: both front-ends listen on the HTTP port too (SO_REUSEPORT);
+    fresh connections are answered while either of them is killed."""
+    import os
+
+    from tests.helpers.processes import pids_of
+
+    proc, _ = serve(["--model", str(tiny_llama_dir), "--device", "cpu", "--num-gpu-blocks", "64",
+                     "--http-port", "0", "--api-frontends", "2"], tmp_path / "serve.log")
+    try:
+        wait_until(lambda: len(re.findall(HTTP_LINE, proc.output())) == 2, 30, 0.1, "both HTTP APIs")
+        urls = set(re.findall(HTTP_LINE, proc.output()))
+        assert len(urls) == 1, urls  # both front-ends serve the same address
+        base_url = urls.pop()
+        frontends = pids_of("scheduler_svc.frontend.main", parent=proc.pid)
+        assert len(frontends) == 2
+
+        def completion() -> str:
+            with httpx.Client(base_url=f"{base_url}/v1", timeout=30) as http:  # a fresh connection
+                model = http.get("/models").json()["data"][0]["id"]
+                body = {"model": model, "prompt": [4, 5, 6], "max_tokens": 4, "temperature": 0.0}
+                reply = http.post("/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                return reply.json()["choices"][0]["text"]
+
+        first = [completion() for _ in range(4)]
+        assert len(set(first)) == 1
+        os.kill(frontends[0], signal.SIGKILL)
+        assert [completion() for _ in range(3)] == first[:3]  # the other front-end holds the port
+    finally:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.stop(timeout_s=60)
