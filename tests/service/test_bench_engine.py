@@ -61,3 +61,24 @@ def test_gpu_step_ms_must_be_a_non_negative_number():
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(SystemExit, match="gpu-step-ms"):
             bench_engine.main(["--gpu-step-ms", bad, "--requests", "1"])
+
+
+def test_launch_ms_holds_the_thread_and_must_be_a_non_negative_number():
+    import time
+
+    from scheduler_svc.wire.step_plan import StepPlan
+
+    worker = bench_engine.DeviceTimedSimWorker(num_gpu_blocks=8, max_model_len=64, step_s=0.0, launch_s=0.02)
+    begin = time.thread_time()
+    worker.launch(StepPlan(step_id=0))
+    assert time.thread_time() - begin >= 0.02  # CPU time of this thread, as a real launch's
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit, match="launch-ms"):
+            bench_engine.main(["--launch-ms", bad, "--requests", "1"])
+
+
+def test_two_plans_ahead_give_every_request_its_tokens():
+    args = ["--requests", "8", "--max-tokens", "16", "--gpu-step-ms", "5", "--launch-ms", "2",
+            "--plans-ahead", "2"]
+    report = bench_engine.run(bench_engine.parse_args(args))
+    assert report["errors"] == []
