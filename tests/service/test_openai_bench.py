@@ -29,6 +29,23 @@ def test_bench_throughput_through_both_apis_counts_every_token(tiny_llama_dir, c
         assert run["output_tokens"] == run["expected_output_tokens"] > 0 and run["num_failed"] == 0
 
 
+def test_both_apis_from_several_load_processes_and_front_ends(tiny_llama_dir, capsys):
+    """--client-processes 2 --api-frontends 2: the HTTP requests go out from two load-generator
+    processes (each its own aiohttp session) to two front-ends on one HTTP port, every token counted."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args([
+        "throughput", "--model", str(tiny_llama_dir), "--device", "cpu", "--workload", "alpaca",
+        "--requests", "5", "--warmup", "2", "--no-progress", "--json", "--endpoint", "grpc,openai",
+        "--num-gpu-blocks", "64", "--client-processes", "2", "--api-frontends", "2",
+    ])
+    assert bench.run(args) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [r["endpoint"] for r in runs] == ["grpc", "openai"]
+    for run in runs:
+        assert run["output_tokens"] == run["expected_output_tokens"] > 0 and run["num_failed"] == 0
+
+
 def test_openai_endpoint_refuses_beam_search_and_a_server_without_its_url():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
