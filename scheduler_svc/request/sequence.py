@@ -55,6 +55,7 @@ class Sequence:
     # each real one in its place.
     pending: int = 0
     pending_step: int = -1  # the step whose sample the newest placeholder stands for
+    scheduled_step: int = -1  # the last step that computed tokens of it (PlanBuilder.add)
 
     @property
     def num_tokens(self) -> int:

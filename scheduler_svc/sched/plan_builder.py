@@ -65,6 +65,7 @@ class PlanBuilder:
         then sent again from the first replaced entry). `num_new_tokens` and `groups` may be
         iterators longer than `seqs` (itertools.repeat)."""
         plan, block_table = self.plan, self.kv.block_table
+        step_id = plan.step_id
         new_append, cont_append = plan.new_seqs.append, plan.cont_seqs.append
         decode_ids_append, decode_tokens_append = plan.decode_seq_ids.append, plan.decode_token_ids.append
         for i, (seq, num_new, group) in enumerate(zip(seqs, num_new_tokens, groups, strict=False)):
@@ -100,6 +101,7 @@ class PlanBuilder:
             seq.executor_num_tokens = num_tokens
             seq.executor_num_blocks = len(table)
             seq.num_computed_tokens += num_new
+            seq.scheduled_step = step_id
 
     def swap_out(self, group: SequenceGroup, pairs: list[BlockPair]) -> None:
         """The group's blocks go to CPU; its swap-in will send each whole new table."""

@@ -219,6 +219,7 @@ class Scheduler:
         self._step_id += 1
         self.plans.begin(self._step_id)
         scheduling = SchedulingPass(self.config, self.kv, self.plans, self.requests)
+        scheduling.oldest_in_flight = self._step_id - len(self._in_flight)
         self._in_flight.append((scheduling.run(), False))
         self.num_preemptions += scheduling.num_preemptions
         return self.plans.end()

@@ -43,6 +43,7 @@ class SchedulingPass:
         self.preempted = False
         self.num_preemptions = 0
         self.previous_step = plans.plan.step_id - 1  # the step whose samples a decode may take unseen
+        self.oldest_in_flight = plans.plan.step_id  # Scheduler.schedule sets it: the oldest step unanswered
 
     def run(self) -> list[Sequence]:
         single_decodes: list[SequenceGroup] = []
@@ -148,6 +149,15 @@ class SchedulingPass:
         previous = self.previous_step
         return any(seq.pending and seq.pending_step != previous for seq in group.seqs)
 
+    def _in_flight(self, group: SequenceGroup) -> bool:
+        """Whether a preempted group (waiting or swapped) still has tokens in a step whose result is
+        not in: a placeholder, or a sample with none (its last token). It comes back once they are
+        known, never from a plan built before them (a prefill would carry a placeholder, or a result
+        would reach a sequence that started over). Never with one plan ahead: a group preempted by
+        plan k could come back in plan k + 1 at the soonest, built after step k - 1's result."""
+        oldest = self.oldest_in_flight
+        return any(seq.pending or seq.scheduled_step >= oldest for seq in group.seqs)
+
     def _tokens_to_compute(self, group: SequenceGroup) -> list[tuple[Sequence, int]]:
         """(seq, num_new_tokens) to schedule now, [] when the group cannot run this step."""
         if self._held(group):
@@ -224,7 +234,7 @@ class SchedulingPass:
         requests = self.requests
         while requests.swapped:
             group = requests.swapped[0]
-            if any(seq.pending for seq in group.seqs):  # preempted with tokens being sampled: they come first
+            if self._in_flight(group):
                 return
             todo = self._tokens_to_compute(group)
             if not todo:
@@ -249,7 +259,7 @@ class SchedulingPass:
             group = requests.waiting[0]
             if requests.swapped and arrival_order(requests.swapped[0]) < arrival_order(group):
                 return  # FCFS: an earlier swapped group comes back first
-            if any(seq.pending for seq in group.seqs):  # preempted with tokens being sampled: they come first
+            if self._in_flight(group):
                 return
             params = group.sampling_params  # room for every sample or beam the group will grow to
             num_waiting = max(len(group.seqs) + (params.n - 1 if not group.samples_forked else 0),

@@ -8,7 +8,7 @@ KV slot is right); at the end: every request finished, no block leaked, no execu
 
 from collections import deque
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.sched.scheduler import Scheduler, SchedulerConfig
@@ -53,7 +53,24 @@ request = st.tuples(
 )
 
 
+# Found by the search (two plans ahead): a sequence whose last token was still being sampled when a
+# plan preempted it was admitted again by the next plan, and that token's result then reached a
+# sequence that had started over ("got a token before its prefill completed").
+_PREEMPTED_WITH_ITS_LAST_SAMPLE_IN_FLIGHT = dict(
+    cfg=SchedulerConfig(block_size=2, num_gpu_blocks=19, num_cpu_blocks=0, max_num_batched_tokens=4,
+                        max_num_seqs=4, max_prefill_tokens_while_decoding=0, max_model_len=64,
+                        preemption_mode="recompute", enable_prefix_caching=False, enable_chunked_prefill=True,
+                        eos_token_ids=(3,), watermark_blocks=0, plans_ahead=2),
+    requests=[([], [13], 1, (1, 1), 0, 1), ([], [13], 4, (2, 1), 0, 2), ([], [13], 5, (2, 1), 2, 26),
+              ([], [13], 13, (1, 2), 1, 15), ([], [13, 13, 13, 13], 12, (3, 1), 1, 28),
+              ([], [13], 1, (1, 1), 1, 16), ([], [13], 1, (2, 1), 0, 1)],
+    seed=76,
+    ahead=True,
+)
+
+
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(**_PREEMPTED_WITH_ITS_LAST_SAMPLE_IN_FLIGHT)
 @given(
     cfg=configs(),
     requests=st.lists(request, min_size=2, max_size=10),
