@@ -98,9 +98,9 @@ def pdl(device: torch.device) -> bool:
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_launch(device: torch.device) -> dict:
-    """The launch keyword for a kernel with a PDL constexpr: {"launch_pdl": True} where pdl(device)."""
-    return {"launch_pdl": True} if pdl(device) else {}
+def pdl_launch(on: bool) -> dict:
+    """The launch keyword that goes with a kernel's PDL constexpr `on` (= pdl(device))."""
+    return {"launch_pdl": True} if on else {}
 
 
 def _cuda_module(name: str):

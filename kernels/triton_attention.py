@@ -781,13 +781,13 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0, DETERMINISTIC=deterministic,
         SCALE_V=v_scale != 1.0, Q_F16=q_f16, **tuning, num_warps=num_warps, num_stages=num_stages, **launch,
-        PDL=on, **pdl_launch(query.device),
+        PDL=on, **pdl_launch(on),
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_max, part_sum, num_heads, num_splits, head_dim, out.stride(0), out.stride(1),
             S_PAD=triton.next_power_of_2(num_splits), D_PAD=d_pad, num_warps=4,
-            PDL=on, **pdl_launch(query.device),
+            PDL=on, **pdl_launch(on),
         )
     return out
 

@@ -65,12 +65,13 @@ def rms_norm(x, weight, eps, residual=None):
         return y, res_out
     block = triton.next_power_of_2(dim)
     res = residual if residual is not None else x
+    on = pdl(x.device)
     _rms_norm_kernel[(num_tokens,)](
         x, res, weight, y, res_out,
         x.stride(0), res.stride(0), y.stride(0), res_out.stride(0),
         dim, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        PDL=pdl(x.device), **pdl_launch(x.device),
+        PDL=on, **pdl_launch(on),
     )
     return y, res_out
 
@@ -251,6 +252,7 @@ def rotary_and_cache(
     heads = min(triton.next_power_of_2(max(num_heads, num_kv_heads)), max(1, 512 // half_pad))
     num_q_blocks = triton.cdiv(num_heads, heads)
     grid = (num_tokens, num_q_blocks + triton.cdiv(num_kv_heads, heads))
+    on = pdl(query.device)
     _rotary_and_cache_kernel[grid](
         query, key, value, query_out, key_cache, value_cache, positions, slot_mapping, cos_cache, sin_cache,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -259,8 +261,8 @@ def rotary_and_cache(
         cos_cache.stride(0),
         num_heads, num_kv_heads, num_q_blocks, half, 1.0 / k_scale, 1.0 / v_scale,
         HEADS=heads, HALF_PAD=half_pad, FP8=is_fp8(key_cache.dtype), KEY_IN_PLACE=rotate_key_in_place,
-        RN=query.is_cuda, PDL=pdl(query.device),
-        num_warps=2, **pdl_launch(query.device),
+        RN=query.is_cuda, PDL=on,
+        num_warps=2, **pdl_launch(on),
     )
     return query_out
 

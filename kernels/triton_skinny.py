@@ -144,7 +144,7 @@ def _launch(x, weight, bias, out, n, gated, config):
         num_rows, n, n if gated else 0, out.stride(0), weight.stride(0),
         K=k, HAS_BIAS=bias is not None, GATED=gated, UPCAST=upcast,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.stages,
-        PDL=on, PREFETCH_LINES=lines, LINE=line, num_warps=cfg.warps, **pdl_launch(x.device),
+        PDL=on, PREFETCH_LINES=lines, LINE=line, num_warps=cfg.warps, **pdl_launch(on),
     )
     return out
 

@@ -44,7 +44,7 @@ class SchedulerConfig:
         1, "with async scheduling, plans built ahead of the results of the steps in flight (1 or 2): "
         "with 2 the scheduler and the executors each work on a different step, which keeps a small "
         "model's GPU busy when one step's host work (result, plan, launch) outlasts its GPU time; a "
-        "sequence that stops may compute one more token for nothing", choices=(1, 2))
+        "sequence that stops may compute up to two tokens for nothing", choices=(1, 2))
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len")

@@ -28,9 +28,9 @@ max_tokens) gets no placeholder, so it is not scheduled ahead. Beam search needs
 result to choose the next tokens: while a beam group runs, plans are built one at a time. At most
 1 + `config.plans_ahead` plans are in flight. With two plans ahead a sequence may hold two
 placeholders (`Sequence.pending`, filled oldest first); one that finishes with a placeholder left
-drops it (its token was computed for nothing), and a preempted group whose tokens are still being
-sampled is not admitted or swapped in until they are known (a plan never carries a placeholder
-other than a decode's input, the token of the step just before).
+drops it (its token was computed for nothing), and a preempted group that a step in flight still
+computes is not admitted or swapped in until that step's result is in (a plan never carries a
+placeholder other than a decode's input, the token of the step just before).
 """
 
 from __future__ import annotations
@@ -218,8 +218,8 @@ class Scheduler:
             self._in_flight[-1] = (last, True)
         self._step_id += 1
         self.plans.begin(self._step_id)
-        scheduling = SchedulingPass(self.config, self.kv, self.plans, self.requests)
-        scheduling.oldest_in_flight = self._step_id - len(self._in_flight)
+        scheduling = SchedulingPass(self.config, self.kv, self.plans, self.requests,
+                                    oldest_in_flight=self._step_id - len(self._in_flight))
         self._in_flight.append((scheduling.run(), False))
         self.num_preemptions += scheduling.num_preemptions
         return self.plans.end()

@@ -25,7 +25,8 @@ class SchedulingPass:
     """Lives for one `schedule()`: the budget left, what it scheduled and whom it preempted."""
 
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, plans: PlanBuilder, requests: RequestTable
+        self, config: SchedulerConfig, kv: KVCacheManager, plans: PlanBuilder, requests: RequestTable,
+        oldest_in_flight: int | None = None,
     ):
         self.config = config
         self.kv = kv
@@ -43,7 +44,8 @@ class SchedulingPass:
         self.preempted = False
         self.num_preemptions = 0
         self.previous_step = plans.plan.step_id - 1  # the step whose samples a decode may take unseen
-        self.oldest_in_flight = plans.plan.step_id  # Scheduler.schedule sets it: the oldest step unanswered
+        # the oldest step whose result is not in (this plan's own id when none is in flight)
+        self.oldest_in_flight = plans.plan.step_id if oldest_in_flight is None else oldest_in_flight
 
     def run(self) -> list[Sequence]:
         single_decodes: list[SequenceGroup] = []
@@ -155,8 +157,8 @@ class SchedulingPass:
         known, never from a plan built before them (a prefill would carry a placeholder, or a result
         would reach a sequence that started over). Never with one plan ahead: a group preempted by
         plan k could come back in plan k + 1 at the soonest, built after step k - 1's result."""
-        oldest = self.oldest_in_flight
-        return any(seq.pending or seq.scheduled_step >= oldest for seq in group.seqs)
+        oldest = self.oldest_in_flight  # (a placeholder stands for a step in flight that scheduled it)
+        return any(seq.scheduled_step >= oldest for seq in group.seqs)
 
     def _tokens_to_compute(self, group: SequenceGroup) -> list[tuple[Sequence, int]]:
         """(seq, num_new_tokens) to schedule now, [] when the group cannot run this step."""

@@ -134,9 +134,9 @@ async def start_grpc_server(
     silently sharing its connections; unless `reuse_port` (API front-ends of one scheduler: each sets
     it, and the kernel spreads new connections over them). Messages out are bounded by
     `max_message_bytes`, messages in by request_limit(max_message_bytes, max_request_bytes): a
-    public server's clients get the
-    smaller `max_request_bytes` (grpc refuses a larger message, RESOURCE_EXHAUSTED, before reading
-    it whole); without it (the executor link) both ways are bounded by `max_message_bytes`."""
+    public server's clients get the smaller `max_request_bytes` (grpc refuses a larger message,
+    RESOURCE_EXHAUSTED, before reading it whole); without it (the executor link) both ways are
+    bounded by `max_message_bytes`."""
     interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
     receive_bytes = request_limit(max_message_bytes, max_request_bytes)
     server_options = [("grpc.max_send_message_length", max_message_bytes),

@@ -180,9 +180,10 @@ def test_pdl_only_on_a_gpu_and_not_when_turned_off(monkeypatch):
 
     kernels._pdl_on.cache_clear()
     try:
-        assert not kernels.pdl(torch.device("cpu")) and kernels.pdl_launch(torch.device("cpu")) == {}
+        assert not kernels.pdl(torch.device("cpu"))
+        assert kernels.pdl_launch(False) == {} and kernels.pdl_launch(True) == {"launch_pdl": True}
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs no inline PTX
-        assert not kernels.pdl(torch.device("cuda", 0)) and kernels.pdl_launch(torch.device("cuda", 0)) == {}
+        assert not kernels.pdl(torch.device("cuda", 0))
         monkeypatch.delenv("TRITON_INTERPRET")
         monkeypatch.setenv(kernels.PDL_ENV, "0")  # decided before any CUDA query: works without a GPU
         assert not kernels.pdl(torch.device("cuda", 0))
