@@ -59,19 +59,11 @@ def prefill_tile_starts(query_start_loc: torch.Tensor) -> torch.Tensor:
 # ---- programmatic dependent launch (PDL, sm_90+): a kernel's programs start while the one before ends ----
 
 PDL_ENV = "PAGEDSERVE_PDL"  # "0": launch every kernel plainly (for comparisons)
-_pdl_refused: list[str] = []  # why this process launches plainly (refuse_pdl)
-
-
-def refuse_pdl(reason: str) -> None:
-    """This process launches every kernel plainly from now on (a tensor-parallel rank, from
-    executor_svc/models/loader.py: PDL is not yet verified between NCCL collectives on two GPUs)."""
-    _pdl_refused.append(reason)
-    _pdl_on.cache_clear()
 
 
 @functools.cache
 def _pdl_on(device_index: int) -> bool:
-    if os.environ.get(PDL_ENV, "1") == "0" or _pdl_refused:
+    if os.environ.get(PDL_ENV, "1") == "0":
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
@@ -87,10 +79,12 @@ def pdl(device: torch.device) -> bool:
     order of its launches, as without PDL (a kernel that completes has waited for the one before,
     so the chain holds across kernels launched plainly, cuBLAS's or torch's, too); what overlaps is
     the launch and a program's set-up, and in the skinny GEMM the prefetch of its first weight
-    columns into L2 (the weights are never written by a step). On for Hopper and later GPUs; off on
-    other devices, on the CPU and under the Triton interpreter, with PAGEDSERVE_PDL=0, and in a
-    tensor-parallel rank (`refuse_pdl`: not yet verified on two GPUs). How we
-    know it works: the GPU tests of every kernel and model run with it on (the default), and
+    columns into L2 (the weights are never written by a step). On for Hopper and later GPUs, tensor-parallel
+    ranks included (an NCCL kernel is launched plainly, so it waits for the kernel before it to
+    complete, and a PDL kernel after it waits for it); off on other devices, on the CPU and under the
+    Triton interpreter, and with PAGEDSERVE_PDL=0. How we know it works: the GPU tests of every
+    kernel and model run with it on (the default), a two-GPU rank gives the same logits with it on
+    and off (tests/gpu/test_tensor_parallel_gpu.py), and
     `clients.bench.step` prints a decode step's graph time with and without it (docs/benchmarks.md,
     round 12)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":

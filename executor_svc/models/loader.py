@@ -22,7 +22,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-import kernels
 from executor_svc.layers.linear import VocabParallelEmbedding
 from executor_svc.models.config import ModelConfig
 from executor_svc.models.registry import model_class
@@ -58,8 +57,6 @@ def load_model(
 ) -> nn.Module:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    if tp_size > 1:  # kernels.pdl: PDL between NCCL collectives is not yet verified on two GPUs
-        kernels.refuse_pdl(f"tensor-parallel rank {tp_rank} of {tp_size}")
     with _default_dtype(dtype), torch.device(device):
         model = model_class(config)(config, tp_rank, tp_size)
     if load_format == "dummy":

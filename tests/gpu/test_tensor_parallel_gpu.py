@@ -136,22 +136,27 @@ def _rank_main(
     torch.distributed.destroy_process_group()
 
 
-def compare(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path, graphs: bool = False) -> dict:
+def run_tp2(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path, graphs: bool, forced) -> dict:
+    """Two ranks (spawned processes) teacher-forced on `forced`: {"logits", "free_tokens"} of rank 0."""
     from clients.cli.serve import free_port
 
+    out_path = str(tmp_dir / "tp2.pt")
+    torch.multiprocessing.spawn(
+        _rank_main,
+        args=(str(model_dir), device_type, f"127.0.0.1:{free_port()}", forced, out_path, graphs),
+        nprocs=2,
+    )
+    return torch.load(out_path)
+
+
+def compare(model_dir: pathlib.Path, device_type: str, tmp_dir: pathlib.Path, graphs: bool = False) -> dict:
     device = "cuda:0" if device_type == "cuda" else "cpu"
     one = _worker(str(model_dir), device, 0, 1)
     ref_logits, ref_tokens = run_greedy(one, None)
     del one
     if device_type == "cuda":
         torch.cuda.empty_cache()
-    out_path = str(tmp_dir / "tp2.pt")
-    torch.multiprocessing.spawn(
-        _rank_main,
-        args=(str(model_dir), device_type, f"127.0.0.1:{free_port()}", ref_tokens, out_path, graphs),
-        nprocs=2,
-    )
-    tp2 = torch.load(out_path)
+    tp2 = run_tp2(model_dir, device_type, tmp_dir, graphs, ref_tokens)
     diff = (tp2["logits"] - ref_logits).abs()  # [steps, S, V]
     top2 = ref_logits.topk(2, dim=-1).values
     margin = top2[..., 0] - top2[..., 1]
@@ -189,6 +194,29 @@ def test_two_gpu_ranks_match_one_in_bf16(tmp_path, graphs):
     assert figures["max_abs_diff"] < 0.15 * sigma
     assert figures["argmax_agreement_clear_margin"] == 1.0
     assert figures["argmax_agreement"] >= 0.95  # all rows, near-ties included (0.962 seen, 2x H100)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or torch.cuda.get_device_capability(0)[0] < 9,
+    reason="needs 2 GPUs of sm_90+ (programmatic dependent launch, kernels.pdl)",
+)
+def test_two_gpu_ranks_give_the_same_bits_with_and_without_pdl(tmp_path, monkeypatch):
+    """Each rank's decode graphs hold PDL kernels between NCCL all-reduces (kernels.pdl): an NCCL
+    kernel never lets the next kernel start early, and a PDL kernel after one waits for it to
+    complete, so every logit must be the same bits as with every kernel launched plainly (the
+    ranks are new processes: the environment decides)."""
+    from kernels import PDL_ENV
+
+    model_dir = make_medium_model(tmp_path / "medium")
+    forced = [[100 + 37 * i + j for j in range(NUM_DECODE)] for i in range(len(PROMPT_LENS))]
+    runs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(PDL_ENV, switch)
+        out = tmp_path / f"pdl{switch}"
+        out.mkdir()
+        runs[switch] = run_tp2(model_dir, "cuda", out, True, forced)
+    assert torch.equal(runs["1"]["logits"], runs["0"]["logits"])
+    assert runs["1"]["free_tokens"] == runs["0"]["free_tokens"]
 
 
 def main(argv: list[str] | None = None) -> None:

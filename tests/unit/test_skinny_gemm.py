@@ -189,18 +189,3 @@ def test_pdl_only_on_a_gpu_and_not_when_turned_off(monkeypatch):
         assert not kernels.pdl(torch.device("cuda", 0))
     finally:
         kernels._pdl_on.cache_clear()
-
-
-def test_a_refusal_turns_pdl_off_for_the_process(monkeypatch):
-    import kernels
-
-    monkeypatch.setattr(kernels, "_pdl_refused", [])
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv(kernels.PDL_ENV, raising=False)
-    kernels._pdl_on.cache_clear()
-    try:
-        kernels.refuse_pdl("tensor-parallel rank 0 of 2")
-        assert not kernels._pdl_on(0)  # refused before any CUDA query: no GPU needed
-        assert not kernels.pdl(torch.device("cuda", 0))
-    finally:
-        kernels._pdl_on.cache_clear()
