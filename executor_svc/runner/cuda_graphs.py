@@ -3,7 +3,8 @@ kernel by kernel (a step of an 8B model is ~450 launches: eager, a step took ~40
 size on the H100 machine of docs/benchmarks.md). Two sets, each with its own memory pool:
 
     DecodeGraphs   decode steps (one token per sequence), bucket b = sequences = tokens; the graph
-                   computes the logits [b, V] float32 too
+                   computes the logits [b, V] too, in the model's dtype (the greedy sampler's graph
+                   reads them so; `run` gives them as float32)
     MixedGraphs    any other step (prefills, chunks, prefills beside decodes), bucket T = tokens
                    (MIXED_BUCKETS: at most x1.25 apart from 256), S(T) = min(T, max_num_seqs)
                    sequences (a step of T tokens holds at most T); the graph computes the final
@@ -215,8 +216,6 @@ class _BucketGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.output: torch.Tensor | None = None  # the largest bucket's output; bucket b's: its first rows
 
-    output_dtype: torch.dtype | None = None  # the static output's dtype (None: what _output gives)
-
     def bucket_shape(self, bucket: int) -> tuple[int, int, int]:
         """(num_tokens, num_seqs, max_query_len) of the bucket's padded step."""
         raise NotImplementedError
@@ -255,8 +254,8 @@ class _BucketGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 out = self.forward(bucket)
                 if self.output is None:
-                    self.output = out.to(self.output_dtype or out.dtype)
-                else:  # (one pass: the copy converts to output_dtype)
+                    self.output = out
+                else:
                     self.output[: out.shape[0]].copy_(out)
             pool = graph.pool()
             self.graphs[bucket] = graph
@@ -311,10 +310,12 @@ class DecodeGraphs(_BucketGraphs):
     def bucket_shape(self, bucket: int) -> tuple[int, int, int]:
         return bucket, bucket, 1
 
-    output_dtype = torch.float32  # the logits [b, V]
-
     def _output(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)  # [b, V] in the model's dtype
+        # [b, V] in the model's dtype: a float32 copy inside the graph would write 4 bytes per logit
+        # and the greedy sampler read them, every step (0.1 ms of a 2.9 ms step at 256 sequences of
+        # a 1B model with a 128k vocabulary, docs/benchmarks.md round 13); widening a 16-bit float is
+        # exact, so the sampler's results keep their bits
+        return self.model.compute_logits(hidden)
 
     def bucket_for(self, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.buckets, num_seqs)
@@ -351,15 +352,15 @@ class DecodeGraphs(_BucketGraphs):
     @torch.inference_mode()
     def run(self, batch: ModelInput) -> torch.Tensor:
         """Logits [S, V] float32 of the rows named by `batch.logits_indices` (a decode batch that
-        `can_run`). When every token is sampled (a decode step: rows 0..S-1 in order) the result is a
-        view of the static output, valid until the next replay (work queued on the stream before it,
-        such as the sampler, reads it in time; a caller that keeps it must copy it); else a fresh
-        tensor."""
+        `can_run`): a fresh tensor, except for a float32 model when every token is sampled (a decode
+        step: rows 0..S-1 in order), where it is a view of the static output, valid until the next
+        replay (work queued on the stream before it, such as the sampler, reads it in time; a caller
+        that keeps it must copy it)."""
         bucket = self.bucket_for(batch.attn.seq_lens.shape[0])
         out = self._replay(batch, bucket)
         if len(batch.sampled_seq_ids) == batch.num_tokens:  # each token its sequence's last, in order
-            return out[: batch.num_tokens]
-        return out[batch.logits_indices]
+            return out[: batch.num_tokens].float()
+        return out[batch.logits_indices].float()
 
 
 class MixedGraphs(_BucketGraphs):

@@ -46,8 +46,8 @@ class ModelRunner:
         """Runs the forward pass (writing this step's K/V) and returns the logits [S, V] (float32) of the
         rows named by `logits_indices` (S may be 0: a step of prefill chunks only). A step replays a
         captured CUDA graph when one fits it: a decode graph, else a mixed-step graph; else eager. A
-        decode graph's logits are a view of its static output, valid until the next replay: copy them
-        to keep them (`DecodeGraphs.run`)."""
+        float32 model's decode-graph logits may be a view of its static output, valid until the next
+        replay: copy them to keep them (`DecodeGraphs.run`)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs.run(batch)
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
