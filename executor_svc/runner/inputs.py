@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field, fields, replace
-from itertools import repeat
+from itertools import compress, repeat
 from operator import add, attrgetter, floordiv, ge, getitem, is_, itemgetter, mod, mul, sub
 from typing import Any, NamedTuple
 
@@ -280,11 +280,12 @@ def _general_model_input(
     )
 
 
-# The integer columns of a decode step, one row of DECODE_INT_COLUMNS per sequence in the host list
-# the fast path builds: the step's own columns, then the sampling ones (_sampling_row's five, then
-# sample_index and output_positions).
-DECODE_INT_COLUMNS = ("input_ids", "positions", "slot_mapping", "top_k", "has_seed", "given_seeds",
-                      "num_logprobs", "num_beam_candidates", "sample_index", "output_positions")
+# A decode step's integer columns reach the device as two matrices: the step's own, [3, B] in
+# DECODE_STEP_COLUMNS order, and the ones a sequence keeps from step to step, [7, B] in
+# DECODE_STATIC_COLUMNS order (each state's row is cached as bytes, `_sampling_row`).
+DECODE_STEP_COLUMNS = ("input_ids", "positions", "slot_mapping")
+DECODE_STATIC_COLUMNS = ("top_k", "has_seed", "given_seeds", "num_logprobs", "num_beam_candidates",
+                         "sample_index", "prompt_len")
 
 
 def _decode_model_input(
@@ -292,50 +293,48 @@ def _decode_model_input(
 ) -> ModelInput | None:
     """build_model_input of a step whose every sequence decodes one token and is sampled; None for
     any other step. The general path's Python loop and dozens of small tensor ops cost ~1.8 ms at 256
-    sequences on the H100 machine's slow host cores (docs/benchmarks.md Round 11); here each column
-    is read from the states by a C-level `map` (no Python frame per sequence), the integer columns
-    become one [10, B] tensor and the floats one [2, B], the [B, M] block tables are one gather, and
-    everything reaches the device in one copy, as row views of those matrices."""
+    sequences on the H100 machine's slow host cores (docs/benchmarks.md Round 11); here the step's
+    columns are read from the states by C-level `map`s into one array, the columns that do not change
+    between steps are the states' cached byte rows joined at once, the [B, M] block tables are one
+    gather, and everything reaches the device in one copy, as row views of those matrices."""
     num_seqs = len(scheduled)
     if not num_seqs or any(map((1).__ne__, map(_NUM_NEW_TOKENS, scheduled))):
         return None
     states = list(map(_STATE, scheduled))
     begins = list(map(_NUM_COMPUTED, states))
     token_ids = list(map(_TOKEN_IDS, states))
-    lens = list(map(len, token_ids))
     tables = list(map(_BLOCK_TABLE, states))
-    if any(map((1).__ne__, map(sub, lens, begins))) or any(
+    if any(map((1).__ne__, map(sub, map(len, token_ids), begins))) or any(
         map(ge, begins, map(mul, map(len, tables), repeat(block_size)))
     ):
         return None  # not the last known token of each (a chunk), or a table too short: the general
         # path (which names the error)
     tokens = list(map(getitem, token_ids, begins))
     blocks = map(getitem, tables, map(floordiv, begins, repeat(block_size)))
-    slots = list(map(add, map(mul, blocks, repeat(block_size)), map(mod, begins, repeat(block_size))))
+    step = array("q", tokens)  # the [3, B] step columns (array + frombuffer: a quarter of
+    step.extend(begins)  # torch.tensor's time on lists)
+    step.extend(map(add, map(mul, blocks, repeat(block_size)), map(mod, begins, repeat(block_size))))
     rows = list(map(_SAMPLING_ROW, states))  # cached on the states; computed for any new one
     if None in rows:
         rows = list(map(_sampling_row, states))
-    top_k, has_seed, given, num_logprobs, num_beams = zip(*map(_STATIC_INTS, rows), strict=True)
-    temperature, top_p = zip(*map(_FLOATS, rows), strict=True)
-    output_positions = list(map(sub, lens, map(_PROMPT_LEN, states)))
-    packed = array("q")  # the [10, B] columns in DECODE_INT_COLUMNS order (array + frombuffer: a
-    for column in (tokens, begins, slots, top_k, has_seed, given, num_logprobs, num_beams,  # quarter of
-                   map(_SAMPLE_INDEX, states), output_positions):  # torch.tensor's time on lists)
-        packed.extend(column)
-    columns = torch.frombuffer(packed, dtype=torch.int64).view(len(DECODE_INT_COLUMNS), num_seqs)
-    max_logprobs, max_beams = max(num_logprobs), max(num_beams)
+    columns = torch.frombuffer(step, dtype=torch.int64).view(len(DECODE_STEP_COLUMNS), num_seqs)
+    static = torch.frombuffer(_EMPTY.join(map(_INT_BYTES, rows)), dtype=torch.int64).view(num_seqs, -1).t()
+    floats = torch.frombuffer(_EMPTY.join(map(_FLOAT_BYTES, rows)), dtype=torch.float32).view(num_seqs, 2).t()
     fresh = torch.randint(0, 2**62, (num_seqs,), generator=generator, dtype=torch.int64)
     positions = columns[1]
     host = {
-        "ints": columns,
-        "floats": torch.frombuffer(array("f", temperature + top_p), dtype=torch.float32).view(2, num_seqs),
-        "seeds": torch.where(columns[4].bool(), columns[5], fresh),  # [B]
+        "step": columns,
+        "static": static,  # [7, B] (a transposed view: the packing copy makes it contiguous)
+        "floats": floats,  # [2, B] temperature, top_p
+        "output_positions": positions + 1 - static[6],  # [B] tokens generated before this one
+        "seeds": torch.where(static[1].bool(), static[2], fresh),  # [B]
         "block_tables": _block_tables_of(states, tables),  # [B, M] int32
         "seq_lens": (positions + 1).to(torch.int32),  # [B]
         "query_start_loc": torch.arange(num_seqs + 1, dtype=torch.int32),  # [B + 1]
     }
     on_device = pack_to_device(host, device)
-    cols = dict(zip(DECODE_INT_COLUMNS, on_device["ints"].unbind(0), strict=True))
+    cols = dict(zip(DECODE_STEP_COLUMNS, on_device["step"].unbind(0), strict=True))
+    cols.update(zip(DECODE_STATIC_COLUMNS, on_device["static"].unbind(0), strict=True))
     query_start_loc = on_device["query_start_loc"]
     attn = AttentionMetadata(
         slot_mapping=cols["slot_mapping"],
@@ -345,6 +344,8 @@ def _decode_model_input(
         max_query_len=1,
         max_seq_len=max(begins) + 1,
     )
+    max_logprobs = max(map(_NUM_LOGPROBS, rows))
+    max_beams = max(map(_NUM_BEAMS, rows))
     on_temperature, on_top_p = on_device["floats"].unbind(0)
     sampling = SamplingMetadata(
         temperature=on_temperature,
@@ -353,16 +354,21 @@ def _decode_model_input(
         seeds=on_device["seeds"],
         has_seed=cols["has_seed"].bool(),
         sample_index=cols["sample_index"],
-        output_positions=cols["output_positions"],
+        output_positions=on_device["output_positions"],
         num_logprobs=cols["num_logprobs"],
         num_beam_candidates=cols["num_beam_candidates"],
         max_num_logprobs=max(0, max_logprobs),
         max_num_beam_candidates=max(0, max_beams),
-        all_greedy=not any(map((0.0).__lt__, temperature)),
+        all_greedy=not any(map(_RANDOM, rows)),
         any_top_k_top_p=any(map(_TOP_K_TOP_P, rows)),
     )
     seq_ids = tuple(map(_SEQ_ID, scheduled))
-    holes = [i for i, token in enumerate(tokens) if token == PENDING_TOKEN]
+    if tokens.count(PENDING_TOKEN) == num_seqs:  # every token planned ahead (async scheduling)
+        holes, pending_seq_ids = torch.arange(num_seqs), seq_ids
+    else:
+        where = list(compress(range(num_seqs), map(PENDING_TOKEN.__eq__, tokens)))
+        holes = torch.tensor(where, dtype=torch.int64)
+        pending_seq_ids = tuple(map(seq_ids.__getitem__, where))
     return ModelInput(
         input_ids=cols["input_ids"],
         positions=cols["positions"],
@@ -370,10 +376,10 @@ def _decode_model_input(
         logits_indices=query_start_loc[:num_seqs].long(),
         sampling=sampling,
         sampled_seq_ids=seq_ids,
-        num_logprobs=num_logprobs if max_logprobs > 0 else None,
-        num_beam_candidates=num_beams if max_beams > 0 else None,
-        pending_token_indices=torch.tensor(holes, dtype=torch.int64),
-        pending_seq_ids=tuple(seq_ids[i] for i in holes),
+        num_logprobs=tuple(map(_NUM_LOGPROBS, rows)) if max_logprobs > 0 else None,
+        num_beam_candidates=tuple(map(_NUM_BEAMS, rows)) if max_beams > 0 else None,
+        pending_token_indices=holes,
+        pending_seq_ids=pending_seq_ids,
     )
 
 
@@ -381,7 +387,9 @@ _STATE, _SEQ_ID, _NUM_NEW_TOKENS = attrgetter("state"), attrgetter("seq_id"), at
 _NUM_COMPUTED, _TOKEN_IDS = attrgetter("num_computed_tokens"), attrgetter("token_ids")
 _BLOCK_TABLE, _PROMPT_LEN, _SAMPLE_INDEX = attrgetter("block_table"), attrgetter("prompt_len"), attrgetter(
     "sample_index")
-_FLOATS, _STATIC_INTS, _TOP_K_TOP_P = itemgetter(0), itemgetter(1), itemgetter(2)  # of a _sampling_row
+_TOP_K_TOP_P, _RANDOM, _INT_BYTES, _FLOAT_BYTES = itemgetter(2), itemgetter(3), itemgetter(4), itemgetter(5)
+_NUM_LOGPROBS, _NUM_BEAMS = itemgetter(6), itemgetter(7)  # of a _sampling_row
+_EMPTY = bytearray()  # its join makes a writable buffer (torch.frombuffer warns about bytes)
 _ROWS, _ROW, _SAMPLING_ROW = attrgetter("_rows"), attrgetter("_row"), attrgetter("_sampling_row")
 
 
@@ -416,15 +424,21 @@ def _validate(s: ScheduledSequence, block_size: int) -> None:
 
 def _sampling_row(state: SequenceState) -> tuple:
     """((temperature, top_p), (top_k, has_seed, seed or 0, num_logprobs, num_beam_candidates),
-    top_k > 0 or top_p < 1): what a state's sampling parameters put in its columns, computed once per
-    state (they do not change; a state with other parameters is a new state)."""
+    top_k > 0 or top_p < 1, temperature > 0, the DECODE_STATIC_COLUMNS row as int64 bytes, the
+    floats as float32 bytes, num_logprobs, num_beam_candidates): what a state puts in its columns
+    that does not change between steps, computed once per state (a state with other parameters is a
+    new state; a fork's sample_index is set before its first step)."""
     row = state._sampling_row
     if row is None:
         p = state.sampling_params
         floats = (0.0 if p.use_beam_search else p.temperature, p.top_p)
         ints = (p.top_k, p.seed is not None, p.seed or 0, -1 if p.logprobs is None else p.logprobs,
                 p.num_beam_candidates)
-        row = state._sampling_row = (floats, ints, p.top_k > 0 or p.top_p < 1.0)
+        row = state._sampling_row = (
+            floats, ints, p.top_k > 0 or p.top_p < 1.0, floats[0] > 0.0,
+            array("q", (*ints, state.sample_index, state.prompt_len)).tobytes(),
+            array("f", floats).tobytes(), ints[3], ints[4],
+        )
     return row
 
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor_svc.runner.inputs import SequenceState
 from scheduler_svc.wire.step_plan import SampledToken
 
 
@@ -32,25 +31,32 @@ class LaunchedStep:
     token_ids: torch.Tensor | None = None  # [S] sampled tokens on the device
     host: tuple | None = None  # (sampled_seq_ids, host copies of the sampler's outputs)
     sampled_token_ids: list[int] | None = None  # [S], once finished
-    # (state, index, row): token ids of later steps' sequences that are this step's samples
-    pending_fixes: list[tuple[SequenceState, int, int]] = field(default_factory=list)
+    # Token ids of later steps' sequences that are this step's samples, as three columns: the
+    # sequences' token lists, the index in each, this step's row for each (empty: none)
+    pending_fixes: tuple[list[list[int]], list[int], list[int]] | tuple[()] = ()
 
 
 def copy_to_host(batch, output) -> tuple:
-    """Queues copies of the samples into pinned host memory (read after the step's end event)."""
+    """Queues copies of the samples into pinned host memory (read after the step's end event). An
+    empty output (no top logprobs or beam candidates asked for: [S, 0]) gets an empty host tensor and
+    no copy (a pinned allocation and a copy call each cost the launching thread several µs)."""
     pin = output.token_ids.is_cuda
     tensors = []
     for t in (output.token_ids, output.logprobs, output.top_token_ids, output.top_logprobs,
               output.beam_token_ids, output.beam_logprobs):
+        if not t.numel():
+            tensors.append(torch.empty(t.shape, dtype=t.dtype))
+            continue
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
         tensors.append(host.copy_(t, non_blocking=pin))
     return batch.sampled_seq_ids, tensors, batch.num_logprobs, batch.num_beam_candidates
 
 
-def to_samples(sampled_seq_ids, tensors, num_top, num_beam) -> list[SampledToken]:
+def to_samples(sampled_seq_ids, tensors, num_top, num_beam) -> tuple[list[SampledToken], list[int]]:
+    """(the samples, their token ids in row order)."""
     if not num_top and not num_beam:  # no row asked for top logprobs or beam candidates: two columns
         token_ids, logprobs = tensors[0].tolist(), tensors[1].tolist()
-        return list(map(SampledToken, sampled_seq_ids, token_ids, logprobs))
+        return list(map(SampledToken, sampled_seq_ids, token_ids, logprobs)), token_ids
     token_ids, logprobs, top_ids, top_lps, beam_ids, beam_lps = (t.tolist() for t in tensors)
     num_top = num_top or [0] * len(sampled_seq_ids)
     num_beam = num_beam or [0] * len(sampled_seq_ids)
@@ -66,4 +72,4 @@ def to_samples(sampled_seq_ids, tensors, num_top, num_beam) -> list[SampledToken
                 beam_candidates=list(zip(beam_ids[row][:n_beam], beam_lps[row][:n_beam], strict=True)),
             )
         )
-    return samples
+    return samples, token_ids

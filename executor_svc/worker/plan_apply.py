@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, sub
 
 import torch
 
@@ -91,10 +91,10 @@ class PlanApplier:
             for s in scheduled:
                 s.state.num_computed_tokens += s.num_new_tokens
             if output is not None:
-                step.rows = {seq_id: row for row, seq_id in enumerate(batch.sampled_seq_ids)}
+                step.rows = dict(zip(batch.sampled_seq_ids, range(len(batch.sampled_seq_ids)), strict=True))
                 step.token_ids = output.token_ids
                 step.host = copy_to_host(batch, output)
-        step.num_seqs, step.num_tokens = len(scheduled), sum(s.num_new_tokens for s in scheduled)
+        step.num_seqs, step.num_tokens = len(scheduled), batch.num_tokens if batch is not None else 0
         step.events = (start_event, self._record_event())
         self.last_step_id = plan.step_id
         self._last_launched = step
@@ -107,11 +107,13 @@ class PlanApplier:
     def finish(self, step: LaunchedStep) -> StepResult:
         self.wait(step)
         end = time.perf_counter()
-        samples = to_samples(*step.host) if step.host is not None else []
-        step.sampled_token_ids = [s.token_id for s in samples]
-        for state, index, row in step.pending_fixes:
-            state.token_ids[index] = step.sampled_token_ids[row]
-        step.pending_fixes.clear()
+        samples, step.sampled_token_ids = to_samples(*step.host) if step.host is not None else ([], [])
+        fixes = step.pending_fixes
+        if fixes:  # (state token lists, indices, rows): each list's index <- this step's row's token
+            tokens, indices, rows = fixes
+            deque(map(list.__setitem__, tokens, indices, map(step.sampled_token_ids.__getitem__, rows)),
+                  maxlen=0)
+            step.pending_fixes = ()
         if self._trace is not None:
             self._trace.write(step, end)
         return StepResult(step.step_id, samples, end - step.start)
@@ -123,12 +125,13 @@ class PlanApplier:
         prev = self._last_launched
         if prev is None or prev.step_id != step_id - 1:
             raise PlanError(f"step {step_id} takes tokens from a previous step this executor did not run")
-        rows = []
-        for seq_id in batch.pending_seq_ids:
-            row = prev.rows.get(seq_id)
-            if row is None:
-                raise PlanError(f"sequence {seq_id}: pending token, step {prev.step_id} sampled none for it")
-            rows.append(row)
+        seq_ids = batch.pending_seq_ids
+        try:  # (C-level maps: no Python frame per pending token)
+            rows = list(map(prev.rows.__getitem__, seq_ids))
+        except KeyError as err:
+            raise PlanError(
+                f"sequence {err.args[0]}: pending token, step {prev.step_id} sampled none for it"
+            ) from None
         assert prev.token_ids is not None  # it sampled rows
         holes = batch.pending_token_indices  # [P] ascending
         assert holes is not None
@@ -140,15 +143,19 @@ class PlanApplier:
         else:
             where = to_device(torch.stack((holes, torch.tensor(rows, dtype=torch.int64))), self.device)
             batch.input_ids[where[0]] = prev.token_ids[where[1]]  # [P] <- [P]: [2, P] (holes, rows)
-        for seq_id, row in zip(batch.pending_seq_ids, rows, strict=True):
-            state = self.seqs[seq_id]
-            index = len(state.token_ids) - 1
-            if state.token_ids[index] != PENDING_TOKEN:
-                raise PlanError(f"sequence {seq_id}: a pending token that is not its last")
-            if prev.sampled_token_ids is not None:  # the previous step is finished already
-                state.token_ids[index] = prev.sampled_token_ids[row]
-            else:
-                prev.pending_fixes.append((state, index, row))
+        tokens = list(map(_TOKEN_IDS, map(self.seqs.__getitem__, seq_ids)))
+        indices = list(map(sub, map(len, tokens), repeat(1)))
+        if any(map(PENDING_TOKEN.__ne__, map(list.__getitem__, tokens, indices))):
+            last = next(i for i, t in enumerate(tokens) if t[-1] != PENDING_TOKEN)
+            raise PlanError(f"sequence {seq_ids[last]}: a pending token that is not its last")
+        if prev.sampled_token_ids is not None:  # the previous step is finished already
+            deque(map(list.__setitem__, tokens, indices, map(prev.sampled_token_ids.__getitem__, rows)),
+                  maxlen=0)
+        elif prev.pending_fixes:
+            for mine, theirs in zip(prev.pending_fixes, (tokens, indices, rows), strict=True):
+                mine.extend(theirs)
+        else:
+            prev.pending_fixes = (tokens, indices, rows)
 
     def _record_event(self):
         if self.device.type != "cuda":

@@ -354,10 +354,13 @@ def _model_input_fields(batch) -> dict:
     return out
 
 
-@pytest.mark.parametrize("attached", [False, True])
-def test_the_decode_path_builds_what_the_general_path_builds(attached, monkeypatch):
+@pytest.mark.parametrize("attached,all_pending", [(False, False), (True, False), (True, True)])
+def test_the_decode_path_builds_what_the_general_path_builds(attached, all_pending, monkeypatch):
     rows = BlockTableRows(rows=2, width=2) if attached else None
     scheduled = decode_step(rows)
+    if all_pending:  # every token planned ahead (async scheduling): the path's shortcut
+        for s in scheduled:
+            s.state.token_ids[-1] = PENDING_TOKEN
     general = inputs._general_model_input(scheduled, BS, CPU, torch.Generator().manual_seed(42))
     moves = count_device_moves(monkeypatch)
     fast = inputs._decode_model_input(scheduled, BS, CPU, torch.Generator().manual_seed(42))
@@ -372,7 +375,8 @@ def test_the_decode_path_builds_what_the_general_path_builds(attached, monkeypat
             assert got[name] == value, name
     reference_columns = reference(scheduled, 42)
     assert same_bits(fast.attn.slot_mapping, reference_columns["slot_mapping"])
-    assert fast.pending_seq_ids == (21, 23) and fast.num_logprobs == (-1, 3, -1, 0, -1)
+    assert fast.pending_seq_ids == ((20, 21, 22, 23, 24) if all_pending else (21, 23))
+    assert fast.num_logprobs == (-1, 3, -1, 0, -1)
     assert fast.sampling.max_num_beam_candidates == 4 and not fast.sampling.all_greedy
 
 
