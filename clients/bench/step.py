@@ -3,7 +3,8 @@
     python -m clients.bench.step --model llama3-8b --batch 32,256 --context 512 [--kernels] [--pipeline]
 
 Per batch size: `build_model_input` (host), `runner.execute` = forward + sampling with its host
-syncs (wall clock), and the forward alone (CUDA events), each the median of 20 steps. The sequences
+syncs (wall clock) and its GPU time (CUDA events: a greedy step replays the forward and the sampler
+graphs), and the forward alone (`runner.logits`, CUDA events), each the median of 20 steps. The sequences
 decode at `--context` positions through random block tables over a cache of random values.
 
 `--kernels`: GPU time per step of each kernel (torch.profiler over 10 forward passes, graph and
@@ -57,11 +58,12 @@ def _median_ms(fn) -> float:
     return round(statistics.median(times), 3)
 
 
-def _forward_ms(runner, batch) -> float:
+def _gpu_ms(call) -> float:
+    """Median GPU time (CUDA events) of `call()` over REPEATS calls, after one warm-up."""
     def events() -> float:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        runner.compute_logits(batch)
+        call()
         end.record()
         end.synchronize()
         return begin.elapsed_time(end)
@@ -74,11 +76,11 @@ def _kernel_table(runner, batch, steps: int = 10, top: int = 14) -> list[dict]:
     """[{kernel, calls, us}] per step (GPU time), the most expensive first, plus a row for the rest."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner.compute_logits(batch)
+    runner.logits(batch)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            runner.compute_logits(batch)
+            runner.logits(batch)
         torch.cuda.synchronize()
     rows = []
     for event in prof.key_averages():
@@ -173,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         for mode in ("graph", "eager"):
             runner.decode_graphs = graphs if mode == "graph" else None
             row[f"{mode}_execute_ms"] = _median_ms(lambda b=batch: runner.execute(b))
-            row[f"{mode}_forward_gpu_ms"] = _forward_ms(runner, batch)
+            row[f"{mode}_step_gpu_ms"] = _gpu_ms(lambda b=batch: runner.execute(b))
+            row[f"{mode}_forward_gpu_ms"] = _gpu_ms(lambda b=batch: runner.logits(b))
             if args.kernels:
                 row[f"{mode}_kernels"] = _kernel_table(runner, batch)
         runner.decode_graphs = graphs

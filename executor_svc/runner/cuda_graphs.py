@@ -3,8 +3,8 @@ kernel by kernel (a step of an 8B model is ~450 launches: eager, a step took ~40
 size on the H100 machine of docs/benchmarks.md). Two sets, each with its own memory pool:
 
     DecodeGraphs   decode steps (one token per sequence), bucket b = sequences = tokens; the graph
-                   computes the logits [b, V] too, in the model's dtype (the greedy sampler's graph
-                   reads them so; `run` gives them as float32)
+                   computes the logits [b, V] too, in the model's dtype (as every path gives them
+                   to the sampler: ModelRunner.logits)
     MixedGraphs    any other step (prefills, chunks, prefills beside decodes), bucket T = tokens
                    (MIXED_BUCKETS: at most x1.25 apart from 256), S(T) = min(T, max_num_seqs)
                    sequences (a step of T tokens holds at most T); the graph computes the final
@@ -313,8 +313,7 @@ class DecodeGraphs(_BucketGraphs):
     def _output(self, hidden: torch.Tensor) -> torch.Tensor:
         # [b, V] in the model's dtype: a float32 copy inside the graph would write 4 bytes per logit
         # and the greedy sampler read them, every step (0.1 ms of a 2.9 ms step at 256 sequences of
-        # a 1B model with a 128k vocabulary, docs/benchmarks.md round 13); widening a 16-bit float is
-        # exact, so the sampler's results keep their bits
+        # a 1B model with a 128k vocabulary, docs/benchmarks.md round 13)
         return self.model.compute_logits(hidden)
 
     def bucket_for(self, num_seqs: int) -> int | None:
@@ -351,16 +350,16 @@ class DecodeGraphs(_BucketGraphs):
 
     @torch.inference_mode()
     def run(self, batch: ModelInput) -> torch.Tensor:
-        """Logits [S, V] float32 of the rows named by `batch.logits_indices` (a decode batch that
-        `can_run`): a fresh tensor, except for a float32 model when every token is sampled (a decode
-        step: rows 0..S-1 in order), where it is a view of the static output, valid until the next
-        replay (work queued on the stream before it, such as the sampler, reads it in time; a caller
-        that keeps it must copy it)."""
+        """Logits [S, V] (the model's dtype) of the rows named by `batch.logits_indices` (a decode
+        batch that `can_run`). When every token is sampled (a decode step: rows 0..S-1 in order) the
+        result is a view of the static output, valid until the next replay (work queued on the stream
+        before it, such as the sampler, reads it in time; a caller that keeps it must copy it); else
+        a fresh tensor."""
         bucket = self.bucket_for(batch.attn.seq_lens.shape[0])
         out = self._replay(batch, bucket)
         if len(batch.sampled_seq_ids) == batch.num_tokens:  # each token its sequence's last, in order
-            return out[: batch.num_tokens].float()
-        return out[batch.logits_indices].float()
+            return out[: batch.num_tokens]
+        return out[batch.logits_indices]
 
 
 class MixedGraphs(_BucketGraphs):
@@ -397,7 +396,7 @@ class MixedGraphs(_BucketGraphs):
 
     @torch.inference_mode()
     def run(self, batch: ModelInput) -> torch.Tensor:
-        """Logits [S, V] float32 of the rows named by `batch.logits_indices` (a step that `can_run`):
-        the graph's hidden states, then the LM head eagerly on those rows."""
+        """Logits [S, V] (the model's dtype) of the rows named by `batch.logits_indices` (a step that
+        `can_run`): the graph's hidden states, then the LM head eagerly on those rows."""
         hidden = self._replay(batch, self.bucket_for(batch))  # [T, D]
-        return self.model.compute_logits(hidden[batch.logits_indices]).float()
+        return self.model.compute_logits(hidden[batch.logits_indices])

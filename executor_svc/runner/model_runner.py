@@ -19,7 +19,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.decode_graphs: DecodeGraphs | None = None
         # A plain greedy decode step samples inside its decode graph (`execute`); False: every step
-        # goes through compute_logits and sample (for callers that look at the logits).
+        # goes through compute_logits (float32) and sample (for callers that look at the logits).
         self.graph_sampling = True
         self.mixed_graphs: MixedGraphs | None = None
 
@@ -42,12 +42,14 @@ class ModelRunner:
         self.mixed_graphs = graphs
 
     @torch.inference_mode()
-    def compute_logits(self, batch: ModelInput) -> torch.Tensor:
-        """Runs the forward pass (writing this step's K/V) and returns the logits [S, V] (float32) of the
-        rows named by `logits_indices` (S may be 0: a step of prefill chunks only). A step replays a
-        captured CUDA graph when one fits it: a decode graph, else a mixed-step graph; else eager. A
-        float32 model's decode-graph logits may be a view of its static output, valid until the next
-        replay: copy them to keep them (`DecodeGraphs.run`)."""
+    def logits(self, batch: ModelInput) -> torch.Tensor:
+        """Runs the forward pass (writing this step's K/V) and returns the logits [S, V] of the rows
+        named by `logits_indices`, in the model's dtype (S may be 0: a step of prefill chunks only). A
+        step replays a captured CUDA graph when one fits it: a decode graph, else a mixed-step graph;
+        else eager. A decode graph's logits may be a view of its static output, valid until the next
+        replay: copy them to keep them (`DecodeGraphs.run`). Every path gives the sampler logits of
+        one dtype, so `kernels.greedy_sample` (whose sums' order follows the dtype it reads) gives
+        a row the same bits whichever path computed it."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs.run(batch)
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
@@ -55,7 +57,12 @@ class ModelRunner:
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.device_cache, batch.attn
         )  # [T, D]
-        return self.model.compute_logits(hidden[batch.logits_indices]).float()
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def compute_logits(self, batch: ModelInput) -> torch.Tensor:
+        """`logits` as float32 (for callers that look at the logits; a fresh tensor unless the model
+        computes in float32)."""
+        return self.logits(batch).float()
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> SamplerOutput | None:
@@ -66,7 +73,7 @@ class ModelRunner:
         if (graphs is not None and self.graph_sampling and plain_greedy(batch.sampling)
                 and graphs.can_run_greedy(batch)):
             return greedy_output(*graphs.run_greedy(batch))
-        logits = self.compute_logits(batch)
+        logits = self.logits(batch) if self.graph_sampling else self.compute_logits(batch)
         return sample(logits, batch.sampling) if logits.shape[0] else None
 
     @torch.inference_mode()
@@ -76,7 +83,7 @@ class ModelRunner:
         a token) at its costliest (`worst_case_sampling`)."""
         device = self.kv_cache.device_cache.device
         hidden, last_rows = self.profile_forward(num_tokens, max_num_seqs)
-        logits = self.model.compute_logits(hidden[last_rows]).float()
+        logits = self.model.compute_logits(hidden[last_rows])  # the model's dtype, as `logits` gives
         del hidden
         logits.normal_()  # [B, V] spread out like real logits (the zero prompts' rows are all equal)
         sample(logits, worst_case_sampling(last_rows.shape[0], logits.shape[-1], max_num_seqs, device))

@@ -113,7 +113,7 @@ def test_greedy_decode_steps_sample_inside_the_graphs(model_dir, monkeypatch):
     for case, num_seqs in enumerate((1, 5, 40, 256)):
         batch = _decode_batch(worker, num_seqs, seed=20 + case)
         assert plain_greedy(batch.sampling) and graphs.can_run_greedy(batch)
-        reference = sample(runner.compute_logits(batch).clone(), batch.sampling)  # writes the same K/V
+        reference = sample(runner.logits(batch).clone(), batch.sampling)  # writes the same K/V
         with monkeypatch.context() as patch:
             patch.setattr(kernels, "greedy_sample", lambda *a: calls.append(a))
             out = runner.execute(batch)
