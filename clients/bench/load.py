@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -317,20 +318,28 @@ class _Worker:
                 raise RuntimeError(f"a load-generator process did not start: {line[:200]!r}")
         return workers
 
+    async def collect(self) -> bytes:
+        """The process's records (all it writes after `ready`), once it has ended."""
+        assert self.proc.stdout is not None
+        output = await self.proc.stdout.read()
+        await self.proc.wait()
+        if not output.strip() or self.proc.returncode:
+            raise RuntimeError("a load-generator process ended without its records "
+                               f"(exit {self.proc.returncode}, {len(output)} bytes written)")
+        return output
+
     @staticmethod
     async def run_all(workers: list[_Worker], start: float, records: list[RequestRecord]) -> None:
         for worker in workers:
             assert worker.proc.stdin is not None
             worker.proc.stdin.write(f"{start!r}\n".encode())
             await worker.proc.stdin.drain()
-        for worker in workers:
-            assert worker.proc.stdout is not None
-            line = await worker.proc.stdout.readline()
-            await worker.proc.wait()
-            if not line:
-                raise RuntimeError("a load-generator process ended without its records "
-                                   f"(exit {worker.proc.returncode})")
-            for i, (sent_s, times, error) in zip(worker.indices, json.loads(line), strict=True):
+        # Every process's records read at once, each to the end of its output: one read after
+        # another would leave the later processes blocked on a full pipe meanwhile, and a line of
+        # records is often larger than a pipe holds.
+        outputs = await asyncio.gather(*(worker.collect() for worker in workers))
+        for worker, output in zip(workers, outputs, strict=True):
+            for i, (sent_s, times, error) in zip(worker.indices, json.loads(output), strict=True):
                 rec = records[i]
                 rec.sent_s, rec.token_times_s, rec.error = sent_s, times, error
 
@@ -348,7 +357,10 @@ async def _worker_main() -> None:
                                  num_outputs=decoding.num_counted_outputs) for _, r in indexed]
         progress = Progress("", len(indexed), 0, enabled=False)
         await _send_all(client, job["http_url"], decoding, indexed, records, progress)
-    print(json.dumps([[rec.sent_s, rec.token_times_s, rec.error] for rec in records]), flush=True)
+    out = json.dumps([[rec.sent_s, rec.token_times_s, rec.error] for rec in records]).encode() + b"\n"
+    os.set_blocking(sys.stdout.fileno(), True)  # a pipe the parent drains as it can: wait, never cut
+    sys.stdout.buffer.write(out)
+    sys.stdout.buffer.flush()
 
 
 if __name__ == "__main__":

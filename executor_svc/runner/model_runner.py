@@ -89,6 +89,24 @@ class ModelRunner:
         sample(logits, worst_case_sampling(last_rows.shape[0], logits.shape[-1], max_num_seqs, device))
 
     @torch.inference_mode()
+    def warm_sampler(self, max_num_seqs: int) -> None:
+        """The LM head's output and the sampler at their largest, once, after the caches and graphs
+        are made: the caching allocator then keeps blocks that every later step's logits and sampler
+        temporaries fit in. Without it each step whose logits were larger than any before asked the
+        driver for memory (cudaMalloc, or with the device nearly full freeing cached blocks, which
+        waits for the GPU), stalling the host for milliseconds in the middle of a launch
+        (docs/benchmarks.md round 13: 0.1 s of a 4 s run's launches, in the LM head of steps with
+        prompts). The memory profile reserved this peak (`profile_run`)."""
+        device = self.kv_cache.device_cache.device
+        dtype = next(self.model.parameters()).dtype  # the logits' (`logits`)
+        vocab_size = self.model.config.vocab_size
+        logits = torch.randn(max_num_seqs, vocab_size, dtype=dtype, device=device)  # [B, V]
+        sample(logits, worst_case_sampling(max_num_seqs, vocab_size, max_num_seqs, device))
+        del logits
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    @torch.inference_mode()
     def profile_forward(
         self, num_tokens: int, max_num_seqs: int, max_seq_len: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -278,6 +278,8 @@ class Worker:
                     time.perf_counter() - begin,
                     (torch.cuda.memory_reserved(self.device) - reserved_before) / GIB,
                 )
+            if self.device.type == "cuda":
+                self.runner.warm_sampler(cc.max_num_seqs)
         return self.runner
 
     def _profile_gpu_blocks(self) -> int:

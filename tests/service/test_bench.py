@@ -311,3 +311,41 @@ def test_bench_refuses_a_bad_number_of_processes(config_only_model):
     for flag, value in (("--client-processes", "0"), ("--client-processes", "65"), ("--api-frontends", "0")):
         args = _args("throughput", "--model", str(config_only_model), flag, value)
         assert flag in (bench.check_args(args) or ""), flag
+
+
+def test_records_of_several_load_processes_arrive_whole_however_large(tmp_path):
+    """Each load-generator process writes its records as one JSON line after the run; lines of
+    megabytes (long outputs, many requests) from several processes at once must reach the parent
+    whole (a bench run under py-spy once got one cut at 256 KiB and failed to parse it)."""
+    import asyncio
+    import sys
+
+    from clients.bench.load import RequestRecord, _Worker
+
+    script = tmp_path / "fake_worker.py"
+    script.write_text(
+        "import json, sys\n"
+        "k = int(sys.argv[1])\n"
+        "print('ready', flush=True)\n"
+        "start = float(sys.stdin.readline())\n"
+        "rows = [[start + k, [start + k + t / 7 for t in range(20_000)], None] for _ in range(10)]\n"
+        "sys.stdout.write(json.dumps(rows) + '\\n')\n"
+    )
+
+    async def run() -> list[RequestRecord]:
+        workers = []
+        for k in range(3):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(script), str(k), stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, limit=1 << 30)
+            assert await proc.stdout.readline() == b"ready\n"
+            workers.append(_Worker(proc, list(range(k, 30, 3))))
+        records = [RequestRecord(1, 1, 0.0) for _ in range(30)]
+        await _Worker.run_all(workers, 100.0, records)
+        return records
+
+    records = asyncio.run(run())
+    for i, rec in enumerate(records):
+        k = i % 3
+        assert rec.sent_s == 100.0 + k and len(rec.token_times_s) == 20_000 and rec.error is None
+        assert rec.token_times_s[-1] == 100.0 + k + 19_999 / 7

@@ -331,3 +331,22 @@ def test_worker_config_validates_its_cache_fields_at_construction():
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         WorkerConfig(model_dir="unused", gpu_memory_utilization=1.5)
     assert WorkerConfig(model_dir="unused").cache_config.block_size == 16
+
+
+def test_warm_sampler_samples_the_largest_batch_in_the_models_dtype(tiny_llama_dir, monkeypatch):
+    """ModelRunner.warm_sampler (called after the caches and graphs on a GPU) samples a
+    [max_num_seqs, V] batch through every path of `sample` once, in the model's dtype."""
+    from executor_svc.runner import model_runner
+
+    worker = make_worker(tiny_llama_dir)
+    runner = worker._ensure_cache()
+    seen = []
+    original = model_runner.sample
+    def spy(logits, meta):
+        seen.append((tuple(logits.shape), logits.dtype, meta.all_greedy, meta.max_num_beam_candidates))
+        return original(logits, meta)
+
+    monkeypatch.setattr(model_runner, "sample", spy)
+    runner.warm_sampler(6)
+    vocab = worker.model_config.vocab_size
+    assert seen == [((6, vocab), next(worker.model.parameters()).dtype, False, min(12, vocab))]
