@@ -89,20 +89,31 @@ class ModelRunner:
         sample(logits, worst_case_sampling(last_rows.shape[0], logits.shape[-1], max_num_seqs, device))
 
     @torch.inference_mode()
-    def warm_sampler(self, max_num_seqs: int) -> None:
-        """The LM head's output and the sampler at their largest, once, after the caches and graphs
-        are made: the caching allocator then keeps blocks that every later step's logits and sampler
-        temporaries fit in. Without it each step whose logits were larger than any before asked the
-        driver for memory (cudaMalloc, or with the device nearly full freeing cached blocks, which
-        waits for the GPU), stalling the host for milliseconds in the middle of a launch
-        (docs/benchmarks.md round 13: 0.1 s of a 4 s run's launches, in the LM head of steps with
-        prompts). The memory profile reserved this peak (`profile_run`)."""
+    def warm_eager(self, max_num_seqs: int) -> None:
+        """Runs, once, what a step with prompts runs eagerly after its graph, at every size it can
+        have: the LM head over 1..max_num_seqs rows and the sampler at sizes up to max_num_seqs
+        (every path of `sample`). Each new row count used to cost the launching thread ~3-4 ms the
+        first time (cuBLAS's choice of kernel for the shape, and loading that kernel: CUDA loads
+        modules lazily), in the middle of a launch, while every stream waited (docs/benchmarks.md
+        round 13: ~0.1 s of a 4 s 1B run's launches); here the server pays it before serving. The
+        largest sampler pass also leaves the caching allocator blocks that every later step's
+        logits and sampler temporaries fit in; the memory profile reserved that peak (`profile_run`).
+        Every tensor-parallel rank makes the same calls (the LM head all-gathers)."""
         device = self.kv_cache.device_cache.device
-        dtype = next(self.model.parameters()).dtype  # the logits' (`logits`)
-        vocab_size = self.model.config.vocab_size
-        logits = torch.randn(max_num_seqs, vocab_size, dtype=dtype, device=device)  # [B, V]
-        sample(logits, worst_case_sampling(max_num_seqs, vocab_size, max_num_seqs, device))
-        del logits
+        config = self.model.config
+        dtype = next(self.model.parameters()).dtype  # the hidden states' and the logits' (`logits`)
+        hidden = torch.randn(max_num_seqs, config.hidden_size, dtype=dtype, device=device)  # [B, D]
+        rows = torch.arange(max_num_seqs, device=device)
+        for num_rows in range(1, max_num_seqs + 1):
+            self.model.compute_logits(hidden[rows[:num_rows]])  # [S, V], as MixedGraphs.run
+        num_rows = 1
+        while True:
+            logits = torch.randn(num_rows, config.vocab_size, dtype=dtype, device=device)  # [S, V]
+            sample(logits, worst_case_sampling(num_rows, config.vocab_size, max_num_seqs, device))
+            if num_rows == max_num_seqs:
+                break
+            num_rows = min(2 * num_rows, max_num_seqs)
+        del logits, hidden
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

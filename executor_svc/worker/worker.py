@@ -279,7 +279,10 @@ class Worker:
                     (torch.cuda.memory_reserved(self.device) - reserved_before) / GIB,
                 )
             if self.device.type == "cuda":
-                self.runner.warm_sampler(cc.max_num_seqs)
+                begin = time.perf_counter()
+                self.runner.warm_eager(cc.max_num_seqs)
+                _log.info("rank %d: the LM head and the sampler warmed at every step size in %.1f s",
+                          self.config.rank, time.perf_counter() - begin)
         return self.runner
 
     def _profile_gpu_blocks(self) -> int:

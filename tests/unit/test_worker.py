@@ -333,20 +333,24 @@ def test_worker_config_validates_its_cache_fields_at_construction():
     assert WorkerConfig(model_dir="unused").cache_config.block_size == 16
 
 
-def test_warm_sampler_samples_the_largest_batch_in_the_models_dtype(tiny_llama_dir, monkeypatch):
-    """ModelRunner.warm_sampler (called after the caches and graphs on a GPU) samples a
-    [max_num_seqs, V] batch through every path of `sample` once, in the model's dtype."""
+def test_warm_eager_runs_the_lm_head_at_every_row_count_and_the_sampler_up_to_the_largest(
+        tiny_llama_dir, monkeypatch):
+    """ModelRunner.warm_eager (called after the caches and graphs on a GPU): the LM head over 1..B
+    rows, the sampler over every path at 1, 2, 4, .. B rows, in the model's dtype."""
     from executor_svc.runner import model_runner
 
     worker = make_worker(tiny_llama_dir)
     runner = worker._ensure_cache()
-    seen = []
-    original = model_runner.sample
+    heads, samples = [], []
+    compute, original = runner.model.compute_logits, model_runner.sample
+    monkeypatch.setattr(runner.model, "compute_logits", lambda h: heads.append(h.shape[0]) or compute(h))
+
     def spy(logits, meta):
-        seen.append((tuple(logits.shape), logits.dtype, meta.all_greedy, meta.max_num_beam_candidates))
+        samples.append((tuple(logits.shape), logits.dtype, meta.all_greedy, meta.max_num_beam_candidates))
         return original(logits, meta)
 
     monkeypatch.setattr(model_runner, "sample", spy)
-    runner.warm_sampler(6)
-    vocab = worker.model_config.vocab_size
-    assert seen == [((6, vocab), next(worker.model.parameters()).dtype, False, min(12, vocab))]
+    runner.warm_eager(6)
+    vocab, dtype = worker.model_config.vocab_size, next(worker.model.parameters()).dtype
+    assert heads == [1, 2, 3, 4, 5, 6]
+    assert samples == [((n, vocab), dtype, False, min(12, vocab)) for n in (1, 2, 4, 6)]
