@@ -32,8 +32,8 @@ class LaunchedStep:
     host: tuple | None = None  # (sampled_seq_ids, host copies of the sampler's outputs)
     sampled_token_ids: list[int] | None = None  # [S], once finished
     # Token ids of later steps' sequences that are this step's samples, as three columns: the
-    # sequences' token lists, the index in each, this step's row for each (empty: none)
-    pending_fixes: tuple[list[list[int]], list[int], list[int]] | tuple[()] = ()
+    # sequences' token lists, the index in each, this step's row for each (None: none)
+    pending_fixes: tuple[list[list[int]], list[int], list[int]] | None = None
 
 
 def copy_to_host(batch, output) -> tuple:

@@ -108,12 +108,11 @@ class PlanApplier:
         self.wait(step)
         end = time.perf_counter()
         samples, step.sampled_token_ids = to_samples(*step.host) if step.host is not None else ([], [])
-        fixes = step.pending_fixes
-        if fixes:  # (state token lists, indices, rows): each list's index <- this step's row's token
-            tokens, indices, rows = fixes
+        if step.pending_fixes is not None:  # each token list's index <- this step's row's token
+            tokens, indices, rows = step.pending_fixes
             deque(map(list.__setitem__, tokens, indices, map(step.sampled_token_ids.__getitem__, rows)),
                   maxlen=0)
-            step.pending_fixes = ()
+            step.pending_fixes = None
         if self._trace is not None:
             self._trace.write(step, end)
         return StepResult(step.step_id, samples, end - step.start)
@@ -151,9 +150,9 @@ class PlanApplier:
         if prev.sampled_token_ids is not None:  # the previous step is finished already
             deque(map(list.__setitem__, tokens, indices, map(prev.sampled_token_ids.__getitem__, rows)),
                   maxlen=0)
-        elif prev.pending_fixes:
-            for mine, theirs in zip(prev.pending_fixes, (tokens, indices, rows), strict=True):
-                mine.extend(theirs)
+        elif prev.pending_fixes is not None:
+            earlier_tokens, earlier_indices, earlier_rows = prev.pending_fixes
+            prev.pending_fixes = (earlier_tokens + tokens, earlier_indices + indices, earlier_rows + rows)
         else:
             prev.pending_fixes = (tokens, indices, rows)
 

@@ -66,6 +66,7 @@ class Driver:
             return logits
 
         runner.compute_logits = spy
+        runner.graph_sampling = False  # every step through compute_logits (ModelRunner.execute)
 
     def add(
         self,
