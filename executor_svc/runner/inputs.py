@@ -3,8 +3,8 @@
 Everything per token is built with tensor ops; Python touches each scheduled sequence once (to
 slice its new token ids and read its block table). The step's tensors, sampling parameters included,
 reach the device in one copy (`pack_to_device`). A step of decodes alone (the common step) takes a
-path of its own, `_decode_model_input`: its columns are read from the states by C-level maps into
-two arrays (at 256 sequences ~0.6 of the general path's host time; the same ModelInput).
+path of its own, `_decode_model_input`: its columns are read from the states by C-level maps, the
+ones a sequence keeps between steps from bytes cached per state (the same ModelInput).
 """
 
 from __future__ import annotations
@@ -385,8 +385,7 @@ def _decode_model_input(
 
 _STATE, _SEQ_ID, _NUM_NEW_TOKENS = attrgetter("state"), attrgetter("seq_id"), attrgetter("num_new_tokens")
 _NUM_COMPUTED, _TOKEN_IDS = attrgetter("num_computed_tokens"), attrgetter("token_ids")
-_BLOCK_TABLE, _PROMPT_LEN, _SAMPLE_INDEX = attrgetter("block_table"), attrgetter("prompt_len"), attrgetter(
-    "sample_index")
+_BLOCK_TABLE = attrgetter("block_table")
 _TOP_K_TOP_P, _RANDOM, _INT_BYTES, _FLOAT_BYTES = itemgetter(2), itemgetter(3), itemgetter(4), itemgetter(5)
 _NUM_LOGPROBS, _NUM_BEAMS = itemgetter(6), itemgetter(7)  # of a _sampling_row
 _EMPTY = bytearray()  # its join makes a writable buffer (torch.frombuffer warns about bytes)
