@@ -112,8 +112,22 @@ def test_tokens_planned_ahead_are_the_previous_steps_samples_in_any_order(tiny_l
     step0 = ahead.launch(StepPlan(0, new_seqs=[
         NewSequence(i, p, 0, len(p), [4 * i, 4 * i + 1], GREEDY) for i, p in enumerate(prompts)]))
     step1 = ahead.launch(StepPlan(1, decode_seq_ids=ids, decode_token_ids=[PENDING_TOKEN] * len(ids)))
+    states = ahead._plan.seqs
+    assert all(states[i].token_ids[-1] == PENDING_TOKEN for i in ids)  # step 0 not finished yet
     assert [s.token_id for s in ahead.finish(step0).samples] == [first[i] for i in range(3)]
+    assert [states[i].token_ids[-1] for i in ids] == [first[i] for i in ids]  # filled in by the finish
     assert ahead.finish(step1).samples == want
+
+
+def test_a_token_planned_ahead_after_its_step_finished_is_filled_in_at_once(tiny_llama_dir):
+    from scheduler_svc.wire.step_plan import PENDING_TOKEN
+
+    worker = make_worker(tiny_llama_dir, block_size=4)
+    new = [NewSequence(i, [5, 6, 7 + i], 0, 3, [2 * i, 2 * i + 1], GREEDY) for i in range(2)]
+    step0 = worker.launch(StepPlan(0, new_seqs=new))
+    first = [s.token_id for s in worker.finish(step0).samples]
+    worker.launch(StepPlan(1, decode_seq_ids=[1, 0], decode_token_ids=[PENDING_TOKEN] * 2))
+    assert [worker._plan.seqs[i].token_ids[-1] for i in range(2)] == first
 
 
 def test_a_token_planned_ahead_from_a_step_that_sampled_none_for_it_is_refused(tiny_llama_dir):
