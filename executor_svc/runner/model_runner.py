@@ -106,13 +106,9 @@ class ModelRunner:
         rows = torch.arange(max_num_seqs, device=device)
         for num_rows in range(1, max_num_seqs + 1):
             self.model.compute_logits(hidden[rows[:num_rows]])  # [S, V], as MixedGraphs.run
-        num_rows = 1
-        while True:
+        for num_rows in sorted({*(1 << k for k in range(max_num_seqs.bit_length())), max_num_seqs}):
             logits = torch.randn(num_rows, config.vocab_size, dtype=dtype, device=device)  # [S, V]
             sample(logits, worst_case_sampling(num_rows, config.vocab_size, max_num_seqs, device))
-            if num_rows == max_num_seqs:
-                break
-            num_rows = min(2 * num_rows, max_num_seqs)
         del logits, hidden
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -150,10 +150,7 @@ class PlanApplier:
         if prev.sampled_token_ids is not None:  # the previous step is finished already
             deque(map(list.__setitem__, tokens, indices, map(prev.sampled_token_ids.__getitem__, rows)),
                   maxlen=0)
-        elif prev.pending_fixes is not None:
-            earlier_tokens, earlier_indices, earlier_rows = prev.pending_fixes
-            prev.pending_fixes = (earlier_tokens + tokens, earlier_indices + indices, earlier_rows + rows)
-        else:
+        else:  # (a step is the previous one of exactly one launch: nothing to merge with)
             prev.pending_fixes = (tokens, indices, rows)
 
     def _record_event(self):
