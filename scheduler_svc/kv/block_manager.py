@@ -114,20 +114,44 @@ class BlockManager(KVCacheManager):
             return []
         return lookup_prefix(self.gpu, self.block_size, token_ids)
 
+    def _shared_with_leader(self, waiting: list[Sequence]) -> list[int]:
+        """Blocks each waiting sequence takes from the group's first one (its leader) instead of its
+        own: the full blocks at the head of both that hold the same tokens, leaving both at least one
+        token to compute, as a prefix lookup does (so a hit of either there is a hit of both; 0 for
+        the leader). Several sequences wait together only after a
+        recompute preemption: n samples or beams with one prompt, which a fork had shared; without
+        this each would prefill its own copy of the prompt, and a group that fitted while it ran
+        could need more than the whole cache to come back."""
+        if len(waiting) < 2:
+            return [0] * len(waiting)
+        bs = self.block_size
+        leader = waiting[0].token_ids
+        shared = [0]
+        for seq in waiting[1:]:
+            tokens = seq.token_ids
+            limit = (min(len(leader), len(tokens)) - 1) // bs
+            n = 0
+            while n < limit and leader[n * bs : (n + 1) * bs] == tokens[n * bs : (n + 1) * bs]:
+                n += 1
+            shared.append(n)
+        return shared
+
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         waiting = group.seqs_with_status(SequenceStatus.WAITING)
         needs = [self._num_blocks(s.num_tokens) for s in waiting]
         if max(needs, default=0) > self.num_total_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        num_needed = sum(needs)
+        shared = self._shared_with_leader(waiting)
+        num_needed = sum(needs) - sum(shared)
         if self.num_free_blocks - num_needed >= self.watermark_blocks:
             return AllocStatus.OK
         # A prefix hit costs no free block when the block is in use, or when another of the group's
         # sequences hits it too (allocate shares it: the samples of a group recomputed after a
-        # preemption have the same prompt blocks); a cached block nobody uses costs one, once.
+        # preemption have the same prompt blocks); a cached block nobody uses costs one, once. A
+        # sequence's hits among the blocks it shares with the leader are the leader's hits there.
         counted: set[int] = set()
-        for seq in waiting:
-            for block in self._lookup_prefix(seq.token_ids):
+        for seq, num_shared in zip(waiting, shared, strict=True):
+            for block in self._lookup_prefix(seq.token_ids)[num_shared:]:
                 if block.ref_cnt > 0 or block.block_id in counted:
                     num_needed -= 1
                 counted.add(block.block_id)
@@ -137,6 +161,7 @@ class BlockManager(KVCacheManager):
     def allocate(self, group: SequenceGroup) -> None:
         bs = self.block_size
         waiting = group.seqs_with_status(SequenceStatus.WAITING)
+        shared = self._shared_with_leader(waiting)
         # Every sequence's prefix hits are taken before any new block: a new block comes from the
         # head of the free queue and may evict a cached block, which must not be one that a later
         # sequence of the group hits (can_allocate counted it once for all of them).
@@ -147,28 +172,39 @@ class BlockManager(KVCacheManager):
             for block in hits:
                 self._share(block)
             hits_of.append(hits)
-        for seq, hits in zip(waiting, hits_of, strict=True):
+        leader_table: list[int] = []
+        for seq, hits, num_shared in zip(waiting, hits_of, shared, strict=True):
             num_tokens = seq.num_tokens
             table = [b.block_id for b in hits]
-            for i in range(len(hits), self._num_blocks(num_tokens)):
+            # Past its hits, a sequence shares the leader's blocks of the same tokens; the leader
+            # computes them, and the sequence computes its own tokens only once it has (waits_for).
+            for block_id in leader_table[len(hits) : num_shared]:
+                self._share(self.gpu.blocks[block_id])
+                table.append(block_id)
+            for i in range(len(table), self._num_blocks(num_tokens)):
                 table.append(self._new_block(min(bs, num_tokens - i * bs)).block_id)
             state = SeqBlocks(table, num_published_blocks=len(hits))
+            if not leader_table:
+                leader_table = table
+                state.num_lead_blocks = max(shared)
             if hits:
                 last_hit = hits[-1]
                 assert last_hit.block_hash is not None  # a hit is a cached block
                 state.parent_hash, state.parent_serial = last_hit.block_hash, last_hit.serial
             self._seqs[seq.seq_id] = state
-            seq.num_computed_tokens = len(hits) * bs
+            seq.num_computed_tokens = max(len(hits), num_shared) * bs
+            seq.waits_for = waiting[0] if num_shared > len(hits) else None
             if self.enable_prefix_caching:
                 self._num_prefix_query_tokens += num_tokens
                 self._num_prefix_hit_tokens += len(hits) * bs
 
     # ---- running -------------------------------------------------------------------------------
     def _num_append_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        table = self._seqs[seq.seq_id].block_table
+        state = self._seqs[seq.seq_id]
+        table = state.block_table
         num_needed = self._num_blocks(seq.num_computed_tokens + num_new_tokens) - len(table)
         idx = seq.num_computed_tokens // self.block_size
-        if idx < len(table) and self.gpu.blocks[table[idx]].ref_cnt > 1:
+        if state.num_lead_blocks <= idx < len(table) and self.gpu.blocks[table[idx]].ref_cnt > 1:
             num_needed += 1  # copy-on-write
         return max(num_needed, 0) if num_new_tokens else 0
 
@@ -184,7 +220,8 @@ class BlockManager(KVCacheManager):
         if num_new_tokens <= 0:
             return []
         bs = self.block_size
-        table = self._seqs[seq.seq_id].block_table
+        state = self._seqs[seq.seq_id]
+        table = state.block_table
         start = seq.num_computed_tokens
         end = start + num_new_tokens
         idx = start // bs
@@ -192,7 +229,9 @@ class BlockManager(KVCacheManager):
         blocks = self.gpu.blocks
         if idx < len(table):
             block = blocks[table[idx]]
-            if block.ref_cnt > 1:  # copy-on-write: the block we write into is shared
+            # copy-on-write: the block we write into is shared (unless the sharers wait for this
+            # sequence to fill it with the same tokens)
+            if block.ref_cnt > 1 and idx >= state.num_lead_blocks:
                 new = self._new_block(block.num_filled_slots)
                 self._release(block)
                 table[idx] = new.block_id

@@ -38,6 +38,9 @@ class SeqBlocks:
     parent_hash: int = ROOT_HASH  # hash of block n-1 (ROOT_HASH for n == 0)
     parent_serial: int = -1  # serial of the published block holding the same content as block n-1
     chain_broken: bool = False  # a hash collision stopped publication for this sequence
+    # blocks [0, n) are shared with sequences that wait for this one to compute them (a group
+    # recomputed after a preemption: BlockManager.allocate); writing into them copies nothing
+    num_lead_blocks: int = 0
 
 
 def lookup_prefix(pool: BlockPool, block_size: int, token_ids: list[int]) -> list[Block]:

@@ -56,6 +56,10 @@ class Sequence:
     pending: int = 0
     pending_step: int = -1  # the step whose sample the newest placeholder stands for
     scheduled_step: int = -1  # the last step that computed tokens of it (PlanBuilder.add)
+    # After a recompute preemption of several sequences: the group's sequence whose blocks hold this
+    # one's first num_computed_tokens (BlockManager.allocate); this one computes nothing until that
+    # one's num_computed_tokens has reached its own (SchedulingPass._tokens_to_compute).
+    waits_for: Sequence | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -103,6 +103,7 @@ class RequestTable:
         for seq in group.seqs:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
+            seq.waits_for = None
             seq.status = SequenceStatus.WAITING
             self.plans.forget(seq)
         if group.beam is not None:

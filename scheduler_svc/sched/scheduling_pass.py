@@ -172,6 +172,14 @@ class SchedulingPass:
             target = seq.prompt_len - 1 if unforked else seq.num_tokens
             num_new = target - seq.num_computed_tokens
             if num_new > 0:
+                leader = seq.waits_for
+                if leader is not None:
+                    # its head is in the leader's blocks: it starts once an earlier plan computed
+                    # them (a step runs after every step planned before it; `_commit` advances
+                    # the leader only after this loop, so never in the leader's own step)
+                    if leader.num_computed_tokens < seq.num_computed_tokens:
+                        continue
+                    seq.waits_for = None
                 todo.append((seq, num_new))
                 total += num_new
         if not todo or self.num_seqs + len(todo) > self.config.max_num_seqs:

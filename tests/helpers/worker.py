@@ -25,6 +25,7 @@ def run(
     mode="recompute",
     ahead=False,
     device="cpu",
+    prefix_caching=True,
     **worker_options,
 ):
     """requests: {request_id: (prompt, params)} -> (tokens per request and sample index, beams, scheduler).
@@ -39,7 +40,7 @@ def run(
             max_num_seqs=16,
             eos_token_ids=() if eos is None else (eos,),
             preemption_mode=mode,
-            enable_prefix_caching=True,
+            enable_prefix_caching=prefix_caching,
             plans_ahead=max(1, int(ahead)),
         ),
         clock=lambda: 0.0,
@@ -57,6 +58,7 @@ def run(
         sched.add_request(sched.new_group(request_id, prompt, params, arrival_time=float(i)))
     tokens: dict[str, dict[int, list[int]]] = {r: {} for r in requests}
     beams = {}
+    errors = []
     launched = deque()
     for _ in range(500):
         if not sched.has_unfinished() and not launched:
@@ -66,12 +68,15 @@ def run(
         while ahead and sched.can_schedule_ahead():
             launched.append(worker.launch(sched.schedule()))
         for out in sched.process_result(worker.finish(launched.popleft())):
+            if out.error:
+                errors.append((out.request_id, out.error))
             for delta in out.samples:
                 tokens[out.request_id].setdefault(delta.sample_index, []).extend(delta.token_ids)
             if out.beams:
                 beams[out.request_id] = out.beams
     worker.execute(sched.schedule())  # delivers the last finished ids
     assert worker.seqs == {}
+    assert errors == [], errors  # no request dropped
     return tokens, beams, sched
 
 

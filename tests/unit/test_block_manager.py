@@ -241,3 +241,51 @@ def test_a_samples_new_block_never_evicts_a_cached_block_a_later_sample_hits():
     assert [bm.block_table(s) for s in seqs] == [[0, 1, 4, 7], [0, 1, 2, 3, 6], [0, 1, 2, 3, 5]]
     assert [s.num_computed_tokens for s in seqs] == [4, 8, 8] and bm.num_free_blocks == 0
     bm.check_integrity()
+
+
+@pytest.mark.parametrize("num_free", [5, 4])
+def test_samples_recomputed_without_cached_blocks_share_the_first_ones_prompt_blocks(num_free):
+    """A recomputed group of n samples whose prompt blocks were evicted (here: no prefix caching):
+    the samples after the first share its blocks of their common full blocks, as the fork had shared
+    them, and start computing past them once it has (waits_for); the first one writes into those
+    shared blocks without a copy. Counted per sample, 3 x 3 blocks would not fit in 8."""
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, enable_prefix_caching=False)
+    for _ in range(8 - num_free):
+        admit(bm, range(3))
+    seqs = [Sequence(400 + i, [*range(8), 50 + i, 60 + i, 70 + i], 8) for i in range(3)]
+    group = SequenceGroup("samples", seqs, SamplingParams(n=3), 0.0)
+    if num_free == 4:  # 3 + 1 + 1 blocks
+        assert bm.can_allocate(group) is AllocStatus.LATER
+        return
+    assert bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    bm.check_integrity()
+    lead, *rest = seqs
+    assert [bm.block_table(s) for s in seqs] == [[3, 4, 5], [3, 4, 6], [3, 4, 7]]
+    assert [s.num_computed_tokens for s in seqs] == [0, 8, 8] and bm.num_free_blocks == 0
+    assert lead.waits_for is None and all(s.waits_for is lead for s in rest)
+    assert bm.can_append_slots(group, {lead.seq_id: 11}) and bm.append_slots(lead, 11) == []
+    assert bm.block_table(lead) == [3, 4, 5] and bm.gpu.blocks[3].ref_cnt == 3
+    for seq in rest:
+        assert bm.append_slots(seq, 3) == []
+    assert bm.num_filled_slots == 3 * 3 + 8 + 3 * 3  # the 3 one-block sequences, the shared, the own
+    for seq in seqs:
+        bm.free(seq)
+        bm.check_integrity()
+    assert bm.num_free_blocks == num_free
+
+
+def test_recomputed_samples_share_the_leaders_blocks_only_where_their_tokens_are_the_same():
+    """Per block and per sample: a sample that diverges from the first inside the prompt's second
+    block shares one block; a block that is full for the first but holds the other's last token is
+    not shared (a sequence keeps >= 1 token to compute)."""
+    bm = BlockManager(block_size=2, num_gpu_blocks=16, enable_prefix_caching=False)
+    seqs = [Sequence(500, [1, 2, 3, 4, 5, 6], 4), Sequence(501, [1, 2, 3, 9, 5, 6], 4),
+            Sequence(502, [1, 2, 3, 4, 5], 4)]
+    group = SequenceGroup("g", seqs, SamplingParams(n=3), 0.0)
+    assert bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    assert [bm.block_table(s) for s in seqs] == [[0, 1, 2], [0, 3, 4], [0, 1, 5]]
+    assert [s.num_computed_tokens for s in seqs] == [0, 2, 4]
+    assert bm.num_free_blocks == 10
+    bm.check_integrity()

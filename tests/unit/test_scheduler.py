@@ -1,5 +1,7 @@
 """Scheduler: exact plans (diffs, block ids, preemption order, swap ids, chunk sizes, forks, CoW)."""
 
+from collections import deque
+
 import pytest
 
 from scheduler_svc.request.sequence import FinishReason, SequenceStatus
@@ -333,3 +335,40 @@ def test_prefill_cap_off_at_zero_and_without_chunked_prefill():
 def test_prefill_cap_must_not_be_negative():
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 0"):
         make(max_prefill_tokens_while_decoding=-1)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("plans_ahead", [1, 2])
+def test_samples_preempted_by_recompute_come_back_sharing_their_prompt(prefix_caching, plans_ahead):
+    """B's three samples are preempted by recompute (no swap space) while A grows. Once A is done,
+    B comes back alone: prompt 9 + 2-3 outputs = 6 blocks a sample, 18 > 14 if each prefilled its
+    own prompt (which dropped B, "no longer fits", after it had streamed tokens); sharing the first
+    sample's four full prompt blocks it needs 4 + 3 x 2. The other samples start once the first has
+    computed those blocks, in a later plan (the executor checks every KV slot it reads)."""
+    sched = make(block_size=2, num_gpu_blocks=14, enable_prefix_caching=prefix_caching,
+                 plans_ahead=plans_ahead)
+    a = add(sched, "A", [3, 4, 5], 0.0, max_tokens=20)
+    b = add(sched, "B", range(10, 19), 1.0, max_tokens=6, n=3)
+    ex = FakeExecutor(sched)
+    come_back = {}  # sample index: (the step B's sequence is sent again in, its tokens not computed)
+    outputs = []
+    in_flight: deque = deque()
+    for _ in range(200):
+        if not sched.has_unfinished() and not in_flight:
+            break
+        while not in_flight or (plans_ahead > 1 and sched.can_schedule_ahead()):
+            plan = sched.schedule()
+            for new in plan.new_seqs:
+                if new.token_ids[:9] == list(range(10, 19)) and len(new.token_ids) > 9:  # B, again
+                    come_back[new.sample_index] = (plan.step_id, new.num_computed_tokens)
+            in_flight.append(ex.step(plan))
+        outputs += sched.process_result(in_flight.popleft())
+        sched.kv.check_integrity()
+    assert sched.num_preemptions >= 1 and a.is_finished and b.is_finished
+    assert [o.error for o in outputs if o.error] == []
+    (lead_step, lead_computed), *others = (come_back[i] for i in range(3))
+    assert lead_computed < 8  # (with prefix caching: some of its blocks still cached)
+    assert all(computed == 8 and step > lead_step for step, computed in others)
+    samples = [s for o in outputs if o.request_id == "B" for s in o.samples]
+    assert sorted({s.sample_index for s in samples}) == [0, 1, 2]
+    assert sched.kv.num_free_blocks == 14

@@ -68,6 +68,22 @@ def test_seeded_parallel_samples_are_distinct_and_batch_invariant(tiny_llama_dir
     assert sched.num_preemptions > 0
 
 
+@pytest.mark.parametrize("ahead", [False, 2])
+def test_samples_recomputed_on_the_first_ones_prompt_blocks_draw_what_they_draw_alone(tiny_llama_dir, ahead):
+    """No swap space and no prefix caching: the three samples of "a", preempted by recompute, come
+    back sharing the first sample's prompt blocks (computed by it, in an earlier step than the
+    others' own tokens), so each sample's KV is the same as alone and its seeded draws too."""
+    prompt = prompts(2, [10])[0]
+    params = SamplingParams(n=3, temperature=1.5, seed=11, max_tokens=8)
+    alone, _, _ = run(tiny_llama_dir, {"a": (prompt, params)})
+    crowd = {"x": (prompts(3, [17])[0], SamplingParams(temperature=1.0, max_tokens=20)),
+             "a": (prompt, params)}
+    got, _, sched = run(tiny_llama_dir, crowd, num_gpu_blocks=14, num_cpu_blocks=0,
+                        prefix_caching=False, ahead=ahead)
+    assert sched.num_preemptions > 0
+    assert got["a"] == alone["a"] and len(got["x"][0]) == 20
+
+
 def recompute_every_step(model_dir, prompt, params, sample_index, num_tokens):
     worker = Worker(
         str(model_dir), device="cpu", dtype="float32", num_gpu_blocks=16, num_cpu_blocks=0, block_size=BS
