@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -252,7 +253,8 @@ async def run_load(
         num_outputs = decoding.num_counted_outputs
         indexed = list(enumerate(requests))
         if processes > 1:
-            workers = await _Worker.start_all(target, http_url, decoding, indexed, processes)
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="pagedserve-load-"))
+            workers = await _Worker.start_all(target, http_url, decoding, indexed, processes, folder)
         poller = asyncio.create_task(_poll_stats(client, stats, stop))
         start = time.perf_counter()
         records = [
@@ -290,27 +292,32 @@ async def _send_all(client: AsyncClient, http_url: str | None, decoding: Decodin
 class _Worker:
     """A load-generator process (`python -m clients.bench.load --worker`): it reads its requests (a
     JSON line), connects and says `ready`, reads the run's start time, sends its requests at start +
-    their arrival times and writes their records (a JSON line)."""
+    their arrival times and writes their records to the file the job names (`records_path`; a pipe
+    once delivered a megabyte line cut short under py-spy, a file is read whole once the process has
+    ended)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, indices: list[int]):
-        self.proc, self.indices = proc, indices
+    def __init__(self, proc: asyncio.subprocess.Process, indices: list[int], records_path: str):
+        self.proc, self.indices, self.records_path = proc, indices, records_path
 
     @classmethod
     async def start_all(cls, target: str, http_url: str | None, decoding: Decoding,
-                        indexed: list[tuple[int, RequestSpec]], processes: int) -> list[_Worker]:
+                        indexed: list[tuple[int, RequestSpec]], processes: int, folder: str) -> list[_Worker]:
+        """`folder`: where the processes write their records (the caller removes it)."""
         workers = []
         for k in range(processes):
             mine = indexed[k::processes]
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "clients.bench.load", "--worker",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 30)
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            records_path = os.path.join(folder, f"records-{k}.json")
             job = {"target": target, "http_url": http_url, "n": decoding.n, "beam_width": decoding.beam_width,
+                   "records_path": records_path,
                    "requests": [[i, r.request_id, list(r.prompt_token_ids), r.max_tokens, r.arrival_time_s]
                                 for i, r in mine]}
             assert proc.stdin is not None
             proc.stdin.write(json.dumps(job).encode() + b"\n")
             await proc.stdin.drain()
-            workers.append(cls(proc, [i for i, _ in mine]))
+            workers.append(cls(proc, [i for i, _ in mine], records_path))
         for worker in workers:  # every worker connected before the clock starts
             assert worker.proc.stdout is not None
             line = await worker.proc.stdout.readline()
@@ -318,15 +325,20 @@ class _Worker:
                 raise RuntimeError(f"a load-generator process did not start: {line[:200]!r}")
         return workers
 
-    async def collect(self) -> bytes:
-        """The process's records (all it writes after `ready`), once it has ended."""
+    async def collect(self) -> list:
+        """The process's records, once it has ended."""
         assert self.proc.stdout is not None
-        output = await self.proc.stdout.read()
+        await self.proc.stdout.read()  # (nothing more is written there; read so it never blocks)
         await self.proc.wait()
+        try:
+            with open(self.records_path, "rb") as f:
+                output = f.read()
+        except FileNotFoundError:
+            output = b""
         if not output.strip() or self.proc.returncode:
             raise RuntimeError("a load-generator process ended without its records "
                                f"(exit {self.proc.returncode}, {len(output)} bytes written)")
-        return output
+        return json.loads(output)
 
     @staticmethod
     async def run_all(workers: list[_Worker], start: float, records: list[RequestRecord]) -> None:
@@ -334,12 +346,13 @@ class _Worker:
             assert worker.proc.stdin is not None
             worker.proc.stdin.write(f"{start!r}\n".encode())
             await worker.proc.stdin.drain()
-        # Every process's records read at once, each to the end of its output: one read after
-        # another would leave the later processes blocked on a full pipe meanwhile, and a line of
-        # records is often larger than a pipe holds.
-        outputs = await asyncio.gather(*(worker.collect() for worker in workers))
+            worker.proc.stdin.close()  # (its last line)
+        outputs = await asyncio.gather(*(worker.collect() for worker in workers), return_exceptions=True)
+        for output in outputs:  # (raised once every process has ended)
+            if isinstance(output, BaseException):
+                raise output
         for worker, output in zip(workers, outputs, strict=True):
-            for i, (sent_s, times, error) in zip(worker.indices, json.loads(output), strict=True):
+            for i, (sent_s, times, error) in zip(worker.indices, output, strict=True):
                 rec = records[i]
                 rec.sent_s, rec.token_times_s, rec.error = sent_s, times, error
 
@@ -357,10 +370,10 @@ async def _worker_main() -> None:
                                  num_outputs=decoding.num_counted_outputs) for _, r in indexed]
         progress = Progress("", len(indexed), 0, enabled=False)
         await _send_all(client, job["http_url"], decoding, indexed, records, progress)
-    out = json.dumps([[rec.sent_s, rec.token_times_s, rec.error] for rec in records]).encode() + b"\n"
-    os.set_blocking(sys.stdout.fileno(), True)  # a pipe the parent drains as it can: wait, never cut
-    sys.stdout.buffer.write(out)
-    sys.stdout.buffer.flush()
+    path = job["records_path"]
+    with open(path + ".part", "w") as f:
+        json.dump([[rec.sent_s, rec.token_times_s, rec.error] for rec in records], f)
+    os.replace(path + ".part", path)  # whole, or not there
 
 
 if __name__ == "__main__":

@@ -314,9 +314,10 @@ def test_bench_refuses_a_bad_number_of_processes(config_only_model):
 
 
 def test_records_of_several_load_processes_arrive_whole_however_large(tmp_path):
-    """Each load-generator process writes its records as one JSON line after the run; lines of
-    megabytes (long outputs, many requests) from several processes at once must reach the parent
-    whole (a bench run under py-spy once got one cut at 256 KiB and failed to parse it)."""
+    """Each load-generator process writes its records (megabytes: long outputs, many requests) to
+    its own file once it is done, and the parent reads every file whole once its process has ended
+    (a bench run under py-spy got a record line through a pipe cut at 320 KiB, twice). A process that
+    ends without its file is an error naming it, not a parse error."""
     import asyncio
     import sys
 
@@ -325,27 +326,31 @@ def test_records_of_several_load_processes_arrive_whole_however_large(tmp_path):
     script = tmp_path / "fake_worker.py"
     script.write_text(
         "import json, sys\n"
-        "k = int(sys.argv[1])\n"
+        "k, path = int(sys.argv[1]), sys.argv[2]\n"
         "print('ready', flush=True)\n"
         "start = float(sys.stdin.readline())\n"
         "rows = [[start + k, [start + k + t / 7 for t in range(20_000)], None] for _ in range(10)]\n"
-        "sys.stdout.write(json.dumps(rows) + '\\n')\n"
+        "if k != 9:\n"
+        "    json.dump(rows, open(path, 'w'))\n"
     )
 
-    async def run() -> list[RequestRecord]:
+    async def run(ks) -> list[RequestRecord]:
         workers = []
-        for k in range(3):
+        for k in ks:
+            path = str(tmp_path / f"records-{k}.json")
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(script), str(k), stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, limit=1 << 30)
+                sys.executable, str(script), str(k), path, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE)
             assert await proc.stdout.readline() == b"ready\n"
-            workers.append(_Worker(proc, list(range(k, 30, 3))))
+            workers.append(_Worker(proc, list(range(k, 30, 3)), path))
         records = [RequestRecord(1, 1, 0.0) for _ in range(30)]
         await _Worker.run_all(workers, 100.0, records)
         return records
 
-    records = asyncio.run(run())
+    records = asyncio.run(run(range(3)))
     for i, rec in enumerate(records):
         k = i % 3
         assert rec.sent_s == 100.0 + k and len(rec.token_times_s) == 20_000 and rec.error is None
         assert rec.token_times_s[-1] == 100.0 + k + 19_999 / 7
+    with pytest.raises(RuntimeError, match="ended without its records"):
+        asyncio.run(run([0, 9]))
