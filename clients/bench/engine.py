@@ -457,7 +457,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-step-ms", type=float, default=0.0,
                         help="simulated device time of each step: the executor launches one plan ahead "
                              "and holds each step this long (0: steps take no device time, one at a time)")
-    parser.add_argument("--plans-ahead", type=int, choices=(1, 2), default=1,
+    parser.add_argument("--plans-ahead", type=int, choices=(1, 2, 3), default=1,
                         help="the scheduler's --plans-ahead")
     parser.add_argument("--launch-ms", type=float, default=0.0,
                         help="with --gpu-step-ms: host CPU time the simulated executor spends launching a "

@@ -175,8 +175,8 @@ class Engine:
     async def run(self) -> None:
         """Overlap, two ways. Async scheduling (`async_scheduling`, when the scheduler allows it):
         plan i+1 is built and sent before step i's result is back, so the executors prepare it while
-        the GPU runs step i and start it the moment step i ends (with `plans_ahead` 2, plan i+2 as
-        well: then the scheduler builds a plan while the executors launch the one before). And step
+        the GPU runs step i and start it the moment step i ends (with `plans_ahead` 2 or 3, plan i+2
+        and i+3 as well: then the scheduler builds a plan while the executors launch the one before). And step
         i's outputs are streamed to the clients only once the next plan is on its way (streaming a
         delta to each of hundreds of requests takes milliseconds of this thread). Outputs of requests
         with stop strings are streamed at once (a stop string finishes its sequence)."""

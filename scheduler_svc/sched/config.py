@@ -41,10 +41,10 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()  # every id that ends a sequence (Llama 3 has several)
     watermark_blocks: int = 0  # free blocks admission keeps in reserve (fewer preemptions)
     plans_ahead: int = option(
-        1, "with async scheduling, plans built ahead of the results of the steps in flight (1 or 2): "
-        "with 2 the scheduler and the executors each work on a different step, which keeps a small "
-        "model's GPU busy when one step's host work (result, plan, launch) outlasts its GPU time; a "
-        "sequence that stops may compute up to two tokens for nothing", choices=(1, 2))
+        1, "with async scheduling, plans built ahead of the results of the steps in flight (1 to 3): "
+        "with 2 or 3 the scheduler and the executors each work on a different step, which keeps a "
+        "small model's GPU busy when one step's host work (result, plan, launch) outlasts its GPU "
+        "time; a sequence that stops may compute up to that many tokens for nothing", choices=(1, 2, 3))
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
@@ -72,7 +72,7 @@ class SchedulerConfig:
                              f"got {self.max_prefill_tokens_while_decoding}")
         if not 0 <= self.watermark_blocks < self.num_gpu_blocks:
             raise ValueError(f"watermark_blocks must be in [0, num_gpu_blocks), got {self.watermark_blocks}")
-        if self.plans_ahead not in (1, 2):
-            raise ValueError(f"plans_ahead must be 1 or 2, got {self.plans_ahead}")
+        if self.plans_ahead not in (1, 2, 3):
+            raise ValueError(f"plans_ahead must be 1, 2 or 3, got {self.plans_ahead}")
         if any(t < 0 for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be >= 0, got {self.eos_token_ids}")

@@ -26,9 +26,9 @@ token in its place. A sequence that then turns out to be finished (a stop token)
 token computed in the plan ahead; its result is ignored. A sequence sampling its last token (its
 max_tokens) gets no placeholder, so it is not scheduled ahead. Beam search needs every step's
 result to choose the next tokens: while a beam group runs, plans are built one at a time. At most
-1 + `config.plans_ahead` plans are in flight. With two plans ahead a sequence may hold two
-placeholders (`Sequence.pending`, filled oldest first); one that finishes with a placeholder left
-drops it (its token was computed for nothing), and a preempted group that a step in flight still
+1 + `config.plans_ahead` plans are in flight. With k plans ahead a sequence may hold k
+placeholders (`Sequence.pending`, filled oldest first); one that finishes with placeholders left
+drops them (their tokens were computed for nothing), and a preempted group that a step in flight still
 computes is not admitted or swapped in until that step's result is in (a plan never carries a
 placeholder other than a decode's input, the token of the step just before).
 """

@@ -77,8 +77,9 @@ def test_launch_ms_holds_the_thread_and_must_be_a_non_negative_number():
             bench_engine.main(["--launch-ms", bad, "--requests", "1"])
 
 
-def test_two_plans_ahead_give_every_request_its_tokens():
+@pytest.mark.parametrize("plans_ahead", ["2", "3"])
+def test_plans_ahead_give_every_request_its_tokens(plans_ahead):
     args = ["--requests", "8", "--max-tokens", "16", "--gpu-step-ms", "5", "--launch-ms", "2",
-            "--plans-ahead", "2"]
+            "--plans-ahead", plans_ahead]
     report = bench_engine.run(bench_engine.parse_args(args))
     assert report["errors"] == []

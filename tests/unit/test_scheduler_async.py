@@ -159,6 +159,27 @@ def test_a_stop_token_two_plans_ahead_drops_the_placeholder_left_and_both_wasted
     assert sched.schedule().finished_seq_ids == [seq.seq_id]
 
 
+def test_three_plans_ahead_hold_three_placeholders_and_a_stop_token_drops_what_is_left():
+    sched = make(block_size=4, num_gpu_blocks=8, eos_token_ids=(2,), plans_ahead=3)
+    group = add(sched, "a", range(5, 11), max_tokens=10)
+    seq = group.seqs[0]
+    plans = [sched.schedule()]
+    while sched.can_schedule_ahead():
+        plans.append(sched.schedule())
+    assert len(plans) == 4  # p1 and three ahead of its result
+    assert seq.pending == 3 and seq.token_ids[-3:] == [PENDING_TOKEN] * 3
+    assert all(p.decode_token_ids == [PENDING_TOKEN] or p.cont_seqs for p in plans[1:])
+    (out,) = sched.process_result(result(plans[0], {seq.seq_id: 50}))
+    assert out.samples[0].token_ids == [50] and seq.token_ids[6:] == [50] + [PENDING_TOKEN] * 2
+    (out,) = sched.process_result(result(plans[1], {seq.seq_id: 2}))  # EOS, two placeholders left
+    assert out.finished and out.samples[0].finish_reason is FinishReason.STOP
+    assert group.finished_seqs[0].token_ids == [*range(5, 11), 50, 2] and seq.pending == 0
+    assert sched.kv.num_free_blocks == 8
+    for plan, token in zip(plans[2:], (30, 31), strict=True):
+        assert sched.process_result(result(plan, {seq.seq_id: token})) == []
+    assert sched.schedule().finished_seq_ids == [seq.seq_id]
+
+
 def test_a_preempted_group_waits_for_its_placeholders_before_it_runs_again():
     """Recompute prefills the tokens a group has: with two plans ahead a group preempted while its
     tokens are still being sampled is not admitted until their results are in (no plan's prefill

@@ -20,7 +20,7 @@ from tests.helpers.scheduler import FakeExecutor
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 100, "max_model_len": 200}, "chunked"),
         ({"watermark_blocks": 8, "num_gpu_blocks": 8}, "watermark"),
         ({"plans_ahead": 0}, "plans_ahead"),
-        ({"plans_ahead": 3}, "plans_ahead"),
+        ({"plans_ahead": 4}, "plans_ahead"),
     ],
 )
 def test_config_is_validated(kwargs, match):

@@ -39,7 +39,7 @@ def configs(draw):
         enable_chunked_prefill=chunked,
         eos_token_ids=(3,),
         watermark_blocks=draw(st.integers(0, 2)),
-        plans_ahead=draw(st.sampled_from([1, 2])),
+        plans_ahead=draw(st.sampled_from([1, 2, 3])),
     )
 
 
@@ -129,7 +129,7 @@ def test_random_workloads_keep_invariants_and_leak_nothing(cfg, requests, seed, 
     event(f"steps > 40: {step > 40}")
     event(f"accepted >= 2: {len(accepted) >= 2}")
     event(f"planned ahead: {num_ahead > 0}")
-    event(f"three plans in flight: {max_in_flight == 3}")
+    event(f"plans in flight at most: {max_in_flight}")
     ex.step(sched.schedule())  # delivers the last finished ids
     assert ex.states == {}
     assert sched.kv.num_free_blocks == cfg.num_gpu_blocks

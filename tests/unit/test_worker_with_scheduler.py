@@ -25,7 +25,7 @@ def hf_llama(tiny_llama_dir):
 @pytest.mark.parametrize(
     "num_gpu_blocks, mode, ahead",
     [(14, "recompute", False), (14, "swap", False), (14, "recompute", True), (14, "recompute", 2),
-     (14, "swap", 2)],
+     (14, "swap", 2), (14, "recompute", 3)],
 )
 def test_greedy_outputs_match_hf_under_chunking_and_preemption(
     num_gpu_blocks, mode, ahead, tiny_llama_dir, hf_llama
@@ -53,7 +53,7 @@ def test_seeded_parallel_samples_are_distinct_and_batch_invariant(tiny_llama_dir
         "y": (prompts(4, [6])[0], SamplingParams(n=2, temperature=1.0, max_tokens=9)),
     }
     crowded, _, sched = run(tiny_llama_dir, crowd, num_gpu_blocks=20, num_cpu_blocks=10)
-    for ahead in (True, 2):
+    for ahead in (True, 2, 3):
         crowded_ahead, _, _ = run(tiny_llama_dir, crowd, num_gpu_blocks=20, num_cpu_blocks=10, ahead=ahead)
         assert crowded_ahead["a"] == crowded["a"]  # seeded: the same draws however it was scheduled
         assert [len(t) for t in crowded_ahead["y"].values()] == [9, 9]
@@ -68,7 +68,7 @@ def test_seeded_parallel_samples_are_distinct_and_batch_invariant(tiny_llama_dir
     assert sched.num_preemptions > 0
 
 
-@pytest.mark.parametrize("ahead", [False, 2])
+@pytest.mark.parametrize("ahead", [False, 3])
 def test_samples_recomputed_on_the_first_ones_prompt_blocks_draw_what_they_draw_alone(tiny_llama_dir, ahead):
     """No swap space and no prefix caching: the three samples of "a", preempted by recompute, come
     back sharing the first sample's prompt blocks (computed by it, in an earlier step than the
