@@ -38,6 +38,7 @@ from scheduler_svc.wire.grpc_serving import (
     MAX_MESSAGE_BYTES,
     ApiServerOptions,
     ExecutorCredentialOptions,
+    freeze_startup_heap,
     read_auth_token,
     start_grpc_server,
 )
@@ -58,14 +59,16 @@ async def start_executor_server(
     metrics: ExecutorMetrics | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     auth_token: str | None = None,
+    on_cache_ready: Callable[[], None] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Starts serving `worker`; returns (server, bound port). Health is SERVING once started.
     `on_fatal(exc)` is called when a call fails with an error that is not the plan's fault;
     `metrics` (executor_svc.server.metrics.ExecutorMetrics) gets each step's time; `auth_token`:
-    the executor credential every Executor call must carry (None: no check)."""
+    the executor credential every Executor call must carry (None: no check); `on_cache_ready()`
+    runs after each InitCache."""
     from executor_svc.server.servicer import ExecutorServicer
 
-    servicer = ExecutorServicer(worker, on_fatal, metrics)
+    servicer = ExecutorServicer(worker, on_fatal, metrics, on_cache_ready)
     server, bound, health = await start_grpc_server(
         SERVICE_NAME,
         lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
@@ -146,7 +149,8 @@ async def serve(args: ExecutorOptions) -> int:
         metrics = ExecutorMetrics(worker, worker.describe().model_name)
         metrics.serve(args.metrics_port, addr=args.host)
     server, port = await start_executor_server(
-        worker, args.host, args.port, on_fatal, metrics, args.max_message_bytes, args.executor_token
+        worker, args.host, args.port, on_fatal, metrics, args.max_message_bytes, args.executor_token,
+        on_cache_ready=freeze_startup_heap,  # the model, its cache and graphs: out of the collector's way
     )
     if args.executor_token is None:
         logging.warning("serving without the executor credential (--insecure-no-executor-token)")

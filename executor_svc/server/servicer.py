@@ -30,18 +30,21 @@ CALLER_ERRORS: CallerErrors = {ValueError: "INVALID_ARGUMENT"}
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     """One rank. Calls run in a worker thread, one at a time, so the event loop keeps answering
     health checks while the model runs. An error that is not the caller's fault (an INTERNAL status:
-    e.g. a collective that failed because another rank died) is passed to `on_fatal` too."""
+    e.g. a collective that failed because another rank died) is passed to `on_fatal` too.
+    `on_cache_ready` runs after each InitCache (the server freezes its start-up heap there)."""
 
     def __init__(
         self,
         worker: StepWorker[Any],
         on_fatal: Callable[[BaseException], None] | None = None,
         metrics: ExecutorMetrics | None = None,
+        on_cache_ready: Callable[[], None] | None = None,
     ):
         self._worker = worker
         self._lock = asyncio.Lock()
         self._on_fatal = on_fatal
         self._metrics = metrics  # fed with each step's time
+        self._on_cache_ready = on_cache_ready
 
     async def _call(self, fn, *args):
         """Runs fn in a worker thread, one call at a time. A cancelled RPC (the scheduler dropped its
@@ -71,6 +74,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     @maps_errors(CALLER_ERRORS)
     async def InitCache(self, request, context):
         await self._call(self._worker.init_cache, request.num_gpu_blocks, request.num_cpu_blocks)
+        if self._on_cache_ready is not None:
+            self._on_cache_ready()
         return executor_pb2.InitCacheResponse()
 
     @maps_errors(CALLER_ERRORS)

@@ -42,6 +42,7 @@ from scheduler_svc.wire.grpc_serving import (
     MAX_REQUEST_BYTES,
     ApiServerOptions,
     Health,
+    freeze_startup_heap,
     message_size_options,
     read_auth_token,
     request_limit,
@@ -345,6 +346,7 @@ async def serve(a: FrontendOptions) -> None:
             links[0], a.host, a.http_port, a.model_dir, a.chat_template, a.tls_cert_file, a.tls_key_file,
             read_auth_token(a.auth_token_file), reuse_port=a.reuse_port,
         )
+    freeze_startup_heap()
     print(f"pagedserve api front-end listening on {a.host}:{port} (scheduler {a.engine})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

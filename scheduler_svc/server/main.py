@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import pathlib
 import signal
@@ -49,6 +48,7 @@ from scheduler_svc.wire.grpc_serving import (
     ApiServerOptions,
     ExecutorCredentialOptions,
     Health,
+    freeze_startup_heap,
     read_auth_token,
     server_credentials,
     start_grpc_server,
@@ -56,7 +56,6 @@ from scheduler_svc.wire.grpc_serving import (
 from scheduler_svc.wire.options import add_arguments, borrow, from_args, option, parse_args_with_config
 from scheduler_svc.wire.request_decoding import register_decoding
 
-GC_GEN0_THRESHOLD = 20_000
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _log = logging.getLogger(__name__)
 
@@ -231,17 +230,6 @@ def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
         bos_token=limits.chat_template.bos_token,
         eos_token=limits.chat_template.eos_token,
     )
-
-
-def freeze_startup_heap(gen0_threshold: int = GC_GEN0_THRESHOLD) -> None:
-    """Once the server is built: everything alive now (modules, gRPC, the tokenizer, metrics) lives
-    as long as the process, so it leaves the collector's generations (`gc.freeze`) and the
-    collections triggered by the per-step churn (deltas, protobuf messages, futures) no longer
-    scan it; young collections are made rarer too. Measured with clients.bench.engine."""
-    gc.collect()
-    gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(gen0_threshold, gen1, gen2)
 
 
 class SchedulerServer:

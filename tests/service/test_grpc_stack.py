@@ -123,3 +123,45 @@ def test_a_dead_engine_loop_fails_requests_instead_of_hanging(tiny_llama_dir):
         with pytest.raises(grpc.RpcError) as info:
             client.generate([1, 2, 3])
         assert info.value.code() == grpc.StatusCode.ABORTED
+
+
+def test_executor_runs_its_cache_ready_hook_after_each_init_cache(tiny_llama_dir):
+    """The executor process freezes its start-up heap (freeze_startup_heap) once the cache and the
+    graphs exist: the hook runs after every InitCache, and not before the cache is there."""
+    seen = []
+
+    async def scenario() -> None:
+        from executor_svc.server.main import start_executor_server
+        from executor_svc.worker.worker import Worker, WorkerConfig
+
+        worker = Worker(
+            WorkerConfig(model_dir=str(tiny_llama_dir), device="cpu", num_gpu_blocks=8, num_cpu_blocks=0)
+        )
+        server, port = await start_executor_server(
+            worker, on_cache_ready=lambda: seen.append(worker.runner is not None))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = executor_pb2_grpc.ExecutorStub(channel)
+                assert seen == []
+                await stub.InitCache(executor_pb2.InitCacheRequest(num_gpu_blocks=6, num_cpu_blocks=0))
+                assert seen == [True]
+                await stub.InitCache(executor_pb2.InitCacheRequest(num_gpu_blocks=8, num_cpu_blocks=0))
+                assert seen == [True, True]
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_freeze_startup_heap_takes_the_live_objects_out_of_collections():
+    """In a fresh process (the test's own would stay frozen): after it, the objects alive then are
+    in the permanent generation and young collections are rarer."""
+    import subprocess
+    import sys
+
+    code = ("import gc, json; import grpc; from scheduler_svc.wire.grpc_serving import freeze_startup_heap,"
+            " GC_GEN0_THRESHOLD; before = gc.get_freeze_count(); freeze_startup_heap();"
+            " print(json.dumps([before, gc.get_freeze_count(), gc.get_threshold()[0], GC_GEN0_THRESHOLD]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    before, after, gen0, expected = __import__("json").loads(out)
+    assert before == 0 and after > 10_000 and gen0 == expected
