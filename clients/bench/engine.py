@@ -354,7 +354,7 @@ def process_cpu_s(pid: int) -> float:
 
 async def bench(args: argparse.Namespace, model_dir: str, executor_target: str) -> dict[str, Any]:
     from scheduler_svc.server.main import ServeOptions, build_engine, start_scheduler_server
-    from scheduler_svc.wire.grpc_serving import freeze_startup_heap
+    from scheduler_svc.wire.collector import freeze_startup_heap
 
     opts = ServeOptions(model=model_dir, executors=(executor_target,), port=0, plans_ahead=args.plans_ahead,
                         max_num_seqs=max(256, args.requests), metrics_port=None if args.no_metrics else 0)

@@ -33,12 +33,12 @@ from executor_svc.worker.distributed import DistributedConfig
 from executor_svc.worker.protocol import StepWorker
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from scheduler_svc.wire import options
+from scheduler_svc.wire.collector import freeze_startup_heap
 from scheduler_svc.wire.grpc_serving import (
     EXECUTOR_TOKEN_ENV,
     MAX_MESSAGE_BYTES,
     ApiServerOptions,
     ExecutorCredentialOptions,
-    freeze_startup_heap,
     read_auth_token,
     start_grpc_server,
 )

@@ -2,7 +2,8 @@
 /health like the scheduler's (scheduler_svc/wire/metrics_http.py).
 
 Names follow the scheduler's conventions (scheduler_svc/engine/metrics.py): `pagedserve_executor_...`,
-base units, a `model_name` label on every series. Step time and step count are fed by the servicer;
+base units, a `model_name` label on every series. Step time and step count are fed by the servicer,
+the pauses of the process's garbage collections (by generation) by gc.callbacks while it serves;
 memory gauges are read at scrape time: GPU memory allocated and reserved by torch's caching
 allocator (0 on a CPU executor) and the bytes of the KV cache (the device cache and the CPU swap
 space) once InitCache allocated it (from the worker's `memory_usage()`). The process's CPU seconds
@@ -12,9 +13,12 @@ and resident memory are prometheus-client's ProcessCollector's (`process_cpu_sec
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from executor_svc.worker.protocol import ReportsMemory
+from scheduler_svc.wire.collector import GC_GENERATIONS, GC_PAUSE_BUCKETS, watch_gc_pauses
 from scheduler_svc.wire.metrics_http import HealthState, MetricsHttpServer
 
 PREFIX = "pagedserve_executor_"
@@ -34,6 +38,8 @@ GAUGES = {
 COUNTERS = {"steps": ("step plans executed", ())}
 HISTOGRAMS = {
     "step_time_seconds": ("one Step call: decode plan, block ops, forward, sample", (), _STEP_BUCKETS),
+    "gc_pause_seconds": ("one garbage collection of the executor process (no step is launched "
+                         "meanwhile), by generation", ("generation",), GC_PAUSE_BUCKETS),
 }
 
 
@@ -65,6 +71,11 @@ class ExecutorMetrics:
         step_time = Histogram(PREFIX + "step_time_seconds", help_text, ("model_name",), buckets=buckets,
                               registry=self.registry)
         self._step_time = step_time.labels(**model)
+        help_text, _, buckets = HISTOGRAMS["gc_pause_seconds"]
+        gc_pause = Histogram(PREFIX + "gc_pause_seconds", help_text, ("model_name", "generation"),
+                             buckets=buckets, registry=self.registry)
+        self._gc_pauses = [gc_pause.labels(generation=g, **model) for g in GC_GENERATIONS]
+        self._stop_gc_watch: Callable[[], None] | None = None
         self._http: MetricsHttpServer | None = None
 
     def observe_step(self, seconds: float) -> None:
@@ -76,9 +87,15 @@ class ExecutorMetrics:
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve /metrics and /health over HTTP on `port` (0 picks a free port); returns the bound
-        port. /health answers 503 until `watch_health` gives it the gRPC health."""
+        port. /health answers 503 until `watch_health` gives it the gRPC health. From now until
+        `close`, every garbage collection of this process is timed (gc_pause_seconds)."""
         self._http = MetricsHttpServer(self.registry, port, addr)
+        if self._stop_gc_watch is None:
+            self._stop_gc_watch = watch_gc_pauses(self.observe_gc_pause)
         return self._http.port
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        self._gc_pauses[generation].observe(seconds)
 
     def watch_health(self, health: HealthState) -> None:
         """/health, /readyz and /healthz answer from `health` (the gRPC server's) from now on."""
@@ -86,6 +103,9 @@ class ExecutorMetrics:
             self._http.health = health
 
     def close(self) -> None:
+        if self._stop_gc_watch is not None:
+            self._stop_gc_watch()
+            self._stop_gc_watch = None
         if self._http is not None:
             self._http.close()
             self._http = None

@@ -25,6 +25,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from scheduler_svc.wire.client_identity import APIS, DEFAULT_API
+from scheduler_svc.wire.collector import GC_GENERATIONS, GC_PAUSE_BUCKETS, watch_gc_pauses
 from scheduler_svc.wire.metrics_http import HealthState, MetricsHttpServer
 
 PREFIX = "pagedserve_"
@@ -74,6 +75,8 @@ HISTOGRAMS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...]]] = {
     "batch_size": ("sequences scheduled in one step", (), _BATCH_BUCKETS),
     "step_plan_bytes": ("encoded size of one step plan", (), _BYTES_BUCKETS),
     "step_kv_usage_ratio": ("used / total GPU KV blocks, observed at every step", (), _RATIO_BUCKETS),
+    "gc_pause_seconds": ("one garbage collection of the scheduler process (the engine loop stops), by "
+                         "generation", ("generation",), GC_PAUSE_BUCKETS),
 }
 # label values whose series exist from the start (at 0)
 KNOWN_LABEL_VALUES = {
@@ -81,6 +84,7 @@ KNOWN_LABEL_VALUES = {
     "requests_finished": [{"reason": r} for r in ("length", "stop", "abort")],
     "requests_rejected": [{"code": c} for c in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
                                                  "ABORTED", "INTERNAL")],
+    "gc_pause_seconds": [{"generation": g} for g in GC_GENERATIONS],
 }
 PROCESS_METRICS = ("process_cpu_seconds_total", "process_resident_memory_bytes",
                    "process_virtual_memory_bytes", "process_start_time_seconds", "process_open_fds",
@@ -119,6 +123,8 @@ class SchedulerMetrics:
                 self._child(n, values)
         self._totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._http: MetricsHttpServer | None = None
+        self._gc_pauses = [self._child("gc_pause_seconds", {"generation": g}) for g in GC_GENERATIONS]
+        self._stop_gc_watch: Any = None
 
     def _add(self, name: str, labels: tuple[str, ...], family: Gauge | Counter | Histogram) -> None:
         self._families[name] = family
@@ -181,9 +187,15 @@ class SchedulerMetrics:
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve /metrics and /health over HTTP on `port` (0 picks a free port); returns the bound
-        port. /health answers 503 until `watch_health` gives it the gRPC health."""
+        port. /health answers 503 until `watch_health` gives it the gRPC health. From now until
+        `close`, every garbage collection of this process is timed (gc_pause_seconds)."""
         self._http = MetricsHttpServer(self.registry, port, addr)
+        if self._stop_gc_watch is None:
+            self._stop_gc_watch = watch_gc_pauses(self.observe_gc_pause)
         return self._http.port
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        self._gc_pauses[generation].observe(seconds)  # type: ignore[union-attr]  # a histogram
 
     def watch_health(self, health: HealthState) -> None:
         """/health, /readyz and /healthz answer from `health` (the gRPC server's) from now on."""
@@ -196,6 +208,9 @@ class SchedulerMetrics:
         return self._http.port if self._http is not None else None
 
     def close(self) -> None:
+        if self._stop_gc_watch is not None:
+            self._stop_gc_watch()
+            self._stop_gc_watch = None
         if self._http is not None:
             self._http.close()
             self._http = None

@@ -35,6 +35,7 @@ import grpc
 from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
 from scheduler_svc.frontend.token_lane import TokenLane
 from scheduler_svc.wire.client_identity import CLIENT_KEY, DEFAULT_API
+from scheduler_svc.wire.collector import freeze_startup_heap
 from scheduler_svc.wire.convert import maps_errors
 from scheduler_svc.wire.errors import RelayedError, ResourceExhaustedError, ServiceUnavailableError
 from scheduler_svc.wire.grpc_serving import (
@@ -42,7 +43,6 @@ from scheduler_svc.wire.grpc_serving import (
     MAX_REQUEST_BYTES,
     ApiServerOptions,
     Health,
-    freeze_startup_heap,
     message_size_options,
     read_auth_token,
     request_limit,

@@ -41,6 +41,7 @@ from scheduler_svc.server.frontend_link import FrontendLinkServicer
 from scheduler_svc.server.generation_config import GenerationDefaults, union_ids
 from scheduler_svc.server.servicer import GenerationServicer
 from scheduler_svc.wire.chat_template import ChatTemplate
+from scheduler_svc.wire.collector import freeze_startup_heap
 from scheduler_svc.wire.grpc_serving import (
     EXECUTOR_TOKEN_ENV,
     MAX_MESSAGE_BYTES,
@@ -48,7 +49,6 @@ from scheduler_svc.wire.grpc_serving import (
     ApiServerOptions,
     ExecutorCredentialOptions,
     Health,
-    freeze_startup_heap,
     read_auth_token,
     server_credentials,
     start_grpc_server,

@@ -8,7 +8,6 @@ without that service and logs a warning once, rather than failing to start.
 
 from __future__ import annotations
 
-import gc
 import hmac
 import logging
 import os
@@ -21,23 +20,6 @@ import grpc
 from scheduler_svc.wire.options import option
 
 _log = logging.getLogger(__name__)
-
-GC_GEN0_THRESHOLD = 20_000
-
-
-def freeze_startup_heap(gen0_threshold: int = GC_GEN0_THRESHOLD) -> None:
-    """Once a server is built: everything alive now (modules, gRPC, the model and its graphs, the
-    tokenizer, metrics) lives as long as the process, so it leaves the collector's generations
-    (`gc.freeze`) and the collections triggered by the per-step churn (plans, deltas, protobuf
-    messages, futures) no longer scan it; young collections are made rarer too. Unfrozen, a full
-    collection of an executor's heap (~175 thousand objects once torch is imported) took 93 ms on
-    the development CPU, and the H100 runs showed 100–130 ms stalls of every stream mid-run; the
-    scheduler's measured with clients.bench.engine. Each server calls it when its start-up is over
-    (the executor: after every InitCache, which builds the cache and captures the graphs)."""
-    gc.collect()
-    gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(gen0_threshold, gen1, gen2)
 
 
 class Health:

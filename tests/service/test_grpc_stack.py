@@ -159,7 +159,7 @@ def test_freeze_startup_heap_takes_the_live_objects_out_of_collections():
     import subprocess
     import sys
 
-    code = ("import gc, json; import grpc; from scheduler_svc.wire.grpc_serving import freeze_startup_heap,"
+    code = ("import gc, json; import grpc; from scheduler_svc.wire.collector import freeze_startup_heap,"
             " GC_GEN0_THRESHOLD; before = gc.get_freeze_count(); freeze_startup_heap();"
             " print(json.dumps([before, gc.get_freeze_count(), gc.get_threshold()[0], GC_GEN0_THRESHOLD]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -324,3 +324,32 @@ def test_request_metrics_tell_the_grpc_api_from_the_openai_one(tiny_llama_dir):
         assert total("e2e_request_latency_seconds_count", api) == 1, api
     assert total("requests_rejected_total", "grpc", code="INVALID_ARGUMENT") == 1
     assert total("requests_rejected_total", "openai") == 0
+
+
+def test_both_processes_time_their_garbage_collections_while_they_serve_metrics(tiny_llama_dir):
+    """gc_pause_seconds{generation}: every collection of the process is observed once /metrics is
+    served, and no longer after close (the gc callback is removed: a test process creates many)."""
+    import gc
+
+    from executor_svc.server.metrics import ExecutorMetrics
+    from executor_svc.worker.worker import Worker, WorkerConfig
+    from scheduler_svc.engine.metrics import SchedulerMetrics
+
+    worker = Worker(WorkerConfig(model_dir=str(tiny_llama_dir), device="cpu", num_gpu_blocks=4,
+                                 num_cpu_blocks=0))
+    for metrics, prefix in ((SchedulerMetrics("m"), PREFIX), (ExecutorMetrics(worker, "m"),
+                                                                "pagedserve_executor_")):
+        callbacks = len(gc.callbacks)
+        port = metrics.serve(0)
+        try:
+            assert len(gc.callbacks) == callbacks + 1
+            before = scrape(port, prefix, "m")
+            gc.collect()
+            gc.collect(0)
+            after = scrape(port, prefix, "m")
+            for generation in ("0", "2"):
+                key = ("gc_pause_seconds_count", (("generation", generation),))
+                assert after[key] >= before[key] + 1, generation
+        finally:
+            metrics.close()
+        assert len(gc.callbacks) == callbacks
