@@ -29,8 +29,9 @@ def freeze_startup_heap(
     messages, futures) no longer scan it; young and full collections are made rarer too. Unfrozen,
     a full collection of an executor's heap (~175 thousand objects once torch is imported) took
     93 ms on the development CPU, and the H100 runs showed 100–130 ms stalls of every stream
-    mid-run; the scheduler's measured with clients.bench.engine. Each server calls it when its start-up is over
-    (the executor: after every InitCache, which builds the cache and captures the graphs)."""
+    mid-run; the scheduler's measured with clients.bench.engine. Each server calls it when its
+    start-up is over (the executor: after every InitCache, which builds the cache and captures the
+    graphs)."""
     gc.collect()
     gc.freeze()
     _, gen1, _ = gc.get_threshold()
