@@ -10,23 +10,15 @@ import time
 from collections.abc import Callable
 
 GC_GEN0_THRESHOLD = 20_000
-# A full (generation 2) collection scans every object that outlived two younger ones and was not
-# frozen: in the scheduler, the running requests' state (10-25 ms mid-run on the H100 host with 400
-# requests, clients.cli bench's --metrics-port scrape, round 14). Python runs one after every 10
-# generation-1 collections (once the objects promoted since the last are a quarter of those it
-# scans); after the freeze, every 100.
-GC_GEN2_THRESHOLD = 100
 GC_PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 GC_GENERATIONS = ("0", "1", "2")
 
 
-def freeze_startup_heap(
-    gen0_threshold: int = GC_GEN0_THRESHOLD, gen2_threshold: int = GC_GEN2_THRESHOLD
-) -> None:
+def freeze_startup_heap(gen0_threshold: int = GC_GEN0_THRESHOLD) -> None:
     """Once a server is built: everything alive now (modules, gRPC, the model and its graphs, the
     tokenizer, metrics) lives as long as the process, so it leaves the collector's generations
     (`gc.freeze`) and the collections triggered by the per-step churn (plans, deltas, protobuf
-    messages, futures) no longer scan it; young and full collections are made rarer too. Unfrozen,
+    messages, futures) no longer scan it; young collections are made rarer too. Unfrozen,
     a full collection of an executor's heap (~175 thousand objects once torch is imported) took
     93 ms on the development CPU, and the H100 runs showed 100–130 ms stalls of every stream
     mid-run; the scheduler's measured with clients.bench.engine. Each server calls it when its
@@ -34,8 +26,8 @@ def freeze_startup_heap(
     graphs)."""
     gc.collect()
     gc.freeze()
-    _, gen1, _ = gc.get_threshold()
-    gc.set_threshold(gen0_threshold, gen1, gen2_threshold)
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(gen0_threshold, gen1, gen2)
 
 
 def watch_gc_pauses(observe: Callable[[int, float], None]) -> Callable[[], None]:
