@@ -131,9 +131,14 @@ def read_step_trace(path: str, start_s: float, end_s: float) -> list[StepTrace]:
     return steps
 
 
-def gpu_idle(steps: list[StepTrace], full_batch: int) -> dict:
+def gpu_idle(
+    steps: list[StepTrace], full_batch: int, run_start_s: float | None = None, run_end_s: float | None = None
+) -> dict:
     """Idle gaps between consecutive steps: overall, and over pure-decode steps of >= full_batch
-    sequences (each gap is charged to the step that follows it)."""
+    sequences (each gap is charged to the step that follows it). With the run's start and end (the
+    load generator's clock, the same monotonic clock as the trace's): the wall time before the first
+    step and after the last one, which no gap counts (requests still being sent; the last tokens on
+    their way to the clients)."""
     gaps = [
         (b.gpu_gap_s if b.gpu_gap_s >= 0 else max(0.0, b.launch_s - a.end_s), b)
         for a, b in zip(steps, steps[1:], strict=False)
@@ -155,6 +160,9 @@ def gpu_idle(steps: list[StepTrace], full_batch: int) -> dict:
         "full_decode_batch": full_batch,
         "num_full_decode_steps": len(full),
     }
+    if run_start_s is not None and run_end_s is not None:
+        out["wall_before_first_step_ms"] = _ms(max(0.0, steps[0].start_s - run_start_s))
+        out["wall_after_last_step_ms"] = _ms(max(0.0, run_end_s - steps[-1].end_s))
     if full:
         full_idle = sum(g for g, _ in full)
         full_busy = sum(_busy(s) for _, s in full)

@@ -94,7 +94,8 @@ def run_ours(
     summary = {"label": label, "endpoint": endpoint, **summarize(run)}
     if os.path.exists(trace_path) and not args.server:
         steps = read_step_trace(trace_path, run.start_s, run.end_s)
-        summary["gpu_idle"] = gpu_idle(steps, min(args.max_num_seqs, IDLE_DECODE_BATCH))
+        summary["gpu_idle"] = gpu_idle(steps, min(args.max_num_seqs, IDLE_DECODE_BATCH),
+                                       run.start_s, run.end_s)
         if steps_out is not None:
             steps_out.extend(steps)
     if summary["output_tokens"] != summary["expected_output_tokens"] or summary["num_failed"]:

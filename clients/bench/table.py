@@ -33,6 +33,11 @@ def format_table(result: dict) -> str:
             f"{idle:>8.1%} {ideal:>6.2f}{slo}"
         )
         full = r.get("gpu_idle", {})
+        if "wall_after_last_step_ms" in full:
+            lines.append(
+                f"{'':>12} wall outside the steps: {full['wall_before_first_step_ms'] / 1e3:.3f} s before "
+                f"the first, {full['wall_after_last_step_ms'] / 1e3:.3f} s after the last"
+            )
         if "full_decode_idle_fraction" in full:
             lines.append(
                 f"{'':>12} decode steps of >= {full['full_decode_batch']} seqs: "

@@ -50,6 +50,11 @@ def test_gpu_idle_charges_each_gap_to_the_following_step():
     assert out["full_decode_idle_fraction"] == round(0.011 / (0.011 + 0.007 + 0.008 + 0.004), 4)
     assert out["full_decode_gap_ms"] == pytest.approx(11 / 3, abs=1e-3)
     assert out["mean_seqs_per_step"] == 3.6
+    assert "wall_after_last_step_ms" not in out
+    # the run's own clock: 5 ms of sending before the first step, 30 ms of delivery after the last
+    timed = gpu_idle(steps, full_batch=4, run_start_s=-0.005, run_end_s=0.090)
+    assert timed["wall_before_first_step_ms"] == pytest.approx(5.0)
+    assert timed["wall_after_last_step_ms"] == pytest.approx(30.0)
 
 
 def test_gpu_idle_reads_cuda_event_gaps_when_the_trace_has_them(tmp_path):
