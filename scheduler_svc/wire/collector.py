@@ -23,7 +23,9 @@ def freeze_startup_heap(gen0_threshold: int = GC_GEN0_THRESHOLD) -> None:
     93 ms on the development CPU, and the H100 runs showed 100–130 ms stalls of every stream
     mid-run; the scheduler's measured with clients.bench.engine. Each server calls it when its
     start-up is over (the executor: after every InitCache, which builds the cache and captures the
-    graphs)."""
+    graphs). Called again (the executor's next InitCache), it first unfreezes, so objects frozen
+    then and dead since (a replaced cache's runner in a reference cycle) are collected."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
