@@ -20,6 +20,7 @@ rather than no data.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
@@ -124,7 +125,7 @@ class SchedulerMetrics:
         self._totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._http: MetricsHttpServer | None = None
         self._gc_pauses = [self._child("gc_pause_seconds", {"generation": g}) for g in GC_GENERATIONS]
-        self._stop_gc_watch: Any = None
+        self._stop_gc_watch: Callable[[], None] | None = None
 
     def _add(self, name: str, labels: tuple[str, ...], family: Gauge | Counter | Histogram) -> None:
         self._families[name] = family

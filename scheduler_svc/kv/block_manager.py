@@ -118,10 +118,10 @@ class BlockManager(KVCacheManager):
         """Blocks each waiting sequence takes from the group's first one (its leader) instead of its
         own: the full blocks at the head of both that hold the same tokens, leaving both at least one
         token to compute, as a prefix lookup does (so a hit of either there is a hit of both; 0 for
-        the leader). Several sequences wait together only after a
-        recompute preemption: n samples or beams with one prompt, which a fork had shared; without
-        this each would prefill its own copy of the prompt, and a group that fitted while it ran
-        could need more than the whole cache to come back."""
+        the leader). Several sequences wait together only after a recompute preemption: n samples
+        or beams with one prompt, which a fork had shared; without this each would prefill its own
+        copy of the prompt, and a group that fitted while it ran could need more than the whole
+        cache to come back."""
         if len(waiting) < 2:
             return [0] * len(waiting)
         bs = self.block_size

@@ -18,11 +18,11 @@ def freeze_startup_heap(gen0_threshold: int = GC_GEN0_THRESHOLD) -> None:
     """Once a server is built: everything alive now (modules, gRPC, the model and its graphs, the
     tokenizer, metrics) lives as long as the process, so it leaves the collector's generations
     (`gc.freeze`) and the collections triggered by the per-step churn (plans, deltas, protobuf
-    messages, futures) no longer scan it; young collections are made rarer too. Unfrozen,
-    a full collection of an executor's heap (~175 thousand objects once torch is imported) took
-    93 ms on the development CPU, and the H100 runs showed 100–130 ms stalls of every stream
-    mid-run; the scheduler's measured with clients.bench.engine. Each server calls it when its
-    start-up is over (the executor: after every InitCache, which builds the cache and captures the
+    messages, futures) no longer scan it; young collections are made rarer too (the scheduler's
+    gain was measured with clients.bench.engine). Unfrozen, a full collection of an executor's heap
+    (~175 thousand objects once torch is imported) took 93 ms on the development CPU, and the H100
+    runs showed 100–130 ms stalls of every stream mid-run. Each server calls it when its start-up
+    is over (the executor: after every InitCache, which builds the cache and captures the
     graphs). Called again (the executor's next InitCache), it first unfreezes, so objects frozen
     then and dead since (a replaced cache's runner in a reference cycle) are collected."""
     gc.unfreeze()
