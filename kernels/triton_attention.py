@@ -45,7 +45,8 @@ pipelining depth, register cap, each switch on or off) are the candidates of
 and launches of mostly decode rows keep the untuned path (_attend_context with BULK_N 0); so does a
 split decode launch of a bf16/fp16 cache (64-position tiles, 4 warps, 3 stages). An FP8 cache's decode
 launch takes _attend_bulk (32-position tiles, one warp, six stages: H100 0.60 -> 0.58 of the bf16
-cache's time at 256 x 1024), and so does an unsplit decode launch of a bf16/fp16 cache
+cache's time at 256 x 1024; without GQA 16-position tiles, split at least in two: FP8_MHA_DECODE_TILE),
+and so does an unsplit decode launch of a bf16/fp16 cache
 (UNSPLIT_DECODE_TILE, the same tile: 0.93-1.00 of the (64, 4, 3) tile's time from 40 to 320 sequences).
 
 Fresh K/V (`fresh_kv=`): the step's own K/V as the QKV projection left them (strided [T, KV, D]
@@ -65,6 +66,16 @@ causal test. H100, graph-timed: 0.79-0.82 / 0.95-0.96 / 0.73 / 1.07 of SDPA's sp
 (kernels/gluon_prefill.py: 0.84-0.96x SDPA without a prefix, 1.65x with one), which the engine's
 attention layer takes for every step with prompts, with the host-built work list
 (prefill_tile_starts); docs/benchmarks.md "Prefill".
+
+Decode rows of a mixed launch: a prefill or mixed launch that cannot read fresh K/V (an FP8 cache,
+a sliding window, a softcap, a GPU without TMA) is also two launches: the varlen tile for the
+sequences of more than one query token (SKIP_DECODE: its programs of a one-token sequence exit at
+once; a split launch's reduce writes every row), then the decode launch for the others. In the
+varlen tile a decode row takes a whole BLOCK_Q-token tile and its 2-stage pipeline: an H100 mixed
+step of llama2-13b (40 heads, no GQA) over an FP8 cache, 52 decodes of 400 positions beside a
+40-token prompt, spent 6.5 ms in attention against 4.1 ms for the 52 decodes alone, and its CUDA
+graph took 18.3 ms against 16.5 with the two launches (docs/benchmarks.md round 15). Not in deterministic mode (a decode row goes through
+the same tile as a prefill row) nor with a forced tile, block_m or split count (benchmark sweeps).
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
@@ -419,6 +430,17 @@ EVEN_SPLIT_DECODE_MAXNREG = 128
 # (fewer programs) were slower with it (1.09 at 24 x 896) and keep the default (docs/benchmarks.md,
 # round 10).
 UNSPLIT_DECODE_TILE = (32, 1, 6)
+# (BLOCK_N, num_warps, num_stages) of every decode launch over an FP8 (e4m3) cache, split or not, through
+# _attend_bulk (block-aligned addresses, the scale in exp2). H100, 256 x 1024: 215.6 us, (32, 2, 5)
+# through _attend_tiles 225.2, (16, 1, 6) 213.0 but 231 at 64 x 4096 (205.8 here); the bf16 cache 375
+# (docs/benchmarks.md, FP8 KV cache)
+FP8_DECODE_TILE = (32, 1, 6)
+# ... and of one without GQA (a KV head per query head: one valid row of the 16 a dot needs), split at
+# least FP8_MHA_MIN_SPLITS ways: llama2-13b's 40 heads on an H100, µs a layer against (32, 1, 6) unsplit,
+# 34 sequences of 105-735 positions 81.9 vs 97.6, 48 of 120-840 114.0 vs 125.3, 28 of 150-1050 85.1
+# vs 94.5, 64 of 160-1120 177.7 vs 183.4; unsplit 34 x 420 76.8 vs 78.7 (docs/benchmarks.md round 15)
+FP8_MHA_DECODE_TILE = (16, 1, 6)
+FP8_MHA_MIN_SPLITS = 2
 DEFAULT_PREFILL_TUNING = PrefillTuning(
     block_m=128, num_warps=8, maxnreg=128, block_addressing=True, fma_softmax=True,
 )
@@ -440,7 +462,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DETERMINISTIC: tl.constexpr, SCALE_V: tl.constexpr,
-    Q_F16: tl.constexpr,
+    Q_F16: tl.constexpr, SKIP_DECODE: tl.constexpr,
     BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -462,6 +484,8 @@ def _paged_attention_kernel(
     if q_tile_start >= q_len:
         return
     if IS_DECODE and q_len > 1:  # a prefill row of a mixed step: the fresh-K/V launch's (fresh_prefill)
+        return
+    if SKIP_DECODE and q_len == 1:  # a decode row of a mixed step: the decode launch's
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_start = seq_len - q_len  # position of the sequence's first query token
@@ -687,6 +711,10 @@ def paged_attention(
         raise ValueError("fresh_tuning needs a prefill launch that can read fresh_kv (fresh_kv_usable)")
     if no_cached_prefix and fresh_kv is None:
         raise ValueError("no_cached_prefix describes fresh_kv's prefill rows; it needs fresh_kv")
+    # A mixed launch that cannot read fresh K/V (an FP8 cache, a window, a softcap, no TMA): the varlen
+    # tile skips its decode rows, which the decode launch computes after it (module docstring, "Decode
+    # rows of a mixed launch")
+    skip_decode = max_query_len > 1 and not forced and not deterministic
 
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
@@ -704,11 +732,8 @@ def paged_attention(
         prefill_tuning = DEFAULT_PREFILL_TUNING
     if is_decode:
         block_q, block_m, block_n, num_warps, num_stages = 1, max(16, g_pad), 64, 4, 3
-        if key_cache.element_size() == 1:  # e4m3 (dots in f16): small tiles, one warp, deep pipeline,
-            # through _attend_bulk (block-aligned addresses, scale in exp2). H100, 256 x 1024: 215.6 us,
-            # (32, 2, 5) through _attend_tiles 225.2, (16, 1, 6) 213.0 but 231 at 64 x 4096 (205.8 here);
-            # the bf16 cache 375 (docs/benchmarks.md, FP8 KV cache)
-            block_n, num_warps, num_stages = 32, 1, 6
+        if key_cache.element_size() == 1:  # e4m3 (dots in f16): small tiles, one warp, deep pipeline
+            block_n, num_warps, num_stages = FP8_MHA_DECODE_TILE if group == 1 else FP8_DECODE_TILE
         num_tiles = num_seqs
     elif prefill_tuning is not None:
         block_m = max(prefill_tuning.block_m, g_pad)
@@ -732,6 +757,8 @@ def paged_attention(
         num_splits = choose_num_splits(
             num_tiles * num_kv_heads, max_seq_len, split_slots(query.device), fp8_decode=fp8_decode,
         )
+        if fp8_decode and group == 1:  # FP8_MHA_DECODE_TILE's programs balance better split
+            num_splits = max(num_splits, min(FP8_MHA_MIN_SPLITS, math.ceil(max_seq_len / _MIN_PARTITION)))
         even_splits = num_splits > 1  # each tile's own context split evenly (in the kernel)
     elif num_splits > 1:  # forced: partitions of a fixed size, as a sweep over split counts needs
         partition_size = triton.cdiv(max_seq_len, num_splits)
@@ -780,7 +807,8 @@ def paged_attention(
         EVEN_SPLITS=even_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0, DETERMINISTIC=deterministic,
-        SCALE_V=v_scale != 1.0, Q_F16=q_f16, **tuning, num_warps=num_warps, num_stages=num_stages, **launch,
+        SCALE_V=v_scale != 1.0, Q_F16=q_f16, SKIP_DECODE=skip_decode, **tuning, num_warps=num_warps,
+        num_stages=num_stages, **launch,
         PDL=on, **pdl_launch(on),
     )
     if split:
@@ -789,6 +817,10 @@ def paged_attention(
             S_PAD=triton.next_power_of_2(num_splits), D_PAD=d_pad, num_warps=4,
             PDL=on, **pdl_launch(on),
         )
+    if skip_decode:  # after the split reduce, which writes every row of the step (the decode rows too)
+        paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, 1,
+                        max_seq_len, scale, sliding_window, logit_softcap, num_splits=1, k_scale=k_scale,
+                        v_scale=v_scale, fp8_f16=fp8_f16, out=out)
     return out
 
 

@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--kernels", action="store_true", help="GPU time per kernel (torch.profiler)")
     parser.add_argument("--pipeline", action="store_true", help="executor host time per step, launched ahead")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="the KV cache's dtype")
     args = parser.parse_args(argv)
     args.load_format = "auto"
     folder, _ = resolve_model(args)
@@ -154,9 +155,14 @@ def main(argv: list[str] | None = None) -> None:
     # decode steps only: no mixed-step graphs, which would otherwise run the "eager" decode batches
     # max_num_seqs: decode graphs up to the largest batch (the default, 256, left larger ones eager)
     worker = Worker(folder, load_format=args.load_format, num_gpu_blocks=num_blocks, num_cpu_blocks=0,
-                    eager_mixed_steps=True, max_num_seqs=max(DEFAULT_MAX_NUM_SEQS, *batches))
+                    eager_mixed_steps=True, max_num_seqs=max(DEFAULT_MAX_NUM_SEQS, *batches),
+                    kv_cache_dtype=args.kv_cache_dtype)
     worker.init_cache(num_blocks, 0)
-    worker.kv_cache.device_cache.normal_()  # random K/V, never timed on uninitialized memory
+    cache = worker.kv_cache.device_cache  # random K/V, never timed on uninitialized memory
+    if cache.element_size() == 1:  # e4m3: random bytes below 0x70 (finite, at most 2^7)
+        cache.view(torch.uint8).random_(0, 0x70)
+    else:
+        cache.normal_()
     runner, graphs = worker.runner, worker.runner.decode_graphs
     rng = random.Random(0)
     rows = []

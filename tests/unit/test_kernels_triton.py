@@ -158,6 +158,75 @@ def test_unsplit_decode_takes_the_bulk_tile(monkeypatch, window, softcap, head_d
     assert split[:5] == (3, 64, 4, 3, 0)
 
 
+@pytest.mark.parametrize(("cache_dtype", "window", "softcap"), [
+    (torch.float8_e4m3fn, 0, 0.0), (torch.float32, 6, 0.0), (torch.float32, 0, 30.0)])
+def test_mixed_launch_runs_its_decode_rows_through_the_decode_launch(
+    monkeypatch, cache_dtype, window, softcap
+):
+    """A mixed launch that cannot read fresh K/V (an FP8 cache; a window or a softcap) is two launches:
+    the varlen tile with SKIP_DECODE for the sequences of several tokens, then the decode launch (its
+    tile, no split) for the others, also after a split varlen launch, whose reduce writes every row.
+    Deterministic mode and a forced split stay one varlen launch. All match the reference, and the
+    decode rows have the bits of a decode launch of them alone."""
+    seen = record_attention_launches(monkeypatch, lambda grid, kw: (
+        kw["IS_DECODE"], kw["SKIP_DECODE"], grid[2], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]))
+    case = make_paged_case([29, 70, 1, 40, 200], [11, 1, 1, 16, 1], 8, 2, 32, 8, torch.float32, "cpu", 3)
+    fp8 = cache_dtype != torch.float32
+    scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else {}
+    key_cache, value_cache = ((c.clamp(-448, 448).to(cache_dtype) for c in (case.key_cache, case.value_cache))
+                              if fp8 else (case.key_cache, case.value_cache))
+    args = (case.query, key_cache, value_cache, *case.args()[3:], window, softcap)
+    ref = reference.paged_attention(*args, **scales)
+    out = triton_attention.paged_attention(*args, **scales)
+    assert relative_error(out, ref) < 1e-5
+    decode_tile = triton_attention.FP8_DECODE_TILE if fp8 else triton_attention.UNSPLIT_DECODE_TILE
+    assert seen == [(False, True, 1, 64, 4, 2), (True, False, 1, *decode_tile)]
+    # the decode rows (tokens 11, 12 and 29 of the step) as a decode launch of those sequences alone
+    rows, seqs = [11, 12, 29], [1, 2, 4]
+    alone = triton_attention.paged_attention(
+        case.query[rows], key_cache, value_cache, case.block_tables[seqs], case.seq_lens[seqs],
+        torch.arange(4, dtype=torch.int32), 1, case.max_seq_len, case.scale, window, softcap,
+        num_splits=1, **scales)
+    assert torch.equal(out[rows], alone)
+    # a small grid (3 programs, 8 slots on a CPU) and a graph's max_seq_len: the varlen launch splits
+    small = dataclasses.replace(make_paged_case([600, 33], [1, 12], 8, 1, 32, 16, torch.float32, "cpu", 4),
+                                max_seq_len=4096)
+    if fp8:
+        small = dataclasses.replace(small, key_cache=small.key_cache.to(cache_dtype),
+                                    value_cache=small.value_cache.to(cache_dtype))
+    seen.clear()
+    split = triton_attention.paged_attention(*small.args(), window, softcap, **scales)
+    assert [launch[:3] for launch in seen] == [(False, True, 3), (True, False, 1)]
+    assert relative_error(split, reference.paged_attention(*small.args(), window, softcap, **scales)) < 1e-5
+    for kwargs in ({"deterministic": True}, {"num_splits": 2}):
+        seen.clear()
+        out = triton_attention.paged_attention(*args, **scales, **kwargs)
+        assert relative_error(out, ref) < 1e-5, kwargs
+        assert [launch[:2] for launch in seen] == [(False, False)], kwargs
+
+
+def test_fp8_decode_without_gqa_takes_the_mha_tile_split(monkeypatch):
+    """A decode launch over an FP8 cache: with GQA FP8_DECODE_TILE and the grid's split count (none for
+    a large grid); without (one KV head a query head) FP8_MHA_DECODE_TILE, split at least
+    FP8_MHA_MIN_SPLITS ways where max_seq_len allows; all match the reference."""
+    seen = record_attention_launches(monkeypatch, lambda grid, kw: (
+        grid[2], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"], kw["EVEN_SPLITS"]))
+    for heads, kv_heads, max_seq_len, want in (
+        (8, 2, 4096, (1, *triton_attention.FP8_DECODE_TILE, False)),
+        (4, 4, 4096, (triton_attention.FP8_MHA_MIN_SPLITS, *triton_attention.FP8_MHA_DECODE_TILE, True)),
+        (4, 4, 250, (1, *triton_attention.FP8_MHA_DECODE_TILE, False)),  # one partition of >= 256
+    ):
+        case = make_paged_case([150, 70, 33, 250], [1] * 4, heads, kv_heads, 32, 16, torch.float32, "cpu", 7)
+        e4m3 = torch.float8_e4m3fn
+        case = dataclasses.replace(case, max_seq_len=max_seq_len, key_cache=case.key_cache.to(e4m3),
+                                   value_cache=case.value_cache.to(e4m3))
+        seen.clear()
+        out = triton_attention.paged_attention(*case.args(), k_scale=0.5, v_scale=2.0)
+        assert seen == [want], (heads, kv_heads, max_seq_len)
+        ref = reference.paged_attention(*case.args(), k_scale=0.5, v_scale=2.0)
+        assert relative_error(out, ref) < 1e-5
+
+
 def test_split_count_follows_grid_size():
     choose = triton_attention.choose_num_splits
     assert choose(num_programs=512, max_seq_len=4096, num_slots=264) == 1  # a wave or more: no split
