@@ -74,8 +74,9 @@ once; a split launch's reduce writes every row), then the decode launch for the 
 varlen tile a decode row takes a whole BLOCK_Q-token tile and its 2-stage pipeline: an H100 mixed
 step of llama2-13b (40 heads, no GQA) over an FP8 cache, 52 decodes of 400 positions beside a
 40-token prompt, spent 6.5 ms in attention against 4.1 ms for the 52 decodes alone, and its CUDA
-graph took 18.3 ms against 16.5 with the two launches (docs/benchmarks.md round 15). Not in deterministic mode (a decode row goes through
-the same tile as a prefill row) nor with a forced tile, block_m or split count (benchmark sweeps).
+graph took 18.3 ms against 16.5 with the two launches (docs/benchmarks.md round 15). Not in
+deterministic mode (a decode row goes through the same tile as a prefill row) nor with a forced
+tile, block_m or split count (benchmark sweeps).
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded

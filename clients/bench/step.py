@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--kernels", action="store_true", help="GPU time per kernel (torch.profiler)")
     parser.add_argument("--pipeline", action="store_true", help="executor host time per step, launched ahead")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="the KV cache's dtype")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the KV cache's dtype")
     args = parser.parse_args(argv)
     args.load_format = "auto"
     folder, _ = resolve_model(args)
