@@ -11,7 +11,11 @@ output length). A policy's sustainable rate is the highest rate whose normalized
 --latency-factor (1.5) x its normalized latency at the lowest rate; the result gives paged's
 sustainable rate over reserve-oracle's and reserve-max's. --kv-cache-gib caps the KV cache at that
 many GiB of the model shape's bf16 K/V (the paper's 12 GiB setting on an A100-40GB for OPT-13B);
---stop-factor skips a policy's higher rates once its latency is far past the knee.
+--stop-factor skips a policy's higher rates once its latency is far past the knee. --kv-cache-dtypes
+auto,fp8 runs every policy once per KV cache dtype, each on a fresh server with the blocks
+--kv-cache-gib holds in that dtype (twice as many in fp8), labelled "paged" and "paged fp8", and gives
+the fp8 cache's rates over the model dtype's ("paged fp8/paged"): the FP8 cache's experiment as one
+command, so that both sides run on one machine.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 import tempfile
 
 from clients.bench.serving import report, servers, sweep_rates, warm_up
+from executor_svc.worker.config import KV_CACHE_DTYPE_NAMES
 from scheduler_svc.sched.kv_policies import PAGED, POLICIES
 from scheduler_svc.sim.models import ModelSpec
 
@@ -39,6 +44,12 @@ def add_paper_arguments(sub: argparse.ArgumentParser) -> None:
         help="sustainable: normalized latency <= this x lowest rate's",
     )
     sub.add_argument(
+        "--kv-cache-dtypes",
+        default=None,
+        help="KV cache dtypes to compare, in order, e.g. auto,fp8: every policy once per dtype, each on a "
+             "fresh server (default: --kv-cache-dtype alone)",
+    )
+    sub.add_argument(
         "--stop-factor",
         type=float,
         default=4.0,
@@ -52,6 +63,25 @@ def parse_policies(text: str) -> list[str]:
     if unknown or not policies:
         raise ValueError(f"--policies: choose from {', '.join(POLICIES)}, got {text!r}")
     return policies
+
+
+def parse_kv_cache_dtypes(text: str | None, default: str) -> list[str]:
+    """--kv-cache-dtypes: distinct names of KV_CACHE_DTYPE_NAMES, comma-separated (None: [default])."""
+    if text is None:
+        return [default]
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    if not dtypes or any(d not in KV_CACHE_DTYPE_NAMES for d in dtypes) or len(set(dtypes)) != len(dtypes):
+        raise ValueError(
+            f"--kv-cache-dtypes: distinct dtypes from {', '.join(KV_CACHE_DTYPE_NAMES)}, comma-separated, "
+            f"got {text!r}"
+        )
+    return dtypes
+
+
+def run_label(policy: str, kv_cache_dtype: str, several_dtypes: bool) -> str:
+    """A sweep's name in the results: the policy, with its cache dtype when --kv-cache-dtypes names
+    several and it is not the model's own ("paged fp8")."""
+    return f"{policy} {kv_cache_dtype}" if several_dtypes and kv_cache_dtype != "auto" else policy
 
 
 def kv_cache_blocks(
@@ -91,9 +121,12 @@ def crossing_rate(runs: list[dict], latency_factor: float) -> float | None:
     return None
 
 
-def compare(by_policy: dict[str, list[dict]], latency_factor: float) -> dict:
+def compare(
+    by_policy: dict[str, list[dict]], latency_factor: float, pairs: tuple[tuple[str, str], ...] = ()
+) -> dict:
     """Normalized latency per rate and policy, each policy's sustainable rate (the highest swept rate
-    within latency_factor) and interpolated crossing rate, and paged's ratios over the baselines."""
+    within latency_factor) and interpolated crossing rate, and paged's ratios over the baselines;
+    pairs: more (label, base label) ratios, e.g. ("paged fp8", "paged")."""
     summary: dict = {
         "normalized_latency_s_per_token": {},
         "sustainable_rate_per_s": {},
@@ -108,12 +141,11 @@ def compare(by_policy: dict[str, list[dict]], latency_factor: float) -> dict:
         summary["sustainable_rate_per_s"][policy] = sustainable_rate(runs, latency_factor)
         summary["crossing_rate_per_s"][policy] = crossing_rate(runs, latency_factor)
     rates, crossings = summary["sustainable_rate_per_s"], summary["crossing_rate_per_s"]
-    for baseline in RATIO_BASELINES:
-        if rates.get(PAGED) and rates.get(baseline):
-            summary["ratios"][f"{PAGED}/{baseline}"] = round(rates[PAGED] / rates[baseline], 3)
-        if crossings.get(PAGED) and crossings.get(baseline):  # both crossed inside the sweep
-            ratio = crossings[PAGED] / crossings[baseline]
-            summary["crossing_ratios"][f"{PAGED}/{baseline}"] = round(ratio, 3)
+    for label, base in (*((PAGED, baseline) for baseline in RATIO_BASELINES), *pairs):
+        if rates.get(label) and rates.get(base):
+            summary["ratios"][f"{label}/{base}"] = round(rates[label] / rates[base], 3)
+        if crossings.get(label) and crossings.get(base):  # both crossed inside the sweep
+            summary["crossing_ratios"][f"{label}/{base}"] = round(crossings[label] / crossings[base], 3)
     return summary
 
 
@@ -121,9 +153,12 @@ def format_paper_table(result: dict) -> str:
     latency = result["normalized_latency_s_per_token"]
     policies = list(latency)
     rates = sorted({float(k) for runs in latency.values() for k in runs})
+    blocks = result.get("num_gpu_blocks_by_kv_cache_dtype") or {}
+    kv_blocks = (", ".join(f"{n} ({d})" for d, n in blocks.items()) if len(blocks) > 1
+                 else f"{result['num_gpu_blocks']}")
     lines = [
         f"pagedserve bench paper: {result['model']}, {result['workload']}, "
-        f"{result['num_gpu_blocks']} KV blocks, n {result['n']}, beam width {result['beam_width']}",
+        f"{kv_blocks} KV blocks, n {result['n']}, beam width {result['beam_width']}",
         "normalized latency (s/token) per rate:",
         f"{'rate/s':>8} " + " ".join(f"{p:>15}" for p in policies),
     ]
@@ -167,33 +202,46 @@ def run_paper(args: argparse.Namespace, model: str, spec: ModelSpec, result: dic
 
     try:
         policies = parse_policies(args.policies)
-        if args.kv_cache_gib is not None:
-            args.num_gpu_blocks = kv_cache_blocks(
-                spec, args.kv_cache_gib, args.block_size, getattr(args, "kv_cache_dtype", "auto")
-            )
+        dtypes = parse_kv_cache_dtypes(args.kv_cache_dtypes, getattr(args, "kv_cache_dtype", "auto"))
+        blocks = {
+            d: args.num_gpu_blocks if args.kv_cache_gib is None
+            else kv_cache_blocks(spec, args.kv_cache_gib, args.block_size, d)
+            for d in dtypes
+        }
     except ValueError as err:
         print(f"pagedserve bench: {err}", file=sys.stderr)
         return 2
+    several = len(dtypes) > 1
     result.update(
         kv_policy=None,
         policies=policies,
         kv_cache_gib=args.kv_cache_gib,
-        num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_dtypes=dtypes,
+        num_gpu_blocks=blocks[dtypes[0]],
+        num_gpu_blocks_by_kv_cache_dtype=blocks,
         latency_factor=args.latency_factor,
         runs=[],
     )
     by_policy: dict[str, list[dict]] = {}
+    pairs = tuple(
+        (run_label(p, d, several), run_label(p, dtypes[0], several)) for d in dtypes[1:] for p in policies
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        for policy in policies:
-            print(f"bench paper: {policy} ...", file=sys.stderr, flush=True)
-            policy_args = argparse.Namespace(**{**vars(args), "kv_policy": policy})
-            trace_path = args.trace or os.path.join(tmp, f"{policy}.trace")
-            with servers(policy_args, model, trace_path) as target:
-                warm_up(policy_args, target, spec.vocab_size)
-                runs = sweep_rates(policy_args, target, spec.vocab_size, trace_path, args.stop_factor)
-            by_policy[policy] = runs
-            result["runs"] += [{"policy": policy, **r} for r in runs]
-    result.update(compare(by_policy, args.latency_factor))
+        for dtype in dtypes:
+            for policy in policies:
+                label = run_label(policy, dtype, several)
+                print(f"bench paper: {label} ...", file=sys.stderr, flush=True)
+                policy_args = argparse.Namespace(**{
+                    **vars(args), "kv_policy": policy, "kv_cache_dtype": dtype,
+                    "num_gpu_blocks": blocks[dtype],
+                })
+                trace_path = args.trace or os.path.join(tmp, f"{label.replace(' ', '-')}.trace")
+                with servers(policy_args, model, trace_path) as target:
+                    warm_up(policy_args, target, spec.vocab_size)
+                    runs = sweep_rates(policy_args, target, spec.vocab_size, trace_path, args.stop_factor)
+                by_policy[label] = runs
+                result["runs"] += [{"policy": policy, "kv_cache_dtype": dtype, **r} for r in runs]
+    result.update(compare(by_policy, args.latency_factor, pairs))
     if args.plot:
         plot_paper(result["normalized_latency_s_per_token"], args.plot)
     return report(args, result, format_paper_table(result))

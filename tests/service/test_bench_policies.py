@@ -92,6 +92,33 @@ def test_bench_paper_sweeps_each_policy(config_only_model, tmp_path, capsys):
     assert "rate ratio paged/reserve-max" in table
 
 
+def test_bench_paper_compares_kv_cache_dtypes_in_one_command(config_only_model, tmp_path, capsys):
+    """--kv-cache-dtypes auto,fp8: each dtype its own server with the blocks --kv-cache-gib holds in it
+    (twice as many in fp8, checked on the server's own count), labelled "paged" and "paged fp8", and
+    the fp8 cache's rate ratio over the model dtype's."""
+    out = tmp_path / "paper.json"
+    args = _args(
+        "paper", config_only_model, "--workload", "alpaca", "--requests", "3", "--rates", "20,40",
+        "--max-duration-s", "0.1", "--policies", "paged", "--kv-cache-dtypes", "auto,fp8",
+        "--kv-cache-gib", "0.002", "--out", str(out), "--stop-factor", "1000",
+    )  # fmt: skip
+    assert bench.run(args) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    blocks = int(0.002 * 2**30) // (256 * 16)
+    assert result["num_gpu_blocks_by_kv_cache_dtype"] == {"auto": blocks, "fp8": 2 * blocks}
+    runs = [(r["policy"], r["kv_cache_dtype"], r["rate_per_s"], r["num_gpu_blocks"]) for r in result["runs"]]
+    assert runs == [
+        ("paged", "auto", 20.0, blocks), ("paged", "auto", 40.0, blocks),
+        ("paged", "fp8", 20.0, 2 * blocks), ("paged", "fp8", 40.0, 2 * blocks),
+    ]  # fmt: skip
+    for run in result["runs"]:
+        assert run["output_tokens"] == run["expected_output_tokens"] > 0 and run["num_failed"] == 0
+    assert set(result["normalized_latency_s_per_token"]) == {"paged", "paged fp8"}
+    assert set(result["ratios"]) == {"paged fp8/paged"}
+    assert f"{blocks} (auto), {2 * blocks} (fp8) KV blocks" in table and "rate ratio paged fp8/paged" in table
+
+
 def test_compare_picks_the_highest_rate_within_the_latency_factor(tmp_path):
     def runs(*latency):
         return [
@@ -109,6 +136,11 @@ def test_compare_picks_the_highest_rate_within_the_latency_factor(tmp_path):
     assert out["crossing_rate_per_s"] == {"paged": 2.5, "reserve-oracle": 1.5, "reserve-max": None}
     assert out["crossing_ratios"] == {"paged/reserve-oracle": round(2.5 / 1.5, 3)}
     assert out["normalized_latency_s_per_token"]["paged"] == {"1": 0.1, "2": 0.14, "3": 0.16}
+    # more pairs: an FP8 cache's sweep over the model dtype's
+    by_label = {"paged": runs(0.1, 0.2), "paged fp8": runs(0.1, 0.14, 0.16)}
+    pair = compare(by_label, 1.5, (("paged fp8", "paged"),))
+    assert pair["ratios"] == {"paged fp8/paged": 2.0}
+    assert pair["crossing_ratios"] == {"paged fp8/paged": round(2.5 / 1.5, 3)}
     assert kv_cache_blocks(MODELS["llama2-13b"], 12, 16) == 12 * 2**30 // (819200 * 16)
     # an FP8 cache: one byte an element, twice the blocks in the same 12 GiB
     assert kv_cache_blocks(MODELS["llama2-13b"], 12, 16, "fp8") == 12 * 2**30 // (409600 * 16)
@@ -123,6 +155,9 @@ def test_compare_picks_the_highest_rate_within_the_latency_factor(tmp_path):
         ("throughput", ("--n", "2", "--beam-width", "2"), "cannot be combined"),
         ("throughput", ("--n", "0"), "must be >= 1"),
         ("paper", ("--policies", "paged,bogus"), "--policies"),
+        ("paper", ("--kv-cache-dtypes", "auto,fp4"), "--kv-cache-dtypes"),
+        ("paper", ("--kv-cache-dtypes", "fp8,fp8"), "--kv-cache-dtypes"),
+        ("paper", ("--kv-cache-dtypes", ","), "--kv-cache-dtypes"),
     ],
 )
 def test_bad_options_fail_before_serving(config_only_model, capsys, mode, extra, message):
