@@ -601,8 +601,11 @@ def split_slots(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(num_programs: int, max_seq_len: int, num_slots: int, fp8_decode: bool = False) -> int:
-    """Split-K count for a grid of num_programs (tiles x KV heads); num_slots from split_slots().
+def choose_num_splits(
+    num_programs: int, max_seq_len: int, num_slots: int, fp8_decode: bool = False, min_splits: int = 1
+) -> int:
+    """Split-K count for a grid of num_programs (tiles x KV heads); num_slots from split_slots();
+    at least min_splits where max_seq_len holds that many partitions (FP8_MHA_MIN_SPLITS).
 
     A grid of at least 3/4 of num_slots programs is left alone. A smaller one is split into the
     fewest partitions that give at least 0.9 x num_slots programs (about a wave of two programs an
@@ -619,10 +622,11 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_slots: int, fp8_d
     131.6 / 463.3 in two against 49.8 / 134.6 / 470.8 in three; 16 sequences 42.0 / 111.5 / 381.5 in
     two, 43.5 / 111.5 / 375.4 in four; 8 sequences 27.6 / 66.5 / 201.2 in four, 28.1 / 66.4 / 198.8
     in eight (docs/benchmarks.md, "Paged decode attention")."""
-    if num_programs >= 0.75 * num_slots:
-        return 1
     max_splits = max(1, math.ceil(max_seq_len / _MIN_PARTITION))
-    for splits in range(2, max_splits + 1):
+    least = min(min_splits, max_splits)
+    if num_programs >= 0.75 * num_slots:
+        return least
+    for splits in range(max(2, least), max_splits + 1):
         programs = num_programs * splits
         if fp8_decode:
             if programs >= 1.5 * num_slots and programs >= 0.9 * math.ceil(programs / num_slots) * num_slots:
@@ -755,11 +759,10 @@ def paged_attention(
     if deterministic:
         num_splits = 1
     elif num_splits is None:
-        num_splits = choose_num_splits(
+        num_splits = choose_num_splits(  # FP8_MHA_DECODE_TILE's programs balance better split
             num_tiles * num_kv_heads, max_seq_len, split_slots(query.device), fp8_decode=fp8_decode,
+            min_splits=FP8_MHA_MIN_SPLITS if fp8_decode and group == 1 else 1,
         )
-        if fp8_decode and group == 1:  # FP8_MHA_DECODE_TILE's programs balance better split
-            num_splits = max(num_splits, min(FP8_MHA_MIN_SPLITS, math.ceil(max_seq_len / _MIN_PARTITION)))
         even_splits = num_splits > 1  # each tile's own context split evenly (in the kernel)
     elif num_splits > 1:  # forced: partitions of a fixed size, as a sweep over split counts needs
         partition_size = triton.cdiv(max_seq_len, num_splits)

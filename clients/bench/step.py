@@ -25,6 +25,7 @@ import torch
 
 from clients.cli.serve import resolve_model
 from executor_svc.runner.inputs import ScheduledSequence, SequenceState, build_model_input
+from executor_svc.worker.config import KV_CACHE_DTYPE_NAMES
 from executor_svc.worker.worker import Worker
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import DEFAULT_MAX_NUM_SEQS, PENDING_TOKEN, NewSequence, StepPlan
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--kernels", action="store_true", help="GPU time per kernel (torch.profiler)")
     parser.add_argument("--pipeline", action="store_true", help="executor host time per step, launched ahead")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto",
                         help="the KV cache's dtype")
     args = parser.parse_args(argv)
     args.load_format = "auto"

@@ -229,6 +229,12 @@ def test_fp8_decode_without_gqa_takes_the_mha_tile_split(monkeypatch):
 
 def test_split_count_follows_grid_size():
     choose = triton_attention.choose_num_splits
+    # min_splits: at least that many where max_seq_len holds them, whatever the grid
+    assert choose(num_programs=512, max_seq_len=4096, num_slots=264, min_splits=2) == 2
+    assert choose(num_programs=512, max_seq_len=300, num_slots=264, min_splits=4) == 2
+    assert choose(num_programs=512, max_seq_len=200, num_slots=264, min_splits=2) == 1
+    assert choose(num_programs=8, max_seq_len=4096, num_slots=264, min_splits=2) == \
+        choose(num_programs=8, max_seq_len=4096, num_slots=264)  # the grid's count is more
     assert choose(num_programs=512, max_seq_len=4096, num_slots=264) == 1  # a wave or more: no split
     assert choose(num_programs=200, max_seq_len=16384, num_slots=264) == 1  # >= 3/4 of a wave: no split
     assert choose(num_programs=190, max_seq_len=16384, num_slots=264) == 2  # 380 >= 0.9 x 264
