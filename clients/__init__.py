@@ -9,6 +9,7 @@ from clients.results import (
     ModelInfo,
     Output,
     OutputDelta,
+    RequestMetrics,
     ServerStats,
     TokenLogprob,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "ModelInfo",
     "Output",
     "OutputDelta",
+    "RequestMetrics",
     "Sampling",
     "ServerStats",
     "TokenLogprob",

@@ -43,6 +43,7 @@ from clients.results import (
     GenerationResult,
     ModelInfo,
     OutputDelta,
+    RequestMetrics,
     ServerStats,
     TokenLogprob,
 )
@@ -160,7 +161,12 @@ def _delta_from_pb(msg: generation_pb2.GenerateResponse) -> GenerationDelta:
                 cumulative_logprob=out.cumulative_logprob,
             )
         )
-    return GenerationDelta(msg.request_id, tuple(outputs), msg.prompt_tokens, msg.finished)
+    metrics = None
+    if msg.HasField("metrics"):
+        m = msg.metrics
+        metrics = RequestMetrics(m.queue_time_s, m.time_to_first_token_s, m.e2e_latency_s, m.num_preemptions,
+                                 m.cached_prompt_tokens)
+    return GenerationDelta(msg.request_id, tuple(outputs), msg.prompt_tokens, msg.finished, metrics)
 
 
 def _model_info_from_pb(msg: generation_pb2.GetModelInfoResponse) -> ModelInfo:

@@ -32,11 +32,29 @@ class OutputDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """How the server handled the request (on the last message): seconds from its arrival at the
+    scheduler, its preemptions, and the prompt tokens it found in the prefix cache."""
+
+    queue_time_s: float
+    time_to_first_token_s: float
+    e2e_latency_s: float
+    num_preemptions: int
+    cached_prompt_tokens: int
+
+    def to_json_dict(self) -> dict:
+        return {"queue_time_s": self.queue_time_s, "time_to_first_token_s": self.time_to_first_token_s,
+                "e2e_latency_s": self.e2e_latency_s, "num_preemptions": self.num_preemptions,
+                "cached_prompt_tokens": self.cached_prompt_tokens}
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationDelta:
     request_id: str
     outputs: tuple[OutputDelta, ...]
     prompt_tokens: int
     finished: bool  # the last message of the stream
+    metrics: RequestMetrics | None = None  # on the last message
 
 
 @dataclass(slots=True)
@@ -61,6 +79,7 @@ class GenerationResult:
     request_id: str = ""
     outputs: list[Output] = field(default_factory=list)
     prompt_tokens: int = 0
+    metrics: RequestMetrics | None = None  # the server's, once the stream has ended
 
     @property
     def completion_tokens(self) -> int:
@@ -73,6 +92,7 @@ class GenerationResult:
     def add(self, delta: GenerationDelta) -> None:
         self.request_id = delta.request_id
         self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
+        self.metrics = delta.metrics or self.metrics
         for out in delta.outputs:
             while len(self.outputs) <= out.index:
                 self.outputs.append(Output(index=len(self.outputs)))
@@ -94,6 +114,7 @@ class GenerationResult:
                 }
                 for o in self.outputs
             ],
+            **({"metrics": self.metrics.to_json_dict()} if self.metrics is not None else {}),
         }
 
 

@@ -78,6 +78,9 @@ class RequestRecord:
     token_times_s: list[float] = field(default_factory=list)  # one entry per counted output token
     error: str | None = None
     num_outputs: int = 1  # counted outputs (n samples, or the best beam)
+    # The server's RequestMetrics from the stream's last message (gRPC only): queue time, time to
+    # first token and end-to-end from its arrival at the scheduler (s), preemptions, cached tokens.
+    server: list | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -164,6 +167,10 @@ async def _one_request(
             count = sum(len(out.token_ids) for out in delta.outputs if out.index < record.num_outputs)
             record.token_times_s.extend([now] * count)
             progress.update(tokens=count)
+            m = delta.metrics
+            if m is not None:
+                record.server = [m.queue_time_s, m.time_to_first_token_s, m.e2e_latency_s, m.num_preemptions,
+                                 m.cached_prompt_tokens]
     except Exception as err:  # noqa: BLE001 - reported per request, the run goes on
         record.error = f"{type(err).__name__}: {err}"
     progress.update(done=1)
@@ -352,9 +359,9 @@ class _Worker:
             if isinstance(output, BaseException):
                 raise output
         for worker, output in zip(workers, outputs, strict=True):
-            for i, (sent_s, times, error) in zip(worker.indices, output, strict=True):
+            for i, (sent_s, times, error, server) in zip(worker.indices, output, strict=True):
                 rec = records[i]
-                rec.sent_s, rec.token_times_s, rec.error = sent_s, times, error
+                rec.sent_s, rec.token_times_s, rec.error, rec.server = sent_s, times, error, server
 
 
 async def _worker_main() -> None:
@@ -372,7 +379,7 @@ async def _worker_main() -> None:
         await _send_all(client, job["http_url"], decoding, indexed, records, progress)
     path = job["records_path"]
     with open(path + ".part", "w") as f:
-        json.dump([[rec.sent_s, rec.token_times_s, rec.error] for rec in records], f)
+        json.dump([[rec.sent_s, rec.token_times_s, rec.error, rec.server] for rec in records], f)
     os.replace(path + ".part", path)  # whole, or not there
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from clients.bench.load import LoadRun
+from clients.bench.load import LoadRun, RequestRecord
 from scheduler_svc.sim.models import BYTES_PER_PARAM, ModelSpec
 
 
@@ -89,7 +89,38 @@ def summarize(run: LoadRun) -> dict:
         },
         "preemptions": run.stats[-1].num_preemptions - run.stats[0].num_preemptions,
         "steps": run.stats[-1].num_steps - run.stats[0].num_steps,
+        **server_side(done),
     }
+
+
+def server_side(done: list[RequestRecord]) -> dict:
+    """What the server's RequestMetrics (gRPC streams) say of the finished requests: its queue time
+    and time to first token (from each request's arrival at the scheduler); the lag, the client's
+    time to first token less the server's (the request on its way in, and its first token on its way
+    out: load generator, front-end, network); and the slowest first token taken apart. Empty when no
+    record has them (the HTTP API)."""
+    timed = [r for r in done if r.server is not None and r.token_times_s]
+    if not timed:
+        return {}
+    queue = [r.server[0] for r in timed]
+    server_ttft = [r.server[1] for r in timed]
+    lag = [r.token_times_s[0] - r.arrival_s - r.server[1] for r in timed]
+    slowest = max(timed, key=lambda r: r.token_times_s[0] - r.arrival_s)
+    client_ttft = slowest.token_times_s[0] - slowest.arrival_s
+    return {"server": {
+        "queue_time_ms": {"p50": _ms(percentile(queue, 50)), "p99": _ms(percentile(queue, 99)),
+                          "max": _ms(max(queue))},
+        "ttft_ms": {"p50": _ms(percentile(server_ttft, 50)), "p99": _ms(percentile(server_ttft, 99))},
+        "ttft_lag_ms": {"p50": _ms(percentile(lag, 50)), "p99": _ms(percentile(lag, 99)),
+                        "max": _ms(max(lag))},
+        "preempted_requests": sum(1 for r in timed if r.server[3]),
+        "cached_prompt_tokens": sum(r.server[4] for r in timed),
+        "slowest_first_token": {"client_ttft_ms": _ms(client_ttft), "server_queue_ms": _ms(slowest.server[0]),
+                                "server_ttft_ms": _ms(slowest.server[1]),
+                                "lag_ms": _ms(client_ttft - slowest.server[1]),
+                                "send_delay_ms": _ms(slowest.sent_s - slowest.arrival_s),
+                                "preemptions": slowest.server[3]},
+    }}
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,17 @@ def format_table(result: dict) -> str:
             f"{r['sharing_saving']['mean']:>6.1%} {r['preemptions']:>7} "
             f"{idle:>8.1%} {ideal:>6.2f}{slo}"
         )
+        server = r.get("server")
+        if server:
+            slow = server["slowest_first_token"]
+            lines.append(
+                f"{'':>12} server side: queue p50/p99/max {server['queue_time_ms']['p50']:.1f}/"
+                f"{server['queue_time_ms']['p99']:.1f}/{server['queue_time_ms']['max']:.1f} ms, TTFT p99 "
+                f"{server['ttft_ms']['p99']:.1f} ms, client-server TTFT lag p99/max "
+                f"{server['ttft_lag_ms']['p99']:.1f}/{server['ttft_lag_ms']['max']:.1f} ms; slowest first "
+                f"token {slow['client_ttft_ms']:.1f} ms = server {slow['server_ttft_ms']:.1f} (queue "
+                f"{slow['server_queue_ms']:.1f}) + lag {slow['lag_ms']:.1f}"
+            )
         full = r.get("gpu_idle", {})
         if "wall_after_last_step_ms" in full:
             lines.append(

@@ -27,7 +27,7 @@ from scheduler_svc.engine.api import (
     Tokenizer,
 )
 from scheduler_svc.engine.detokenizer import StopStringMatcher
-from scheduler_svc.engine.outputs import RequestDelta, RequestState, RequestStream
+from scheduler_svc.engine.outputs import RequestDelta, RequestMetrics, RequestState, RequestStream
 from scheduler_svc.engine.stats import TokenTally, engine_stats, record_output, record_step
 from scheduler_svc.request.sequence import FinishReason
 from scheduler_svc.sched.interface import SchedulerInterface
@@ -141,11 +141,16 @@ class Engine:
         self._forget(request_id)
         found = self.scheduler.abort(request_id)
         if request is not None:
-            request.deliver(request.abort_delta())
+            request.deliver(request.abort_delta(self._metrics_of(request)))
             if self.metrics is not None:
                 self.metrics.inc("requests_finished", api=request.api, reason="abort")
         self._wakeup.set()
         return found or request is not None
+
+    def _metrics_of(self, request: RequestState) -> RequestMetrics | None:
+        """The metrics of a request that ends now (None when it never reached the scheduler)."""
+        group = request.group
+        return RequestMetrics.of_group(group, self.scheduler.clock()) if group is not None else None
 
     def _forget(self, request_id: str) -> RequestState | None:
         """The request leaves the engine's table and gives its client's admission slot back."""
@@ -356,7 +361,8 @@ class Engine:
                 counted.add(request, len(sample.token_ids), finished, reason)
                 if counted is not tally:
                     counted.flush()
-            sink(sample.token_ids, sample.logprobs, reason, finished)
+            metrics = self._metrics_of(request) if finished else None
+            sink(sample.token_ids, sample.logprobs, reason, finished, metrics)
             return
         delta = RequestDelta(out.request_id, len(request.prompt_ids), finished=out.finished, error=out.error)
         if out.beams:
@@ -370,6 +376,8 @@ class Engine:
         delta.finished = delta.finished or self.scheduler.get_group(out.request_id) is None
         if delta.finished:
             self._forget(out.request_id)
+            if delta.error is None:
+                delta.metrics = self._metrics_of(request)
         if self.metrics is not None:
             record_output(self.metrics, request, delta, is_beam=bool(out.beams))
         request.deliver(delta)

@@ -40,9 +40,34 @@ class OutputDelta:
     cumulative_logprob: float = 0.0
 
 
-# (token_ids, logprobs, finish_reason, finished): one output's new tokens in a step, its finish reason
-# ("stop" | "length" | None) and whether the request ends with them.
-TokenSink = Callable[[list[int], list[float], "str | None", bool], None]
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """How the server handled a request (pagedserve.v1.RequestMetrics), on its last delta. Times are
+    seconds from its arrival at the scheduler (Scheduler.add_request, after tokenization)."""
+
+    queue_time_s: float  # until its first step (0.0: never scheduled)
+    time_to_first_token_s: float  # until its first output token was sampled (0.0: none was)
+    e2e_latency_s: float  # until it finished or was aborted
+    num_preemptions: int
+    cached_prompt_tokens: int  # prompt tokens found in the prefix cache at its first admission
+
+    @classmethod
+    def of_group(cls, group: SequenceGroup, now: float) -> RequestMetrics:
+        """The metrics of `group` ending at `now` (the scheduler's clock)."""
+        arrival = group.arrival_time
+        first_step, first_token = group.first_scheduled_time, group.first_token_time
+        return cls(
+            queue_time_s=first_step - arrival if first_step is not None else 0.0,
+            time_to_first_token_s=first_token - arrival if first_token is not None else 0.0,
+            e2e_latency_s=max(0.0, now - arrival),
+            num_preemptions=group.num_preemptions,
+            cached_prompt_tokens=group.num_cached_prompt_tokens or 0,
+        )
+
+
+# (token_ids, logprobs, finish_reason, finished, metrics): one output's new tokens in a step, its finish
+# reason ("stop" | "length" | None), whether the request ends with them, and then its metrics.
+TokenSink = Callable[[list[int], list[float], "str | None", bool, "RequestMetrics | None"], None]
 
 
 @dataclass(slots=True)
@@ -53,6 +78,7 @@ class RequestDelta:
     finished: bool = False
     error: str | None = None  # the server dropped the request (the stream ends with an error)
     unavailable: bool = False  # with `error`: cut off by a drain or an executor outage (UNAVAILABLE)
+    metrics: RequestMetrics | None = None  # on the last delta of a request that did not fail
 
 
 class OutputState:
@@ -161,7 +187,7 @@ class RequestState:
             cumulative_logprob=hypothesis.cumulative_logprob,
         )
 
-    def abort_delta(self) -> RequestDelta:
+    def abort_delta(self, metrics: RequestMetrics | None = None) -> RequestDelta:
         """The last delta of an aborted request: each unfinished output with the counts it reached."""
         indexes = [i for i, o in sorted(self.outputs.items()) if not o.finished] or [0]
         outputs = []
@@ -172,7 +198,7 @@ class RequestState:
                 delta.num_output_tokens = state.num_tokens
                 delta.cumulative_logprob = state.cumulative_logprob
             outputs.append(delta)
-        return RequestDelta(self.request_id, len(self.prompt_ids), outputs, finished=True)
+        return RequestDelta(self.request_id, len(self.prompt_ids), outputs, finished=True, metrics=metrics)
 
 
 class RequestStream:

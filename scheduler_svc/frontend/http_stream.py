@@ -47,6 +47,7 @@ class Exchange:
         self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         self.choices: dict[int, Choice] = {}
         self._prompt_tokens: dict[int, int] = {}
+        self._cached_tokens: dict[int, int] = {}  # prompt index -> its prompt tokens from the prefix cache
 
     def _update(self, prompt_index: int, out: generation_pb2.OutputDelta) -> tuple[Choice, bool, Any]:
         """Applies one output delta; returns its choice, whether it is the choice's first delta, and
@@ -66,7 +67,7 @@ class Exchange:
 
     def chunk(self, prompt_index: int, response: generation_pb2.GenerateResponse) -> dict[str, Any] | None:
         """The streamed chunk of one response (None when it holds nothing to show)."""
-        self._prompt_tokens[prompt_index] = response.prompt_tokens
+        self._count_prompt(prompt_index, response)
         choices = []
         with_ids = self.body.return_token_ids
         for out in response.outputs:
@@ -91,7 +92,7 @@ class Exchange:
 
     def add(self, prompt_index: int, response: generation_pb2.GenerateResponse) -> None:
         """Accumulates one response (not streamed)."""
-        self._prompt_tokens[prompt_index] = response.prompt_tokens
+        self._count_prompt(prompt_index, response)
         for out in response.outputs:
             choice, _, logprobs = self._update(prompt_index, out)
             choice.text.append(out.text)
@@ -99,10 +100,17 @@ class Exchange:
             if logprobs is not None:
                 (choice.logprobs.extend if self.chat else choice.logprobs.append)(logprobs)
 
-    def usage(self) -> dict[str, int]:
+    def _count_prompt(self, prompt_index: int, response: generation_pb2.GenerateResponse) -> None:
+        self._prompt_tokens[prompt_index] = response.prompt_tokens
+        if response.HasField("metrics"):  # the stream's last response
+            self._cached_tokens[prompt_index] = response.metrics.cached_prompt_tokens
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage: the token counts, and the prompt tokens read from the prefix cache."""
         prompt = sum(self._prompt_tokens.values())
         completion = sum(c.completion_tokens for c in self.choices.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens.values())}}
 
     def usage_chunk(self) -> dict[str, Any]:
         return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,

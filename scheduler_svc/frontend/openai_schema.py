@@ -139,10 +139,15 @@ class ChatCompletionRequest(_Sampling):
 
 
 # ---- responses (the non-streamed bodies; streamed chunks are the same fields, built as dicts) ----
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache (RequestMetrics)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionChoice(BaseModel):

@@ -83,11 +83,13 @@ class TokenLane:
     def rows(self, columns: frontend_pb2.TokenColumns) -> Iterator[tuple[int, frontend_pb2.StreamEvent]]:
         """The StreamEvent of each row, in order (a row of a stream not announced here is skipped)."""
         streams = self._streams
+        metrics = iter(columns.finished_metrics)  # one per finished row, in order
         for stream_id, token_id, logprob, reason, finished in zip(
             columns.stream_ids, columns.token_ids, columns.logprobs, columns.finish_reasons, columns.finished,
             strict=True,
         ):
             stream = streams.get(stream_id)
+            ended_metrics = next(metrics, None) if finished else None
             if stream is None:
                 continue
             event = frontend_pb2.StreamEvent(stream_id=stream_id, end=finished)
@@ -98,6 +100,8 @@ class TokenLane:
             self._fill(stream, response.outputs.add(), [token_id], (logprob,), reason,
                        flush=reason != FINISH_REASON_UNSPECIFIED)
             if finished:
+                if ended_metrics is not None:
+                    response.metrics.CopyFrom(ended_metrics)
                 del streams[stream_id]
             yield stream_id, event
 

@@ -197,6 +197,8 @@ class BlockManager(KVCacheManager):
             if self.enable_prefix_caching:
                 self._num_prefix_query_tokens += num_tokens
                 self._num_prefix_hit_tokens += len(hits) * bs
+        if group.num_cached_prompt_tokens is None and hits_of:  # its first admission (not a recompute)
+            group.num_cached_prompt_tokens = min(len(hits_of[0]) * bs, group.prompt_len)
 
     # ---- running -------------------------------------------------------------------------------
     def _num_append_blocks(self, seq: Sequence, num_new_tokens: int) -> int:

@@ -127,6 +127,9 @@ class SequenceGroup:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # times preempted (swap or recompute): its RequestMetrics
+    # Prompt tokens found in the prefix cache at its first admission (None until admitted).
+    num_cached_prompt_tokens: int | None = None
     finished_seqs: list[Sequence] = field(default_factory=list)
     # Parallel sampling: True once the n samples exist (forked after the shared prompt prefill).
     samples_forked: bool = False

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +41,8 @@ class SchedulerInterface(Protocol):
     step's result, in plan order. While one plan is in flight, `schedule()` may build the next one
     only when `can_schedule_ahead()`.
     """
+
+    clock: Callable[[], float]  # the time of its groups' timestamps (arrival, first scheduled, ...)
 
     @property
     def config(self) -> SchedulerConfig:

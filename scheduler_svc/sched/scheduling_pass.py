@@ -228,6 +228,7 @@ class SchedulingPass:
         requests, kv, config = self.requests, self.kv, self.config
         self.preempted = True
         self.num_preemptions += 1
+        group.num_preemptions += 1
         requests.running.remove(group)
         swap = config.preemption_mode == "swap" or len(group.seqs) > 1
         if swap and config.num_cpu_blocks and kv.can_swap_out(group):

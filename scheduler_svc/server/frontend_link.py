@@ -30,8 +30,13 @@ from tokenizers import Tokenizer
 
 from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc
 from scheduler_svc.engine.engine import Engine, RequestStream
-from scheduler_svc.engine.outputs import RequestDelta
-from scheduler_svc.server.servicer import FINISH_REASONS, add_request_from_pb, request_delta_to_pb
+from scheduler_svc.engine.outputs import RequestDelta, RequestMetrics
+from scheduler_svc.server.servicer import (
+    FINISH_REASONS,
+    add_request_from_pb,
+    request_delta_to_pb,
+    request_metrics_to_pb,
+)
 from scheduler_svc.wire.client_identity import DEFAULT_API, client_of, relayed_client
 from scheduler_svc.wire.convert import error_status, maps_errors
 from scheduler_svc.wire.errors import RequestFailedError, ServiceUnavailableError
@@ -175,8 +180,8 @@ class _Link:
         self._streams[stream_id] = stream
         stream.set_sink(lambda delta: self._on_delta(stream_id, delta))
         if make_text and stream.set_token_sink(
-            lambda token_ids, logprobs, reason, end: self._on_tokens(stream_id, token_ids, logprobs, reason,
-                                                                     end)
+            lambda token_ids, logprobs, reason, end, metrics: self._on_tokens(
+                stream_id, token_ids, logprobs, reason, end, metrics)
         ):
             self._make_room(64 + 4 * len(stream.request_id))
             event = self._batch.events.add(stream_id=stream_id, text_by_frontend=True)
@@ -215,11 +220,13 @@ class _Link:
         self._ready.set()
 
     def _on_tokens(self, stream_id: int, token_ids: list[int], logprobs: list[float], reason: str | None,
-                   finished: bool) -> None:
-        """A plain request's new tokens (the engine's token sink): rows of the batch's columns."""
-        self._make_room(_ROW_BYTES * len(token_ids))
+                   finished: bool, metrics: RequestMetrics | None = None) -> None:
+        """A plain request's new tokens (the engine's token sink): rows of the batch's columns; the
+        last row's request metrics go in `finished_metrics`."""
+        self._make_room(_ROW_BYTES * len(token_ids) + (_METRICS_BYTES if finished else 0))
         self._rows.add(stream_id, token_ids, logprobs, FINISH_REASONS[reason], finished)
         if finished:
+            self._rows.metrics.append(metrics or _NO_METRICS)
             self._streams.pop(stream_id, None)
         self._ready.set()
 
@@ -233,12 +240,14 @@ class _Link:
 
 
 _ROW_BYTES = 32  # an upper bound on one row's encoded size (five packed columns)
+_METRICS_BYTES = 48  # an upper bound on one RequestMetrics (three doubles, two varints, tags)
+_NO_METRICS = RequestMetrics(0.0, 0.0, 0.0, 0, 0)
 
 
 class _Rows:
     """The token lane's rows of one batch, as Python lists until the batch goes out."""
 
-    __slots__ = ("stream_ids", "token_ids", "logprobs", "finish_reasons", "finished", "streams")
+    __slots__ = ("stream_ids", "token_ids", "logprobs", "finish_reasons", "finished", "streams", "metrics")
 
     def __init__(self) -> None:
         self.stream_ids: list[int] = []
@@ -247,6 +256,7 @@ class _Rows:
         self.finish_reasons: list[int] = []
         self.finished: list[bool] = []
         self.streams: set[int] = set()
+        self.metrics: list[RequestMetrics] = []  # one per finished row, in order
 
     def add(self, stream_id: int, token_ids: list[int], logprobs: list[float], finish_reason: int,
             finished: bool) -> None:
@@ -273,6 +283,9 @@ class _Rows:
             columns.logprobs.extend(self.logprobs)
             columns.finish_reasons.extend(self.finish_reasons)
             columns.finished.extend(self.finished)
+            add = columns.finished_metrics.add
+            for metrics in self.metrics:
+                request_metrics_to_pb(metrics, add())
 
 
 def _drop(opening: asyncio.Future) -> None:

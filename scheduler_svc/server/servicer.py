@@ -11,7 +11,7 @@ import grpc
 
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine.engine import Engine, RequestStream
-from scheduler_svc.engine.outputs import OutputDelta, RequestDelta
+from scheduler_svc.engine.outputs import OutputDelta, RequestDelta, RequestMetrics
 from scheduler_svc.wire.client_identity import DEFAULT_API, client_of
 from scheduler_svc.wire.convert import maps_errors, sampling_params_from_pb
 from scheduler_svc.wire.errors import InvalidRequestError
@@ -41,6 +41,15 @@ def output_delta_to_pb(out: OutputDelta, msg: generation_pb2.OutputDelta) -> Non
         msg.logprobs.top_logprobs.extend(lp for t in top for _, lp in t)
 
 
+def request_metrics_to_pb(metrics: RequestMetrics, msg: generation_pb2.RequestMetrics) -> None:
+    """Fills `msg` (a submessage, in place)."""
+    msg.queue_time_s = metrics.queue_time_s
+    msg.time_to_first_token_s = metrics.time_to_first_token_s
+    msg.e2e_latency_s = metrics.e2e_latency_s
+    msg.num_preemptions = metrics.num_preemptions
+    msg.cached_prompt_tokens = metrics.cached_prompt_tokens
+
+
 def request_delta_to_pb(
     delta: RequestDelta, msg: generation_pb2.GenerateResponse | None = None, with_request_id: bool = True
 ) -> generation_pb2.GenerateResponse:
@@ -55,6 +64,8 @@ def request_delta_to_pb(
     add = msg.outputs.add
     for out in delta.outputs:
         output_delta_to_pb(out, add())
+    if delta.metrics is not None:
+        request_metrics_to_pb(delta.metrics, msg.metrics)
     return msg
 
 

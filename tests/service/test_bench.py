@@ -148,6 +148,34 @@ def test_summarize_latencies_and_counts():
     assert s["normalized_latency_s_per_token"] == pytest.approx((1.1 / 3 + 1.0 / 2) / 2, abs=1e-5)
     assert s["avg_running_seqs"] == 2 and s["kv_usage"]["max"] == 0.4 and s["num_gpu_blocks"] == 100
     assert s["preemptions"] == 2 and s["steps"] == 13
+    assert "server" not in s  # no record has the server's RequestMetrics (the HTTP API)
+
+
+def test_summarize_takes_the_slowest_first_token_apart_with_the_servers_metrics():
+    """With each stream's RequestMetrics (queue, TTFT, e2e from the scheduler's arrival; preemptions;
+    cached tokens): the server's queue and TTFT percentiles, the client-server TTFT lag, and the
+    slowest first token split into the server's part and the lag (a request that reached the
+    scheduler late shows a large lag and a small server TTFT)."""
+    def record(sent_s, token_times_s, server, error=None):
+        return RequestRecord(5, 2, 10.0, sent_s, token_times_s, error=error, server=server)
+
+    records = [
+        record(10.0, [10.2, 10.3], [0.05, 0.15, 0.3, 0, 0]),
+        record(10.01, [14.5, 14.6], [0.1, 0.2, 0.3, 0, 16]),
+        record(10.0, [11.0, 11.1], [0.5, 0.9, 1.0, 2, 0]),
+        record(10.0, [], [0.0, 0.0, 0.1, 0, 0], error="boom"),
+    ]
+    run = LoadRun(records, [StatsSample(9.9, 0, 100, 0, 0), StatsSample(14.7, 0, 100, 2, 9)], 10.0, 14.6, 100)
+    s = summarize(run)["server"]
+    assert s["queue_time_ms"]["max"] == pytest.approx(500.0)
+    assert s["queue_time_ms"]["p50"] == pytest.approx(100.0)
+    assert s["ttft_lag_ms"]["max"] == pytest.approx(4300.0)
+    assert s["ttft_lag_ms"]["p50"] == pytest.approx(100.0)
+    assert s["preempted_requests"] == 1 and s["cached_prompt_tokens"] == 16
+    slow = s["slowest_first_token"]
+    assert slow["client_ttft_ms"] == pytest.approx(4500.0) and slow["server_ttft_ms"] == pytest.approx(200.0)
+    assert slow["lag_ms"] == pytest.approx(4300.0) and slow["send_delay_ms"] == pytest.approx(10.0)
+    assert slow["server_queue_ms"] == pytest.approx(100.0) and slow["preemptions"] == 0
 
 
 def test_ideal_time_by_hand():
@@ -252,6 +280,9 @@ def test_bench_throughput_end_to_end_with_peers(config_only_model, tmp_path, cap
         assert run["num_failed"] == 0 and run["output_tokens"] == run["expected_output_tokens"] > 0
         assert run["gpu_idle"]["num_steps"] >= run["output_tokens"] // (2 * 4)
         assert run["ttft_ms"]["p50"] > 0 and run["preemptions"] >= 0
+        server = run["server"]  # every gRPC stream's last message had the server's RequestMetrics
+        assert 0 <= server["queue_time_ms"]["p50"] <= server["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
+        assert server["ttft_lag_ms"]["p50"] >= 0
     by_size = {r["num_requests"]: r for r in result["runs"]}
     peers = {p["peer"]: p for p in result["peers"]}
     assert peers["hf-static"]["num_requests"] == 3 and peers["hf-cb"]["num_requests"] == 6
@@ -261,7 +292,7 @@ def test_bench_throughput_end_to_end_with_peers(config_only_model, tmp_path, cap
         assert peer["ratio"] == pytest.approx(ours["output_tok_s"] / peer["output_tok_s"], rel=0.02)
         ratio_all = by_size[6]["output_tok_s"] / peer["output_tok_s"]
         assert peer["ratio_ours_all"] == pytest.approx(ratio_all, rel=0.02)
-    assert "hf-cb on the first 6 requests" in table and "ours[6]" in table
+    assert "hf-cb on the first 6 requests" in table and "ours[6]" in table and "server side: queue" in table
     assert "ours on all 6 requests" in table  # hf-static ran on 3 of them
 
 
@@ -310,6 +341,7 @@ def test_bench_throughput_over_client_processes_front_ends_and_two_plans_ahead(c
     (run,) = json.loads(out_file.read_text())["runs"]
     assert run["num_failed"] == 0 and run["output_tokens"] == run["expected_output_tokens"] > 0
     assert run["num_requests"] == 7 and 0 < run["ttft_ms"]["p50"] < run["wall_s"] * 1e3
+    assert run["server"]["ttft_ms"]["p50"] > 0  # the load processes pass the RequestMetrics on
 
 
 def test_bench_refuses_a_bad_number_of_processes(config_only_model):
@@ -334,7 +366,8 @@ def test_records_of_several_load_processes_arrive_whole_however_large(tmp_path):
         "k, path = int(sys.argv[1]), sys.argv[2]\n"
         "print('ready', flush=True)\n"
         "start = float(sys.stdin.readline())\n"
-        "rows = [[start + k, [start + k + t / 7 for t in range(20_000)], None] for _ in range(10)]\n"
+        "rows = [[start + k, [start + k + t / 7 for t in range(20_000)], None, [k, 1, 2, 0, 16]]\n"
+        "        for _ in range(10)]\n"
         "if k != 9:\n"
         "    json.dump(rows, open(path, 'w'))\n"
     )
@@ -356,6 +389,6 @@ def test_records_of_several_load_processes_arrive_whole_however_large(tmp_path):
     for i, rec in enumerate(records):
         k = i % 3
         assert rec.sent_s == 100.0 + k and len(rec.token_times_s) == 20_000 and rec.error is None
-        assert rec.token_times_s[-1] == 100.0 + k + 19_999 / 7
+        assert rec.token_times_s[-1] == 100.0 + k + 19_999 / 7 and rec.server == [k, 1, 2, 0, 16]
     with pytest.raises(RuntimeError, match="ended without its records"):
         asyncio.run(run([0, 9]))

@@ -90,6 +90,12 @@ def test_sync_client_stream_generate_and_info(stack):
     assert streamed.outputs[0].token_ids == whole.outputs[0].token_ids
     assert streamed.text == whole.text and whole.outputs[0].finish_reason == "length"
     assert whole.prompt_tokens == deltas[0].prompt_tokens > 0
+    # the server's RequestMetrics: on the last message only, and in the result (and its JSON)
+    assert [d.metrics is not None for d in deltas] == [False] * 9 + [True]
+    m = whole.metrics
+    assert m is not None and 0 <= m.queue_time_s <= m.time_to_first_token_s <= m.e2e_latency_s < 60
+    assert m.num_preemptions == 0 and m.cached_prompt_tokens % 16 == 0
+    assert whole.to_json_dict()["metrics"]["e2e_latency_s"] == m.e2e_latency_s
 
 
 def test_async_client_matches_sync_for_seeded_parallel_samples(stack):

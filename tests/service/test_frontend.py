@@ -153,9 +153,20 @@ def _stream_all(target: str) -> list[list]:
 
 def _comparable(responses: list) -> tuple[list, list]:
     """The responses without their logprobs (serialized: compared exactly), and the logprobs (the
-    model's floats move in their last bits with the batch a step ran in: compared with a tolerance)."""
+    model's floats move in their last bits with the batch a step ran in: compared with a tolerance).
+    The last response's RequestMetrics is compared without its times (each run's own), which must be
+    in order, and its cached prompt tokens (whole blocks of a prefix another request published first:
+    on timing too)."""
     exact, floats = [], []
     for response in responses:
+        assert response.HasField("metrics") == response.finished
+        if response.finished:
+            m = response.metrics
+            assert 0 <= m.queue_time_s <= m.time_to_first_token_s <= m.e2e_latency_s
+            assert m.time_to_first_token_s > 0 and m.e2e_latency_s < 60
+            assert m.cached_prompt_tokens < response.prompt_tokens and m.cached_prompt_tokens % 16 == 0
+            m.queue_time_s = m.time_to_first_token_s = m.e2e_latency_s = 0.0
+            m.cached_prompt_tokens = 0
         for out in response.outputs:
             floats += [out.cumulative_logprob, *out.logprobs.token_logprobs, *out.logprobs.top_logprobs]
             out.cumulative_logprob = 0.0
@@ -167,7 +178,8 @@ def _comparable(responses: list) -> tuple[list, list]:
 def test_the_front_end_makes_the_text_of_plain_streams_as_the_scheduler_would(tiny_llama_dir):
     """The token lane: plain requests reach the front-end as bare tokens (rows), which makes their
     text and counts; every response a client sees (text, token ids, completion_tokens, finish reason,
-    cumulative logprob) equals a direct connection's, message by message, for every kind of request."""
+    cumulative logprob, the last one's RequestMetrics) equals a direct connection's, message by message,
+    for every kind of request."""
     from scheduler_svc.server import frontend_link
 
     rows, original = [], frontend_link._Link._on_tokens
@@ -198,7 +210,8 @@ def test_the_front_end_makes_the_text_of_plain_streams_as_the_scheduler_would(ti
 
 def test_an_aborted_lane_stream_ends_with_its_counts(frontend_stack):
     """A plain stream aborted midway (Abort by request id): its last response says abort, with the
-    tokens streamed so far counted by the front-end; the front-end forgets the stream."""
+    tokens streamed so far counted by the front-end, and the request's metrics; the front-end forgets
+    the stream."""
 
     async def scenario():
         async with AsyncClient(frontend_stack.target) as client:
@@ -215,6 +228,9 @@ def test_an_aborted_lane_stream_ends_with_its_counts(frontend_stack):
     out = last.outputs[0]
     assert out.finish_reason == "abort" and last.finished
     assert out.completion_tokens == received >= 3 and not out.token_ids
+    m = last.metrics  # an aborted request's metrics too: it ran, and ended at the abort
+    assert m is not None and 0 <= m.queue_time_s <= m.time_to_first_token_s <= m.e2e_latency_s < 60
+    assert m.time_to_first_token_s > 0 and m.num_preemptions == 0
 
 
 def test_lane_streams_are_counted_in_the_schedulers_metrics(tiny_llama_dir):

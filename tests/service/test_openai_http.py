@@ -83,6 +83,20 @@ def test_completions_greedy_matches_the_grpc_api_streamed_or_not(sdk, model, ser
     assert by_ids.choices[0].text == grpc_greedy(server[1], [5, 6, 7, 8], 6)[0]
 
 
+def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(sdk, model):
+    """usage.prompt_tokens_details.cached_tokens (the server's RequestMetrics): none the first time a
+    40-token prompt is seen, its two whole 16-token blocks the second time (prefix caching is on by
+    default), streamed or not."""
+    prompt = list(range(300, 340))
+    first = sdk.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == 40 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = sdk.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    chunks = list(sdk.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+
+
 def test_chat_streamed_and_not_agree_and_usage_counts(sdk, model):
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]

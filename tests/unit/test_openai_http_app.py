@@ -1,7 +1,8 @@
 """The HTTP API's app (scheduler_svc/frontend/http_app.py) in process, over a scripted link: 503 while
 draining, while the link is down and when the scheduler answers UNAVAILABLE; a 400 for a chat on a
 model with no template; a link that breaks mid-stream ends the stream with an error event and
-[DONE]; several prompts stream as one, each choice under its own index; every stream is closed
+[DONE]; several prompts stream as one, each choice under its own index, the usage summing their
+prompt tokens and those read from the prefix cache (RequestMetrics); every stream is closed
 (cancelled in the scheduler) when the exchange ends."""
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ def _response(text: str, finished: bool, index: int = 0) -> generation_pb2.Gener
     reason = generation_pb2.FINISH_REASON_LENGTH if finished else generation_pb2.FINISH_REASON_UNSPECIFIED
     out = generation_pb2.OutputDelta(index=index, text=text, token_ids=[7], finish_reason=reason,
                                      completion_tokens=1)
-    return generation_pb2.GenerateResponse(outputs=[out], prompt_tokens=3, finished=finished)
+    response = generation_pb2.GenerateResponse(outputs=[out], prompt_tokens=3, finished=finished)
+    if finished:  # the last response carries the request's metrics: 2 of its 3 prompt tokens were cached
+        response.metrics.cached_prompt_tokens = 2
+    return response
 
 
 class ScriptedLink:
@@ -127,10 +131,12 @@ def test_several_prompts_stream_as_one_with_their_own_indices_and_usage():
         for choice in chunk["choices"]:
             texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {0: "p-a-b", 1: "q-a-b"}
-    assert chunks[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8,
+                                   "prompt_tokens_details": {"cached_tokens": 4}}
     assert not link.open_streams and not link.cancelled  # finished streams are not cancelled
     whole = call(api, "POST", "/v1/completions", {**COMPLETION, "prompt": [[1, 2], [3]]}).json()
     assert [c["text"] for c in whole["choices"]] == ["ids-a-b", "ids-a-b"]
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
     assert list(link.requests[-1].token_ids.ids) == [3]
     assert link.apis == ["openai"] * 4  # the scheduler's metrics label each prompt's request api="openai"
 

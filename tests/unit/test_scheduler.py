@@ -6,6 +6,7 @@ import pytest
 
 from scheduler_svc.request.sequence import FinishReason, SequenceStatus
 from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.validation import RequestLimits, RequestValidator
 from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.sampling_params import SamplingParams
@@ -110,9 +111,11 @@ def test_recompute_preempts_the_latest_arrival_first():
     assert [s.block_ids for s in plan.cont_seqs] == [[4], [5]]
     assert list(sched.waiting) == [c] and c.seqs[0].status is SequenceStatus.WAITING
     assert c.seqs[0].num_computed_tokens == 0 and sched.num_preemptions == 1
+    assert (a.num_preemptions, b.num_preemptions, c.num_preemptions) == (0, 0, 1)  # its RequestMetrics
     sched.process_result(ex.step(plan))
     ex.run_until_done(check=sched.kv.check_integrity)
     assert sched.kv.num_free_blocks == 6
+    assert c.num_cached_prompt_tokens == 0  # no prefix caching: none, also after the recompute
 
 
 def test_recomputed_group_comes_back_as_a_new_sequence_with_its_outputs():
@@ -148,7 +151,7 @@ def test_swap_preemption_round_trip_block_ids():
     plan = sched.schedule()  # A alone; B cannot come back yet (2 blocks + 1 new > 1 free)
     assert plan.swap_in == [] and plan.scheduled_seq_ids == [a.seqs[0].seq_id]
     sched.process_result(ex.step(plan))
-    assert a.is_finished
+    assert a.is_finished and (a.num_preemptions, b.num_preemptions) == (0, 1)
     plan = sched.schedule()
     assert plan.swap_in == [(0, 0), (1, 1)]
     (cont,) = plan.cont_seqs
@@ -230,6 +233,8 @@ def test_prefix_cache_hit_is_sent_as_computed_tokens_of_a_new_sequence():
     (new,) = plan.new_seqs
     assert (new.num_computed_tokens, new.num_new_tokens, new.block_table[:2]) == (8, 2, [0, 1])
     assert sched.kv.num_prefix_hit_tokens == 8 and sched.kv.num_prefix_query_tokens == 20
+    b = sched.get_group("b")
+    assert (a.num_cached_prompt_tokens, b.num_cached_prompt_tokens) == (0, 8)  # their RequestMetrics
     sched.process_result(ex.step(plan))  # the fake executor checks the cached KV it attends to
     ex.run_until_done(check=sched.kv.check_integrity)
 
@@ -372,3 +377,25 @@ def test_samples_preempted_by_recompute_come_back_sharing_their_prompt(prefix_ca
     samples = [s for o in outputs if o.request_id == "B" for s in o.samples]
     assert sorted({s.sample_index for s in samples}) == [0, 1, 2]
     assert sched.kv.num_free_blocks == 14
+
+
+def test_request_metrics_of_a_group_are_its_times_from_arrival():
+    """RequestMetrics (the stream's last message): queue time, first token and end from the group's
+    arrival on the scheduler's clock, its preemptions and cached prompt tokens; a group never
+    scheduled (aborted while waiting) has zeros where it has no time."""
+    from scheduler_svc.engine.outputs import RequestMetrics
+
+    now = [10.0]
+    sched = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=8, max_model_len=64,
+                                      enable_prefix_caching=True), clock=lambda: now[0])
+    a = add(sched, "a", range(10), 10.0, max_tokens=2)
+    now[0] = 10.25
+    plan = sched.schedule()
+    now[0] = 11.0
+    sched.process_result(FakeExecutor(sched).step(plan))
+    assert a.first_scheduled_time == 10.25 and a.first_token_time == 11.0
+    a.num_preemptions = 2
+    assert RequestMetrics.of_group(a, 12.5) == RequestMetrics(0.25, 1.0, 2.5, 2, 0)
+    fresh = add(sched, "f", range(3), 20.0)
+    assert RequestMetrics.of_group(fresh, 21.0) == RequestMetrics(0.0, 0.0, 1.0, 0, 0)
+    assert RequestMetrics.of_group(fresh, 19.0).e2e_latency_s == 0.0  # never negative

@@ -58,18 +58,20 @@ class StreamEvent(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[_generation_pb2.GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., text_by_frontend: _Optional[bool] = ..., prompt_tail_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenColumns(_message.Message):
-    __slots__ = ("stream_ids", "token_ids", "logprobs", "finish_reasons", "finished")
+    __slots__ = ("stream_ids", "token_ids", "logprobs", "finish_reasons", "finished", "finished_metrics")
     STREAM_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_METRICS_FIELD_NUMBER: _ClassVar[int]
     stream_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reasons: _containers.RepeatedScalarFieldContainer[int]
     finished: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, stream_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reasons: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[bool]] = ...) -> None: ...
+    finished_metrics: _containers.RepeatedCompositeFieldContainer[_generation_pb2.RequestMetrics]
+    def __init__(self, stream_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reasons: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[bool]] = ..., finished_metrics: _Optional[_Iterable[_Union[_generation_pb2.RequestMetrics, _Mapping]]] = ...) -> None: ...
 
 class StreamBatch(_message.Message):
     __slots__ = ("events", "tokens")

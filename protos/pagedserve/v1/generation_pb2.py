@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/pagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xfb\x02\n\x12SamplingParameters\x12\x0e\n\x01n\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nbeam_width\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x03\x12\x17\n\nmax_tokens\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x11\n\x04seed\x18\n \x01(\x03H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x03H\x06\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x42\x04\n\x02_nB\r\n\x0b_beam_widthB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x11\n\x0f_length_penalty\"\xa2\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pagedserve.v1.SamplingParameters\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x08\n\x06prompt\"`\n\x08Logprobs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x0f\n\x07num_top\x18\x02 \x03(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xd3\x01\n\x0bOutputDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.Logprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x1a\n\x12\x63umulative_logprob\x18\x07 \x01(\x01\"|\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x07outputs\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.OutputDelta\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xe0\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\r\n\x05max_n\x18\x08 \x01(\r\x12\x16\n\x0emax_beam_width\x18\t \x01(\r\x12\x12\n\nworld_size\x18\n \x01(\r\x12\x17\n\x0fpreemption_mode\x18\x0b \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x15\n\rchat_template\x18\r \x01(\t\x12\x11\n\tbos_token\x18\x0e \x01(\t\x12\x11\n\teos_token\x18\x0f \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x17\n\x15GetServerStatsRequest\"\xc8\x02\n\x16GetServerStatsResponse\x12\x1b\n\x13num_free_gpu_blocks\x18\x01 \x01(\r\x12\x1b\n\x13num_free_cpu_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x05 \x01(\r\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x04\x12\x18\n\x10num_running_seqs\x18\x08 \x01(\r\x12\x1e\n\x16num_swapped_out_blocks\x18\t \x01(\x04\x12\x1d\n\x15num_swapped_in_blocks\x18\n \x01(\x04\x12\x1d\n\x15num_shared_block_refs\x18\x0b \x01(\r\x12\x11\n\tkv_policy\x18\x0c \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd7\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12W\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a#.pagedserve.v1.GetModelInfoResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12]\n\x0eGetServerStats\x12$.pagedserve.v1.GetServerStatsRequest\x1a%.pagedserve.v1.GetServerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/pagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xfb\x02\n\x12SamplingParameters\x12\x0e\n\x01n\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nbeam_width\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x03\x12\x17\n\nmax_tokens\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x11\n\x04seed\x18\n \x01(\x03H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x03H\x06\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x42\x04\n\x02_nB\r\n\x0b_beam_widthB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x11\n\x0f_length_penalty\"\xa2\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pagedserve.v1.SamplingParameters\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x08\n\x06prompt\"`\n\x08Logprobs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x0f\n\x07num_top\x18\x02 \x03(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xd3\x01\n\x0bOutputDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.Logprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x1a\n\x12\x63umulative_logprob\x18\x07 \x01(\x01\"\x93\x01\n\x0eRequestMetrics\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x15\n\re2e_latency_s\x18\x03 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x07outputs\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.OutputDelta\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12.\n\x07metrics\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.RequestMetrics\"\x15\n\x13GetModelInfoRequest\"\xe0\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\r\n\x05max_n\x18\x08 \x01(\r\x12\x16\n\x0emax_beam_width\x18\t \x01(\r\x12\x12\n\nworld_size\x18\n \x01(\r\x12\x17\n\x0fpreemption_mode\x18\x0b \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x15\n\rchat_template\x18\r \x01(\t\x12\x11\n\tbos_token\x18\x0e \x01(\t\x12\x11\n\teos_token\x18\x0f \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x17\n\x15GetServerStatsRequest\"\xc8\x02\n\x16GetServerStatsResponse\x12\x1b\n\x13num_free_gpu_blocks\x18\x01 \x01(\r\x12\x1b\n\x13num_free_cpu_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x05 \x01(\r\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x04\x12\x18\n\x10num_running_seqs\x18\x08 \x01(\r\x12\x1e\n\x16num_swapped_out_blocks\x18\t \x01(\x04\x12\x1d\n\x15num_swapped_in_blocks\x18\n \x01(\x04\x12\x1d\n\x15num_shared_block_refs\x18\x0b \x01(\r\x12\x11\n\tkv_policy\x18\x0c \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd7\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12W\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a#.pagedserve.v1.GetModelInfoResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12]\n\x0eGetServerStats\x12$.pagedserve.v1.GetServerStatsRequest\x1a%.pagedserve.v1.GetServerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pagedserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1868
-  _globals['_FINISHREASON']._serialized_end=1988
+  _globals['_FINISHREASON']._serialized_start=2067
+  _globals['_FINISHREASON']._serialized_end=2187
   _globals['_TOKENIDS']._serialized_start=56
   _globals['_TOKENIDS']._serialized_end=79
   _globals['_SAMPLINGPARAMETERS']._serialized_start=82
@@ -43,20 +43,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOGPROBS']._serialized_end=724
   _globals['_OUTPUTDELTA']._serialized_start=727
   _globals['_OUTPUTDELTA']._serialized_end=938
-  _globals['_GENERATERESPONSE']._serialized_start=940
-  _globals['_GENERATERESPONSE']._serialized_end=1064
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1066
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1087
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1090
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1442
-  _globals['_ABORTREQUEST']._serialized_start=1444
-  _globals['_ABORTREQUEST']._serialized_end=1478
-  _globals['_ABORTRESPONSE']._serialized_start=1480
-  _globals['_ABORTRESPONSE']._serialized_end=1510
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1512
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1535
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=1538
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=1866
-  _globals['_GENERATION']._serialized_start=1991
-  _globals['_GENERATION']._serialized_end=2334
+  _globals['_REQUESTMETRICS']._serialized_start=941
+  _globals['_REQUESTMETRICS']._serialized_end=1088
+  _globals['_GENERATERESPONSE']._serialized_start=1091
+  _globals['_GENERATERESPONSE']._serialized_end=1263
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1265
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1286
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1289
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1641
+  _globals['_ABORTREQUEST']._serialized_start=1643
+  _globals['_ABORTREQUEST']._serialized_end=1677
+  _globals['_ABORTRESPONSE']._serialized_start=1679
+  _globals['_ABORTRESPONSE']._serialized_end=1709
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1711
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1734
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=1737
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=2065
+  _globals['_GENERATION']._serialized_start=2190
+  _globals['_GENERATION']._serialized_end=2533
 # @@protoc_insertion_point(module_scope)

@@ -94,17 +94,33 @@ class OutputDelta(_message.Message):
     cumulative_logprob: float
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., completion_tokens: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
 
+class RequestMetrics(_message.Message):
+    __slots__ = ("queue_time_s", "time_to_first_token_s", "e2e_latency_s", "num_preemptions", "cached_prompt_tokens")
+    QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    E2E_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    queue_time_s: float
+    time_to_first_token_s: float
+    e2e_latency_s: float
+    num_preemptions: int
+    cached_prompt_tokens: int
+    def __init__(self, queue_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., e2e_latency_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "outputs", "prompt_tokens", "finished")
+    __slots__ = ("request_id", "outputs", "prompt_tokens", "finished", "metrics")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outputs: _containers.RepeatedCompositeFieldContainer[OutputDelta]
     prompt_tokens: int
     finished: bool
-    def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[OutputDelta, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
+    metrics: RequestMetrics
+    def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[OutputDelta, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
