@@ -67,16 +67,23 @@ causal test. H100, graph-timed: 0.79-0.82 / 0.95-0.96 / 0.73 / 1.07 of SDPA's sp
 attention layer takes for every step with prompts, with the host-built work list
 (prefill_tile_starts); docs/benchmarks.md "Prefill".
 
-Decode rows of a mixed launch: a prefill or mixed launch that cannot read fresh K/V (an FP8 cache,
-a sliding window, a softcap, a GPU without TMA) is also two launches: the varlen tile for the
-sequences of more than one query token (SKIP_DECODE: its programs of a one-token sequence exit at
-once; a split launch's reduce writes every row), then the decode launch for the others. In the
-varlen tile a decode row takes a whole BLOCK_Q-token tile and its 2-stage pipeline: an H100 mixed
-step of llama2-13b (40 heads, no GQA) over an FP8 cache, 52 decodes of 400 positions beside a
-40-token prompt, spent 6.5 ms in attention against 4.1 ms for the 52 decodes alone, and its CUDA
-graph took 18.3 ms against 16.5 with the two launches (docs/benchmarks.md round 15). Not in
-deterministic mode (a decode row goes through the same tile as a prefill row) nor with a forced
-tile, block_m or split count (benchmark sweeps).
+Decode rows of a mixed launch: a prefill or mixed launch of a model without GQA that cannot read
+fresh K/V (an FP8 cache, a sliding window, a softcap, a GPU without TMA) is also two launches: the
+varlen tile for the sequences of more than one query token (SKIP_DECODE: its programs of a one-token
+sequence exit at once; a split launch's reduce writes every row), then the decode launch for the
+others. In the varlen tile a decode row takes a whole BLOCK_Q-token tile and its 2-stage pipeline
+for each KV head: an H100 mixed step of llama2-13b (40 heads, no GQA) over an FP8 cache, 52 decodes
+of 400 positions beside a 40-token prompt, spent 6.5 ms in attention against 4.1 ms for the 52
+decodes alone, and its CUDA graph took 18.3 ms against 16.5 with the two launches (docs/benchmarks.md
+round 15). With GQA (a decode row's group shares the tile, 8 KV heads where llama2-13b has 40) one
+launch is faster, the decode rows running beside the prompt's tiles instead of after them (H100, bf16,
+a window: Mistral-7B's heads 48.0 / 55.6 / 74.3 / 106.3 us a layer against 57.5 / 61.3 / 86.1 /
+142.0 as two launches; Gemma-2-9B's, with a softcap, 134.2 / 147.0 / 251.5 against 175.1 / 188.8 /
+293.5, but 392.2 against 347.2 at 128 decodes; docs/benchmarks.md round 16), except over an FP8 cache
+with many sequences, where the varlen tile's FP8 decode rows cost more than the overlap saves
+(FP8_GQA_SPLIT_DECODE_MIN_PROGRAMS). Not in deterministic
+mode (a decode row goes through the same tile as a prefill row) nor with a forced tile, block_m or
+split count (benchmark sweeps).
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
@@ -442,6 +449,11 @@ FP8_DECODE_TILE = (32, 1, 6)
 # vs 94.5, 64 of 160-1120 177.7 vs 183.4; unsplit 34 x 420 76.8 vs 78.7 (docs/benchmarks.md round 15)
 FP8_MHA_DECODE_TILE = (16, 1, 6)
 FP8_MHA_MIN_SPLITS = 2
+# A mixed launch over an FP8 cache with GQA splits off its decode rows (module docstring, "Decode rows of
+# a mixed launch") from this many programs of them (sequences x KV heads) on: H100, llama3-8b's heads, µs
+# a layer as one launch / two: 52 decodes + a 40-token prompt (424 programs) 46.9 / 52.8, 55 + 150
+# (448) 48.3 / 54.5, 90 + 100 (728) 77.3 / 71.6, 128 + 64 (1,032) 121.8 / 97.1.
+FP8_GQA_SPLIT_DECODE_MIN_PROGRAMS = 576
 DEFAULT_PREFILL_TUNING = PrefillTuning(
     block_m=128, num_warps=8, maxnreg=128, block_addressing=True, fma_softmax=True,
 )
@@ -716,12 +728,13 @@ def paged_attention(
         raise ValueError("fresh_tuning needs a prefill launch that can read fresh_kv (fresh_kv_usable)")
     if no_cached_prefix and fresh_kv is None:
         raise ValueError("no_cached_prefix describes fresh_kv's prefill rows; it needs fresh_kv")
-    # A mixed launch that cannot read fresh K/V (an FP8 cache, a window, a softcap, no TMA): the varlen
-    # tile skips its decode rows, which the decode launch computes after it (module docstring, "Decode
-    # rows of a mixed launch")
-    skip_decode = max_query_len > 1 and not forced and not deterministic
-
     group = num_heads // num_kv_heads
+    # A mixed launch that cannot read fresh K/V (an FP8 cache, a window, a softcap, no TMA), without GQA
+    # or over an FP8 cache with many sequences: the varlen tile skips its decode rows, which the decode
+    # launch computes after it (module docstring, "Decode rows of a mixed launch")
+    skip_decode = max_query_len > 1 and not forced and not deterministic and (
+        group == 1 or (key_cache.element_size() == 1
+                       and num_seqs * num_kv_heads >= FP8_GQA_SPLIT_DECODE_MIN_PROGRAMS))
     g_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if deterministic and ((num_splits or 1) > 1 or tile is not None or block_m is not None):

@@ -163,14 +163,15 @@ def test_unsplit_decode_takes_the_bulk_tile(monkeypatch, window, softcap, head_d
 def test_mixed_launch_runs_its_decode_rows_through_the_decode_launch(
     monkeypatch, cache_dtype, window, softcap
 ):
-    """A mixed launch that cannot read fresh K/V (an FP8 cache; a window or a softcap) is two launches:
-    the varlen tile with SKIP_DECODE for the sequences of several tokens, then the decode launch (its
-    tile, no split) for the others, also after a split varlen launch, whose reduce writes every row.
-    Deterministic mode and a forced split stay one varlen launch. All match the reference, and the
-    decode rows have the bits of a decode launch of them alone."""
+    """A mixed launch without GQA that cannot read fresh K/V (an FP8 cache; a window or a softcap) is
+    two launches: the varlen tile with SKIP_DECODE for the sequences of several tokens, then the
+    decode launch (its tile, no split) for the others, also after a split varlen launch, whose reduce
+    writes every row. With GQA (unless over an FP8 cache with many sequences), in deterministic mode
+    and with a forced split it stays one varlen launch. All match the reference, and the decode rows
+    have the bits of a decode launch of them alone."""
     seen = record_attention_launches(monkeypatch, lambda grid, kw: (
         kw["IS_DECODE"], kw["SKIP_DECODE"], grid[2], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]))
-    case = make_paged_case([29, 70, 1, 40, 200], [11, 1, 1, 16, 1], 8, 2, 32, 8, torch.float32, "cpu", 3)
+    case = make_paged_case([29, 70, 1, 40, 200], [11, 1, 1, 16, 1], 4, 4, 32, 8, torch.float32, "cpu", 3)
     fp8 = cache_dtype != torch.float32
     scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else {}
     key_cache, value_cache = ((c.clamp(-448, 448).to(cache_dtype) for c in (case.key_cache, case.value_cache))
@@ -179,7 +180,7 @@ def test_mixed_launch_runs_its_decode_rows_through_the_decode_launch(
     ref = reference.paged_attention(*args, **scales)
     out = triton_attention.paged_attention(*args, **scales)
     assert relative_error(out, ref) < 1e-5
-    decode_tile = triton_attention.FP8_DECODE_TILE if fp8 else triton_attention.UNSPLIT_DECODE_TILE
+    decode_tile = triton_attention.FP8_MHA_DECODE_TILE if fp8 else triton_attention.UNSPLIT_DECODE_TILE
     assert seen == [(False, True, 1, 64, 4, 2), (True, False, 1, *decode_tile)]
     # the decode rows (tokens 11, 12 and 29 of the step) as a decode launch of those sequences alone
     rows, seqs = [11, 12, 29], [1, 2, 4]
@@ -188,21 +189,36 @@ def test_mixed_launch_runs_its_decode_rows_through_the_decode_launch(
         torch.arange(4, dtype=torch.int32), 1, case.max_seq_len, case.scale, window, softcap,
         num_splits=1, **scales)
     assert torch.equal(out[rows], alone)
-    # a small grid (3 programs, 8 slots on a CPU) and a graph's max_seq_len: the varlen launch splits
-    small = dataclasses.replace(make_paged_case([600, 33], [1, 12], 8, 1, 32, 16, torch.float32, "cpu", 4),
+    # a small grid (2 programs, 8 slots on a CPU) and a graph's max_seq_len: the varlen launch splits
+    small = dataclasses.replace(make_paged_case([600, 33], [1, 12], 1, 1, 32, 16, torch.float32, "cpu", 4),
                                 max_seq_len=4096)
     if fp8:
         small = dataclasses.replace(small, key_cache=small.key_cache.to(cache_dtype),
                                     value_cache=small.value_cache.to(cache_dtype))
     seen.clear()
     split = triton_attention.paged_attention(*small.args(), window, softcap, **scales)
-    assert [launch[:3] for launch in seen] == [(False, True, 3), (True, False, 1)]
+    assert [launch[:3] for launch in seen] == [(False, True, 4), (True, False, 1)]
     assert relative_error(split, reference.paged_attention(*small.args(), window, softcap, **scales)) < 1e-5
     for kwargs in ({"deterministic": True}, {"num_splits": 2}):
         seen.clear()
         out = triton_attention.paged_attention(*args, **scales, **kwargs)
         assert relative_error(out, ref) < 1e-5, kwargs
         assert [launch[:2] for launch in seen] == [(False, False)], kwargs
+    # with GQA (4 query heads a KV head) the decode rows stay in the varlen launch, but for an FP8 cache
+    # from FP8_GQA_SPLIT_DECODE_MIN_PROGRAMS programs of them (sequences x KV heads) on
+    gqa = make_paged_case([29, 70, 1, 40, 200], [11, 1, 1, 16, 1], 8, 2, 32, 8, torch.float32, "cpu", 5)
+    if fp8:
+        gqa = dataclasses.replace(gqa, key_cache=gqa.key_cache.clamp(-448, 448).to(cache_dtype),
+                                  value_cache=gqa.value_cache.clamp(-448, 448).to(cache_dtype))
+    gqa_args = (*gqa.args(), window, softcap)
+    gqa_ref = reference.paged_attention(*gqa_args, **scales)
+    for min_programs, two_launches in ((11, False), (10, fp8)):  # 5 sequences x 2 KV heads
+        monkeypatch.setattr(triton_attention, "FP8_GQA_SPLIT_DECODE_MIN_PROGRAMS", min_programs)
+        seen.clear()
+        out = triton_attention.paged_attention(*gqa_args, **scales)
+        want = [(False, True), (True, False)] if two_launches else [(False, False)]
+        assert [launch[:2] for launch in seen] == want, min_programs
+        assert relative_error(out, gqa_ref) < 1e-5
 
 
 def test_fp8_decode_without_gqa_takes_the_mha_tile_split(monkeypatch):
