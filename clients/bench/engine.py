@@ -25,6 +25,14 @@ a GPU), and the report says what fraction of the full-batch steps' wall time tha
 (scheduler, executor servicer, streaming) is what bounds the run, as for a small model on a GPU.
 `--launch-ms Y` makes each simulated launch spend Y ms of CPU first, holding the executor's thread
 as a real executor's input preparation does; `--plans-ahead 2` runs the scheduler two plans ahead.
+
+Also each request's first token (from the client's send, all requests sent at once on a connected
+channel) and the part of it outside the scheduler: the client's time to first token less the
+server's (RequestMetrics.time_to_first_token_s, from the request's arrival at the scheduler). On the
+2-core development machine a burst of 256 spends up to 1.0-1.6 s there, between the client's send and
+the servicer's Generate handler (grpc aio accepts one new call per turn or two of the event loop,
+and a turn runs every stream's write of the step), against 20-60 ms from the scheduler's arrival
+to the client's first token (docs/benchmarks.md, round 16).
 """
 
 from __future__ import annotations
@@ -171,11 +179,20 @@ def serve_executor(num_gpu_blocks: int, max_model_len: int, model_dir: str, gpu_
 async def run_clients(target: str, num_requests: int, max_tokens: int, prompt_len: int) -> dict[str, Any]:
     from clients.client import AsyncClient
 
+    first_token: list[float] = []  # per request, s from its send: the client's time to first token
+    lag: list[float] = []  # the client's TTFT less the server's (RequestMetrics): the way in and out
+
     async def one(client: AsyncClient, index: int) -> str | None:
         prompt = prompt_of(index, prompt_len)
         tokens: list[int] = []
         finish = None
+        sent, first = time.perf_counter(), None
         async for delta in client.stream(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0):
+            if first is None:
+                first = time.perf_counter() - sent
+                first_token.append(first)
+            if delta.metrics is not None:
+                lag.append(first - delta.metrics.time_to_first_token_s)
             for out in delta.outputs:
                 tokens.extend(out.token_ids)
                 if out.completion_tokens != len(tokens):
@@ -189,10 +206,18 @@ async def run_clients(target: str, num_requests: int, max_tokens: int, prompt_le
         return None
 
     async with AsyncClient(target) as client:
+        await client.model_info()  # connected before the clock starts (a cold channel delays every call)
         start = time.perf_counter()
         errors = await asyncio.gather(*(one(client, i) for i in range(num_requests)))
         wall_s = time.perf_counter() - start
-    return {"errors": [e for e in errors if e], "wall_s": wall_s}
+
+    def ms(values: list[float]) -> dict[str, float]:
+        ordered = sorted(values) or [math.nan]
+        return {q: round(1e3 * ordered[min(len(ordered) - 1, int(p * len(ordered)))], 3)
+                for q, p in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))}
+
+    return {"errors": [e for e in errors if e], "wall_s": wall_s, "first_token_ms": ms(first_token),
+            "first_token_lag_ms": ms(lag)}
 
 
 # ---- instrumentation of the scheduler process --------------------------------------------------
@@ -402,7 +427,8 @@ async def bench(args: argparse.Namespace, model_dir: str, executor_target: str) 
     return {"requests": args.requests, "max_tokens": args.max_tokens, "steps": steps,
             "gpu_step_ms": args.gpu_step_ms, "device_busy_fraction": busy,
             "steps_per_s": steps / clients["wall_s"], "clients_wall_s": clients["wall_s"],
-            "bench_wall_s": wall_s, "errors": clients["errors"], **measured}
+            "bench_wall_s": wall_s, "errors": clients["errors"], "first_token_ms": clients["first_token_ms"],
+            "first_token_lag_ms": clients["first_token_lag_ms"], **measured}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -425,6 +451,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_report(r: dict[str, Any]) -> None:
     print(f"{r['requests']} streaming requests x {r['max_tokens']} tokens: {r['steps']} steps, "
           f"{r['steps_per_s']:.1f} steps/s, errors: {len(r['errors'])}")
+    ft, lag = r["first_token_ms"], r["first_token_lag_ms"]
+    print(f"first token p50/p99/max {ft['p50']:.1f}/{ft['p99']:.1f}/{ft['max']:.1f} ms from the send; of it "
+          f"outside the scheduler (the client's TTFT less the server's) {lag['p50']:.1f}/{lag['p99']:.1f}/"
+          f"{lag['max']:.1f} ms")
     if r.get("device_busy_fraction") is not None:
         print(f"simulated device: {r['gpu_step_ms']:g} ms a step, busy {r['device_busy_fraction']:.1%} of "
               "the full-batch steps' time (the rest: the device waits for the host)")

@@ -17,6 +17,10 @@ def test_every_request_gets_exactly_its_tokens():
     assert 1 <= report["messages_per_step"] <= 12 + edge
     assert report["cpu_ms_per_step"] > 0
     assert set(bench_engine.PARTS) <= set(report["parts_ms_per_step"])
+    # every request's first token, from its send, and the part of it outside the scheduler (the
+    # client's TTFT less the server's RequestMetrics.time_to_first_token_s): never more than the whole
+    first, lag = report["first_token_ms"], report["first_token_lag_ms"]
+    assert 0 < first["p50"] <= first["p99"] <= first["max"] and 0 <= lag["max"] <= first["max"]
 
 
 def test_sim_worker_follows_the_step_order_after_reset():
