@@ -81,9 +81,8 @@ a window: Mistral-7B's heads 48.0 / 55.6 / 74.3 / 106.3 us a layer against 57.5 
 142.0 as two launches; Gemma-2-9B's, with a softcap, 134.2 / 147.0 / 251.5 against 175.1 / 188.8 /
 293.5, but 392.2 against 347.2 at 128 decodes; docs/benchmarks.md round 16), except over an FP8 cache
 with many sequences, where the varlen tile's FP8 decode rows cost more than the overlap saves
-(FP8_GQA_SPLIT_DECODE_MIN_PROGRAMS). Not in deterministic
-mode (a decode row goes through the same tile as a prefill row) nor with a forced tile, block_m or
-split count (benchmark sweeps).
+(FP8_GQA_SPLIT_DECODE_MIN_PROGRAMS). Not in deterministic mode (a decode row goes through the same
+tile as a prefill row) nor with a forced tile, block_m or split count (benchmark sweeps).
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
