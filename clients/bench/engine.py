@@ -52,6 +52,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from clients.bench.report import percentile
 from executor_svc.worker.protocol import OneStepAtATime
 from scheduler_svc.sim.executor import SimExecutor
 from scheduler_svc.wire.step_plan import StepPlan, StepResult
@@ -212,9 +213,8 @@ async def run_clients(target: str, num_requests: int, max_tokens: int, prompt_le
         wall_s = time.perf_counter() - start
 
     def ms(values: list[float]) -> dict[str, float]:
-        ordered = sorted(values) or [math.nan]
-        return {q: round(1e3 * ordered[min(len(ordered) - 1, int(p * len(ordered)))], 3)
-                for q, p in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))}
+        return {name: round(1e3 * percentile(values, q), 3)
+                for name, q in (("p50", 50), ("p99", 99), ("max", 100))}
 
     return {"errors": [e for e in errors if e], "wall_s": wall_s, "first_token_ms": ms(first_token),
             "first_token_lag_ms": ms(lag)}

@@ -147,10 +147,9 @@ class Engine:
         self._wakeup.set()
         return found or request is not None
 
-    def _metrics_of(self, request: RequestState) -> RequestMetrics | None:
-        """The metrics of a request that ends now (None when it never reached the scheduler)."""
-        group = request.group
-        return RequestMetrics.of_group(group, self.scheduler.clock()) if group is not None else None
+    def _metrics_of(self, request: RequestState) -> RequestMetrics:
+        """The metrics of a request that ends now."""
+        return RequestMetrics.of_group(request.group, self.scheduler.clock())
 
     def _forget(self, request_id: str) -> RequestState | None:
         """The request leaves the engine's table and gives its client's admission slot back."""

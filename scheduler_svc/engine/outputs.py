@@ -66,7 +66,8 @@ class RequestMetrics:
 
 
 # (token_ids, logprobs, finish_reason, finished, metrics): one output's new tokens in a step, its finish
-# reason ("stop" | "length" | None), whether the request ends with them, and then its metrics.
+# reason ("stop" | "length" | None), whether the request ends with them, and then its metrics (None
+# before).
 TokenSink = Callable[[list[int], list[float], "str | None", bool, "RequestMetrics | None"], None]
 
 
@@ -100,7 +101,7 @@ class RequestState:
         prompt_ids: list[int],
         params: SamplingParams,
         tokenizer: Decoder,
-        group: SequenceGroup | None = None,
+        group: SequenceGroup,
         client: str = "",
         api: str = DEFAULT_API,
     ):

@@ -147,7 +147,7 @@ def _first_and_last(metrics: SchedulerMetrics, request: RequestState, has_output
         request.first_token_s = now
         m.observe("time_to_first_token_seconds", now - request.arrival_s, api)
         group = request.group
-        if group is not None and group.first_scheduled_time is not None:
+        if group.first_scheduled_time is not None:
             m.observe("request_queue_time_seconds", group.first_scheduled_time - group.arrival_time, api)
     if finished:
         m.observe("e2e_request_latency_seconds", now - request.arrival_s, api)

@@ -226,7 +226,9 @@ class _Link:
         self._make_room(_ROW_BYTES * len(token_ids) + (_METRICS_BYTES if finished else 0))
         self._rows.add(stream_id, token_ids, logprobs, FINISH_REASONS[reason], finished)
         if finished:
-            self._rows.metrics.append(metrics or _NO_METRICS)
+            if metrics is None:
+                raise ValueError("the last token of a request comes with its RequestMetrics")
+            self._rows.metrics.append(metrics)
             self._streams.pop(stream_id, None)
         self._ready.set()
 
@@ -241,7 +243,6 @@ class _Link:
 
 _ROW_BYTES = 32  # an upper bound on one row's encoded size (five packed columns)
 _METRICS_BYTES = 48  # an upper bound on one RequestMetrics (three doubles, two varints, tags)
-_NO_METRICS = RequestMetrics(0.0, 0.0, 0.0, 0, 0)
 
 
 class _Rows:

@@ -15,12 +15,13 @@ from tokenizers import Tokenizer
 from protos.pagedserve.v1 import frontend_pb2, generation_pb2
 from scheduler_svc.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly
 from scheduler_svc.engine.metrics import SchedulerMetrics
-from scheduler_svc.engine.outputs import OutputDelta, RequestDelta
+from scheduler_svc.engine.outputs import OutputDelta, RequestDelta, RequestMetrics
 from scheduler_svc.frontend.token_lane import TokenLane
 from scheduler_svc.server.frontend_link import _Link
 
 STOP = generation_pb2.FINISH_REASON_STOP
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
+METRICS = RequestMetrics(0.25, 0.5, 1.5, 2, 16)
 
 
 def _link(max_batch_bytes: int = 1 << 20) -> _Link:
@@ -51,7 +52,8 @@ def test_rows_are_cut_into_batches_under_the_byte_limit_in_order():
     link = _link(max_batch_bytes=100)  # three rows of at most 32 bytes each
     for i in range(10):
         finished = i == 9
-        link._on_tokens(1, [100 + i], [-float(i)], "length" if finished else None, finished)
+        link._on_tokens(1, [100 + i], [-float(i)], "length" if finished else None, finished,
+                        METRICS if finished else None)
     batches = _batches(link)
     assert [len(b.tokens.stream_ids) for b in batches] == [3, 3, 3, 1]
     assert all(b.ByteSize() <= 100 for b in batches)
@@ -63,11 +65,15 @@ def test_rows_are_cut_into_batches_under_the_byte_limit_in_order():
 
 def test_several_tokens_in_one_step_put_the_end_on_the_last_row():
     link = _link()
-    link._on_tokens(3, [10, 11, 12], [-1.0, -2.0, -3.0], "stop", True)
+    link._on_tokens(3, [10, 11, 12], [-1.0, -2.0, -3.0], "stop", True, METRICS)
     (batch,) = _batches(link)
     assert list(batch.tokens.stream_ids) == [3, 3, 3]
     assert list(batch.tokens.finish_reasons) == [0, 0, STOP]
     assert list(batch.tokens.finished) == [False, False, True]
+    (m,) = batch.tokens.finished_metrics  # one per finished row: the request's metrics
+    assert (m.queue_time_s, m.e2e_latency_s, m.num_preemptions, m.cached_prompt_tokens) == (0.25, 1.5, 2, 16)
+    with pytest.raises(ValueError, match="RequestMetrics"):  # a last row without them is the engine's bug
+        link._on_tokens(4, [9], [-1.0], "stop", True, None)
 
 
 def _announce(lane: TokenLane, stream_id: int, prompt_tail: list[int], request_id: str = "req") -> None:
@@ -91,7 +97,8 @@ def _columns(rows: list[tuple]) -> frontend_pb2.TokenColumns:
 
 def test_rows_become_the_responses_the_engine_makes(tiny_llama_dir):
     """Text as IncrementalDetokenizer makes it for the whole output (held-back bytes of a character
-    split across tokens included), counts summed, the end flushed, the stream forgotten."""
+    split across tokens included), counts summed, the end flushed with the request's metrics (the
+    columns' one per finished row, a skipped stream's included), the stream forgotten."""
     tokenizer = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
     prompt = tokenizer.encode("Ünïcode prompt, ✓").ids
     output = tokenizer.encode(" héllo wörld ✓ 日本語 done").ids
@@ -100,8 +107,12 @@ def test_rows_become_the_responses_the_engine_makes(tiny_llama_dir):
     logprobs = [-0.5 * (i + 1) for i in range(len(output))]
     rows = [(5, t, lp, LENGTH if i == len(output) - 1 else 0, i == len(output) - 1)
             for i, (t, lp) in enumerate(zip(output, logprobs, strict=True))]
-    rows.insert(1, (99, 3, -1.0, 0, False))  # a stream this front-end does not know: skipped
-    events = list(lane.rows(_columns(rows)))
+    rows.insert(1, (99, 3, -1.0, STOP, True))  # a stream this front-end does not know: skipped
+    columns = _columns(rows)
+    columns.finished_metrics.add(queue_time_s=9.0)  # stream 99's, in row order
+    columns.finished_metrics.add(queue_time_s=0.25, time_to_first_token_s=0.5, e2e_latency_s=1.5,
+                                 num_preemptions=2, cached_prompt_tokens=16)
+    events = list(lane.rows(columns))
     assert [sid for sid, _ in events] == [5] * len(output)
     outs = [e.response.outputs[0] for _, e in events]
     reference = IncrementalDetokenizer(tokenizer, prompt)
@@ -110,6 +121,10 @@ def test_rows_become_the_responses_the_engine_makes(tiny_llama_dir):
     assert [o.completion_tokens for o in outs] == list(range(1, len(output) + 1))
     assert outs[-1].cumulative_logprob == pytest.approx(sum(logprobs))
     assert outs[-1].finish_reason == LENGTH and events[-1][1].end and events[-1][1].response.finished
+    assert [e.response.HasField("metrics") for _, e in events] == [False] * (len(output) - 1) + [True]
+    m = events[-1][1].response.metrics
+    assert (m.queue_time_s, m.time_to_first_token_s, m.e2e_latency_s, m.num_preemptions,
+            m.cached_prompt_tokens) == (0.25, 0.5, 1.5, 2, 16)
     assert all(e.response.request_id == "req" and e.response.prompt_tokens == 40 for _, e in events)
     assert 5 not in lane and len(lane) == 0
 
