@@ -211,13 +211,30 @@ class RequestStream:
         self.request_id = request.request_id
         self.prompt_len = len(request.prompt_ids)
         self.api = request.api
+        self._held: RequestDelta | None = None  # an error delta read by ready_delta()
 
     async def next_delta(self) -> RequestDelta:
         """The next delta (a coroutine, not an async generator: one hop less per streamed message);
         raises RequestFailedError / ServiceUnavailableError when the server dropped the request."""
-        delta = await self._request.queue.get()
+        if self._held is not None:
+            delta, self._held = self._held, None
+        else:
+            delta = await self._request.queue.get()
         if delta.error is not None:
             raise (ServiceUnavailableError if delta.unavailable else RequestFailedError)(delta.error)
+        return delta
+
+    def ready_delta(self) -> RequestDelta | None:
+        """The next delta if it is already here and is not an error (an error is kept for
+        `next_delta()` to raise), else None: a reader that fell behind folds what is waiting into one
+        message (scheduler_svc/server/servicer.py)."""
+        queue = self._request.queue
+        if self._held is not None or queue.empty():
+            return None
+        delta = queue.get_nowait()
+        if delta.error is not None:
+            self._held = delta
+            return None
         return delta
 
     def abort(self) -> bool:

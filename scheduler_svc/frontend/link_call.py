@@ -1,7 +1,13 @@
-"""One Generate call over the front-end's link to the scheduler, as the HTTP API makes it (labelled
-api="openai" in the scheduler's metrics) and reads it: the
-GenerateResponses of one stream, then the end; the scheduler's status for the stream raised as the
-API error it names (RelayedError: INVALID_ARGUMENT with the field, UNAVAILABLE while draining, ...)."""
+"""One Generate call over the front-end's link to the scheduler, as the front-end's gRPC API and its
+HTTP API (labelled api="openai" in the scheduler's metrics) make and read it: the GenerateResponses
+of one stream, then the end; the scheduler's status for the stream raised as the API error it names
+(RelayedError: INVALID_ARGUMENT with the field, UNAVAILABLE while draining, ...).
+
+A reader that falls behind gets what is waiting in one response: `next()` folds the stream's queued
+responses together (wire/convert.py append_response). A stream is one message per engine step while
+its reader keeps up, and fewer, larger ones while the process relaying it is busy, so a front-end
+serving many streams spends its time on tokens rather than on messages and keeps up with the engine.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import grpc
 
 from protos.pagedserve.v1 import generation_pb2
 from scheduler_svc.wire.client_identity import OPENAI_API
+from scheduler_svc.wire.convert import append_response
 from scheduler_svc.wire.errors import RelayedError, ServiceUnavailableError
 
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
@@ -20,10 +27,11 @@ STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 class StreamLink(Protocol):
     """What a call needs of the link (scheduler_svc/frontend/main.py EngineLink)."""
 
-    def open(self, request: generation_pb2.GenerateRequest, *, api: str) -> tuple[int, asyncio.Queue]:
-        """Sends the request, which came through `api` (client_identity.APIS); returns its stream id
-        and the queue its events arrive on (None: the link broke). Raises ServiceUnavailableError
-        while the link is down."""
+    def open(self, request: generation_pb2.GenerateRequest, client: str = "",
+             api: str = OPENAI_API) -> tuple[int, asyncio.Queue]:
+        """Sends the request of `client` (its peer: the scheduler's admission limits and Abort scope),
+        which came through `api` (client_identity.APIS); returns its stream id and the queue its
+        events arrive on (None: the link broke). Raises ServiceUnavailableError while the link is down."""
         ...
 
     def close(self, stream_id: int, cancel: bool) -> None:
@@ -31,19 +39,45 @@ class StreamLink(Protocol):
         ...
 
 
-class LinkCall:
-    """`await call.next()` until it returns None; `close()` always (it aborts an unfinished request)."""
+_NOTHING = object()  # no event held back
 
-    def __init__(self, link: StreamLink, request: generation_pb2.GenerateRequest):
+
+class LinkCall:
+    """`await call.next()` until it returns None; `close()` always (it aborts an unfinished request).
+    Every response carries the stream's request id (the scheduler sends it in the first only)."""
+
+    def __init__(self, link: StreamLink, request: generation_pb2.GenerateRequest, client: str = "",
+                 api: str = OPENAI_API):
         self._link = link
-        self._stream_id, self._queue = link.open(request, api=OPENAI_API)
+        self._stream_id, self._queue = link.open(request, client=client, api=api)
         self.done = False
         self._closed = False
+        self._request_id = ""
+        self._held: Any = _NOTHING  # an event that ends the stream with an error, read while folding
 
     async def next(self) -> generation_pb2.GenerateResponse | None:
-        if self.done and self._queue.empty():
+        if self._held is not _NOTHING:
+            event, self._held = self._held, _NOTHING
+        elif self.done and self._queue.empty():
             return None
-        event: Any = await self._queue.get()
+        else:
+            event = await self._queue.get()
+        response = self._response(event)
+        queue = self._queue
+        while not self.done and not queue.empty():  # what else has come meanwhile, as one message
+            event = queue.get_nowait()
+            if event is None or (event.end and event.code):  # an error: raised after what came before
+                self._held = event
+                break
+            append_response(response, event.response)
+            self.done = event.end
+        if response.request_id:
+            self._request_id = response.request_id
+        else:
+            response.request_id = self._request_id
+        return response
+
+    def _response(self, event: Any) -> generation_pb2.GenerateResponse:
         if event is None:
             self.done = True
             raise ServiceUnavailableError("the link to the scheduler broke")

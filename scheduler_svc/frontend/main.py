@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 
 from protos.pagedserve.v1 import frontend_pb2, frontend_pb2_grpc, generation_pb2, generation_pb2_grpc
+from scheduler_svc.frontend.link_call import LinkCall
 from scheduler_svc.frontend.token_lane import TokenLane
 from scheduler_svc.wire.client_identity import CLIENT_KEY, DEFAULT_API
 from scheduler_svc.wire.collector import freeze_startup_heap
@@ -53,7 +54,6 @@ from scheduler_svc.wire.options import add_arguments, from_args, option, parse_a
 from scheduler_svc.wire.request_decoding import check_decoded, register_decoding
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 RECONNECT_S = 0.5
 HEALTH_POLL_S = 1.0
 _log = logging.getLogger(__name__)
@@ -206,29 +206,12 @@ class FrontendServicer(generation_pb2_grpc.GenerationServicer):
     @maps_errors()
     async def Generate(self, request, context):
         check_decoded(request)
-        stream_id, queue = self._link.open(request, context.peer())
-        request_id = ""  # the scheduler sends it in the stream's first response only
-        done = False
+        call = LinkCall(self._link, request, client=context.peer(), api=DEFAULT_API)
         try:
-            while True:
-                event = await queue.get()
-                if event is None:
-                    done = True
-                    raise ServiceUnavailableError("the link to the scheduler broke")
-                if event.end and event.code:  # the scheduler's status for this stream, passed on
-                    done = True
-                    raise RelayedError(STATUS_BY_VALUE[event.code].name, event.message)
-                response = event.response
-                if response.request_id:
-                    request_id = response.request_id
-                else:
-                    response.request_id = request_id
+            while (response := await call.next()) is not None:
                 yield response
-                if event.end:
-                    done = True
-                    return
         finally:
-            self._link.close(stream_id, cancel=not done)
+            call.close()
 
     @maps_errors()
     async def GetModelInfo(self, request, context):

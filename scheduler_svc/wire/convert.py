@@ -283,6 +283,38 @@ def _pairs_per_sample(counts, token_ids, logprobs, num_samples: int) -> list[lis
     return _split(list(zip(token_ids, logprobs, strict=True)), counts)
 
 
+def append_response(into: generation_pb2.GenerateResponse, later: generation_pb2.GenerateResponse) -> None:
+    """Folds `later`, the next message of the same stream, into `into`: each output's new tokens, text
+    and logprobs are appended to its delta in `into` (one added for an output `into` lacks), its finish
+    reason and running counts are the later ones, and so are `finished` and the metrics. A client then
+    reads the two as one message, as it would have read them one after the other (a stream that falls
+    behind its engine sends fewer, larger messages: scheduler_svc/frontend/link_call.py)."""
+    outputs = {out.index: out for out in into.outputs}
+    for out in later.outputs:
+        target = outputs.get(out.index)
+        if target is None:
+            into.outputs.add().CopyFrom(out)
+            outputs[out.index] = into.outputs[-1]
+            continue
+        target.token_ids.extend(out.token_ids)
+        target.text += out.text
+        if out.HasField("logprobs"):
+            lp, more = target.logprobs, out.logprobs
+            lp.token_logprobs.extend(more.token_logprobs)
+            lp.num_top.extend(more.num_top)
+            lp.top_token_ids.extend(more.top_token_ids)
+            lp.top_logprobs.extend(more.top_logprobs)
+        target.finish_reason = out.finish_reason
+        target.completion_tokens = out.completion_tokens
+        target.cumulative_logprob = out.cumulative_logprob
+    if not into.request_id:
+        into.request_id = later.request_id
+    into.prompt_tokens = later.prompt_tokens or into.prompt_tokens
+    into.finished = later.finished
+    if later.HasField("metrics"):
+        into.metrics.CopyFrom(later.metrics)
+
+
 CallerErrors = Mapping[type[BaseException], str]  # exception types that are not ApiErrors -> status name
 _log = logging.getLogger(__name__)
 

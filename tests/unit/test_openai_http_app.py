@@ -42,7 +42,7 @@ class ScriptedLink:
         self.open_streams: set[int] = set()
         self.cancelled: list[int] = []
 
-    def open(self, request, api):
+    def open(self, request, client="", api="openai"):
         if not self.up:
             raise ServiceUnavailableError("the scheduler is not reachable")
         stream_id = len(self.requests)
@@ -204,7 +204,7 @@ class PacedLink(ScriptedLink):
         super().__init__(lambda request: [])
         self.tokens, self.period_s = tokens, period_s
 
-    def open(self, request, api):
+    def open(self, request, client="", api="openai"):
         stream_id, queue = super().open(request, api)
 
         async def feed():

@@ -61,7 +61,9 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams outputs as they are produced: one message per engine step that produced something for
-        this request. Cancelling the call aborts the request and frees its KV blocks.
+        this request, or, for a reader that falls behind, the steps waiting for it folded into one
+        message (each output's tokens, text and logprobs appended). Cancelling the call aborts the
+        request and frees its KV blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

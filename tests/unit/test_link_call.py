@@ -1,0 +1,244 @@
+"""A front-end stream whose reader falls behind gets what is waiting folded into one message
+(scheduler_svc/frontend/link_call.py, wire/convert.py append_response): the client reads the same
+tokens, text, logprobs, finish reasons and metrics as it would have read one message at a time, an
+error still ends the stream after the tokens that came before it, and every message has the request id."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from protos.pagedserve.v1 import frontend_pb2, generation_pb2
+from scheduler_svc.engine.outputs import OutputDelta, RequestDelta, RequestStream
+from scheduler_svc.frontend.link_call import LinkCall
+from scheduler_svc.server import servicer as servicer_module
+from scheduler_svc.wire.convert import append_response
+from scheduler_svc.wire.errors import RelayedError, ServiceUnavailableError
+
+
+def _delta(index, ids, text, *, lps=None, finish=0, count=0, cum=0.0):
+    out = generation_pb2.OutputDelta(index=index, token_ids=ids, text=text, finish_reason=finish,
+                                     completion_tokens=count, cumulative_logprob=cum)
+    if lps is not None:
+        for logprob, tops in lps:
+            out.logprobs.token_logprobs.append(logprob)
+            out.logprobs.num_top.append(len(tops))
+            out.logprobs.top_token_ids.extend(t for t, _ in tops)
+            out.logprobs.top_logprobs.extend(lp for _, lp in tops)
+    return out
+
+
+def _response(outputs, request_id="", finished=False, prompt_tokens=0, metrics=None):
+    response = generation_pb2.GenerateResponse(request_id=request_id, outputs=outputs, finished=finished,
+                                               prompt_tokens=prompt_tokens)
+    if metrics is not None:
+        response.metrics.CopyFrom(metrics)
+    return response
+
+
+def test_append_response_concatenates_each_outputs_delta_and_takes_the_later_state():
+    first = _response([_delta(0, [5], "a", lps=[(-0.5, [(5, -0.5), (6, -1.0)])], count=1, cum=-0.5),
+                       _delta(1, [7], "b", lps=[(-0.25, [(7, -0.25)])], count=1, cum=-0.25)],
+                      request_id="r1", prompt_tokens=4)
+    metrics = generation_pb2.RequestMetrics(queue_time_s=0.5, time_to_first_token_s=0.75, e2e_latency_s=2.0)
+    later = _response([_delta(1, [8, 9], "cd", lps=[(-1.5, [(8, -1.5)]), (-2.0, [])],
+                              finish=generation_pb2.FINISH_REASON_STOP, count=3, cum=-3.75),
+                       _delta(2, [1], "z", count=1, cum=-0.125)],
+                      finished=True, metrics=metrics)
+    append_response(first, later)
+
+    assert first.request_id == "r1" and first.prompt_tokens == 4 and first.finished
+    assert first.metrics == metrics
+    by_index = {out.index: out for out in first.outputs}
+    assert sorted(by_index) == [0, 1, 2]
+    untouched = by_index[0]
+    assert list(untouched.token_ids) == [5] and untouched.text == "a" and untouched.completion_tokens == 1
+    out = by_index[1]
+    assert list(out.token_ids) == [7, 8, 9] and out.text == "bcd"
+    assert out.finish_reason == generation_pb2.FINISH_REASON_STOP
+    assert out.completion_tokens == 3 and out.cumulative_logprob == -3.75
+    assert list(out.logprobs.token_logprobs) == [-0.25, -1.5, -2.0]
+    assert list(out.logprobs.num_top) == [1, 1, 0]
+    assert list(out.logprobs.top_token_ids) == [7, 8]
+    assert list(out.logprobs.top_logprobs) == [-0.25, -1.5]
+    assert list(by_index[2].token_ids) == [1] and by_index[2].text == "z"
+
+
+def test_append_response_keeps_the_running_state_when_the_later_message_has_no_metrics():
+    first = _response([_delta(0, [5], "a", count=1)], request_id="r1", prompt_tokens=3)
+    append_response(first, _response([_delta(0, [6], "b", count=2)]))
+    assert not first.finished and not first.HasField("metrics")
+    assert first.prompt_tokens == 3 and first.request_id == "r1"
+    assert list(first.outputs[0].token_ids) == [5, 6] and not first.outputs[0].HasField("logprobs")
+
+
+class FakeLink:
+    """open() hands out one queue; the test puts StreamEvents on it as the link's reader would."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.opened: list[tuple[str, str]] = []
+        self.closed: list[tuple[int, bool]] = []
+
+    def open(self, request, client="", api="openai"):
+        self.opened.append((client, api))
+        return 3, self.queue
+
+    def close(self, stream_id, cancel):
+        self.closed.append((stream_id, cancel))
+
+
+def _event(response=None, end=False, code=0, message=""):
+    event = frontend_pb2.StreamEvent(stream_id=3, end=end, code=code, message=message)
+    if response is not None:
+        event.response.CopyFrom(response)
+    return event
+
+
+def _read_all(call):
+    async def go():
+        got = []
+        try:
+            while (response := await call.next()) is not None:
+                got.append(response)
+        except Exception as exc:  # noqa: BLE001 - the test looks at what ended the stream
+            return got, exc
+        return got, None
+    return go()
+
+
+def test_queued_steps_are_read_as_one_message_with_the_request_id():
+    async def go():
+        link = FakeLink()
+        call = LinkCall(link, generation_pb2.GenerateRequest(), client="ipv4:1.2.3.4:5", api="grpc")
+        assert link.opened == [("ipv4:1.2.3.4:5", "grpc")]
+        link.queue.put_nowait(_event(_response([_delta(0, [1], "x", count=1)], request_id="req-9",
+                                               prompt_tokens=2)))
+        first = await call.next()  # the reader keeps up: one step, one message
+        assert list(first.outputs[0].token_ids) == [1] and first.request_id == "req-9"
+        for step in range(2, 6):  # the reader falls behind by four steps
+            link.queue.put_nowait(_event(_response([_delta(0, [step], str(step), count=step)])))
+        last = _delta(0, [6], "6", finish=generation_pb2.FINISH_REASON_LENGTH, count=6)
+        link.queue.put_nowait(_event(_response([last], finished=True), end=True))
+        got, err = await _read_all(call)
+        assert err is None and len(got) == 1
+        folded = got[0]
+        assert folded.request_id == "req-9" and folded.finished
+        assert list(folded.outputs[0].token_ids) == [2, 3, 4, 5, 6] and folded.outputs[0].text == "23456"
+        assert folded.outputs[0].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+        assert folded.outputs[0].completion_tokens == 6
+        call.close()
+        assert link.closed == [(3, False)]  # it ended: nothing to cancel
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_an_error_comes_after_the_tokens_queued_before_it(broken):
+    async def go():
+        link = FakeLink()
+        call = LinkCall(link, generation_pb2.GenerateRequest())
+        link.queue.put_nowait(_event(_response([_delta(0, [1], "x", count=1)], request_id="r")))
+        link.queue.put_nowait(_event(_response([_delta(0, [2], "y", count=2)])))
+        link.queue.put_nowait(None if broken else _event(end=True, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                                         message="draining"))
+        got, err = await _read_all(call)
+        assert [list(r.outputs[0].token_ids) for r in got] == [[1, 2]]
+        if broken:
+            assert isinstance(err, ServiceUnavailableError)
+        else:
+            assert isinstance(err, RelayedError) and "draining" in str(err)
+        assert await call.next() is None
+        call.close()
+        assert link.closed == [(3, False)]
+    asyncio.run(go())
+
+
+def test_closing_an_unfinished_call_cancels_it():
+    async def go():
+        link = FakeLink()
+        call = LinkCall(link, generation_pb2.GenerateRequest())
+        link.queue.put_nowait(_event(_response([_delta(0, [1], "x", count=1)], request_id="r")))
+        await call.next()
+        call.close()
+        call.close()
+        assert link.closed == [(3, True)]
+        with pytest.raises(ServiceUnavailableError):
+            await call.next()
+    asyncio.run(go())
+
+
+class _Request:
+    """What a RequestStream reads of its RequestState."""
+
+    def __init__(self):
+        self.request_id = "d1"
+        self.prompt_ids = [1, 2, 3]
+        self.api = "grpc"
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+
+class _Context:
+    def __init__(self):
+        self.aborted: tuple | None = None
+
+    def invocation_metadata(self):
+        return ()
+
+    def peer(self):
+        return "ipv4:127.0.0.1:9"
+
+    async def abort(self, code, message, trailing=()):
+        self.aborted = (code, message)
+        raise RuntimeError("aborted")
+
+
+def _direct_stream(monkeypatch):
+    request = _Request()
+    stream = RequestStream(request, abort=lambda request_id: True)  # type: ignore[arg-type]
+
+    async def add(engine, pb, client):
+        return stream
+
+    monkeypatch.setattr(servicer_module, "add_request_from_pb", add)
+    return request, servicer_module.GenerationServicer(engine=type("E", (), {"metrics": None})(),  # type: ignore[arg-type]
+                                                model_info=generation_pb2.GetModelInfoResponse())
+
+
+def _drain(servicer, context):
+    async def go():
+        got = []
+        try:
+            async for response in servicer.Generate(generation_pb2.GenerateRequest(), context):
+                got.append(response)
+        except RuntimeError:
+            pass
+        return got
+    return go()
+
+
+def test_the_schedulers_own_stream_folds_queued_deltas_too(monkeypatch):
+    async def go():
+        request, servicer = _direct_stream(monkeypatch)
+        for step in range(4):  # four steps before the handler runs: one message
+            out = OutputDelta(0, [10 + step], f"t{step}", finish_reason="length" if step == 3 else None)
+            out.num_output_tokens = step + 1
+            request.queue.put_nowait(RequestDelta("d1", 3, [out], finished=step == 3))
+        got = await _drain(servicer, _Context())
+        assert len(got) == 1 and got[0].finished and got[0].request_id == "d1"
+        assert list(got[0].outputs[0].token_ids) == [10, 11, 12, 13] and got[0].outputs[0].text == "t0t1t2t3"
+        assert got[0].outputs[0].completion_tokens == 4
+        assert got[0].outputs[0].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    asyncio.run(go())
+
+
+def test_the_schedulers_own_stream_raises_an_error_after_the_tokens_before_it(monkeypatch):
+    async def go():
+        request, servicer = _direct_stream(monkeypatch)
+        for step in range(2):
+            request.queue.put_nowait(RequestDelta("d1", 3, [OutputDelta(0, [step], "x")]))
+        request.queue.put_nowait(RequestDelta("d1", 3, error="executor lost", unavailable=True))
+        context = _Context()
+        got = await _drain(servicer, context)
+        assert [list(r.outputs[0].token_ids) for r in got] == [[0, 1]]
+        assert context.aborted == (grpc.StatusCode.UNAVAILABLE, "executor lost")
+    asyncio.run(go())
