@@ -68,6 +68,7 @@ class LinkCall:
             event = queue.get_nowait()
             if event is None or (event.end and event.code):  # an error: raised after what came before
                 self._held = event
+                self.done = True  # (the stream is over: closing it now cancels nothing)
                 break
             append_response(response, event.response)
             self.done = event.end

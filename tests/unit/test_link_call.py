@@ -153,6 +153,18 @@ def test_an_error_comes_after_the_tokens_queued_before_it(broken):
     asyncio.run(go())
 
 
+def test_a_call_closed_before_its_held_error_is_read_cancels_nothing():
+    async def go():
+        link = FakeLink()
+        call = LinkCall(link, generation_pb2.GenerateRequest())
+        link.queue.put_nowait(_event(_response([_delta(0, [1], "x", count=1)], request_id="r")))
+        link.queue.put_nowait(_event(end=True, code=grpc.StatusCode.INTERNAL.value[0], message="boom"))
+        assert list((await call.next()).outputs[0].token_ids) == [1]
+        call.close()  # the client left: the scheduler already ended the stream
+        assert link.closed == [(3, False)]
+    asyncio.run(go())
+
+
 def test_closing_an_unfinished_call_cancels_it():
     async def go():
         link = FakeLink()
