@@ -142,9 +142,10 @@ class HttpApi:
 
     async def _answer(self, request: Request, exchange: Exchange, generate_requests: list) -> Response:
         calls: list[LinkCall] = []
+        client = http_client(request)
         try:
             for generate_request in generate_requests:
-                calls.append(LinkCall(self.link, generate_request))
+                calls.append(LinkCall(self.link, generate_request, client=client))
             if exchange.body.stream:
                 # the first response of each call before the headers: a refused request is a 400, not a stream
                 firsts = await _first_responses(calls)
@@ -168,6 +169,14 @@ class HttpApi:
 
     async def _metrics(self, request: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+def http_client(request: Request) -> str:
+    """Who made an HTTP request, for the scheduler's per-client admission limit
+    (--max-requests-per-client): its connection, as a gRPC client is its peer (one keep-alive
+    connection is one client). Without it every HTTP client of a front-end would be one client."""
+    peer = request.client
+    return f"http:{peer.host}:{peer.port}" if peer is not None else ""
 
 
 async def _first_responses(calls: list[LinkCall]) -> list:

@@ -39,6 +39,7 @@ class ScriptedLink:
         self.script, self.up = script, True
         self.requests: list = []
         self.apis: list[str] = []  # the api each stream was opened with
+        self.clients: list[str] = []  # and the client
         self.open_streams: set[int] = set()
         self.cancelled: list[int] = []
 
@@ -48,6 +49,7 @@ class ScriptedLink:
         stream_id = len(self.requests)
         self.requests.append(request)
         self.apis.append(api)
+        self.clients.append(client)
         queue: asyncio.Queue = asyncio.Queue()
         for event in self.script(request):
             queue.put_nowait(event)
@@ -262,3 +264,18 @@ def test_a_chat_template_is_compiled_once_per_source():
     assert after.hits == before.hits + 1 and after.misses == before.misses
     with pytest.raises(ValueError, match="refused"):
         ChatTemplate("{% if %}").render([])  # a broken template: an error, not a cached failure
+
+
+def test_each_http_connection_is_its_own_client_for_the_admission_limit():
+    """The scheduler's --max-requests-per-client counts an HTTP client by its connection, as a gRPC
+    client by its peer; every prompt of one request is the same client's."""
+    api, link = make_api()
+
+    async def go(port):
+        transport = httpx.ASGITransport(app=api.app, client=("10.1.2.3", port))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post("/v1/completions", json={**COMPLETION, "prompt": ["x", "y"]})
+
+    assert asyncio.run(go(4001)).status_code == 200
+    assert asyncio.run(go(4002)).status_code == 200
+    assert link.clients == ["http:10.1.2.3:4001"] * 2 + ["http:10.1.2.3:4002"] * 2
