@@ -59,6 +59,16 @@ def prefill_tile_starts(query_start_loc: torch.Tensor) -> torch.Tensor:
 # ---- programmatic dependent launch (PDL, sm_90+): a kernel's programs start while the one before ends ----
 
 PDL_ENV = "PAGEDSERVE_PDL"  # "0": launch every kernel plainly (for comparisons)
+# A comma-separated list of the decode path's kernels to launch plainly while the rest keep PDL (names:
+# PDL_KERNELS; "" = every one with PDL). Set, it alone decides; unset, the default rule holds: a
+# decode-only paged-attention launch of fewer than PDL_ATTENTION_MIN_SEQS sequences launches plainly.
+# Why (H200, llama3-8b, decode graphs at 800 positions, docs/benchmarks.md round 18): with every kernel
+# chained by PDL, graphs of 40-64 sequences ran 4-7 % longer than with none, and launching any one kind
+# of kernel of a layer plainly took most of that back, attention the most (16 sequences kept PDL's
+# gain); attention launched plainly at 96-256 sequences was 1.2-1.5 % slower than with PDL.
+PDL_OFF_ENV = "PAGEDSERVE_PDL_OFF"
+PDL_KERNELS = ("skinny", "rms_norm", "rotary_cache", "attention", "reduce")
+PDL_ATTENTION_MIN_SEQS = 96
 
 
 @functools.cache
@@ -68,26 +78,44 @@ def _pdl_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl(device: torch.device) -> bool:
+@functools.cache
+def _pdl_off_kernels(value: str) -> frozenset[str]:
+    names = frozenset(name.strip() for name in value.split(",") if name.strip())
+    unknown = sorted(names - set(PDL_KERNELS))
+    if unknown:
+        raise ValueError(
+            f"{PDL_OFF_ENV}: unknown kernel(s) {', '.join(unknown)}; known: {', '.join(PDL_KERNELS)}"
+        )
+    return names
+
+
+def pdl(device: torch.device, kernel: str | None = None, num_seqs: int | None = None) -> bool:
     """Whether the decode path's Triton kernels (the skinny GEMMs, RMSNorm, rotary + cache write,
     paged attention and its split reduce) launch on `device` with programmatic dependent launch.
 
-    Launched so, a kernel's programs may become resident before the kernel ahead of it in the stream
-    has finished; each program first waits (`griddepcontrol.wait`, every program, before any load of
-    a value an earlier kernel may write and before any store) for that kernel to complete and its
-    writes to be visible, then lets the next kernel launch. So the order of a step's effects is the
-    order of its launches, as without PDL (a kernel that completes has waited for the one before,
-    so the chain holds across kernels launched plainly, cuBLAS's or torch's, too); what overlaps is
-    the launch and a program's set-up, and in the skinny GEMM the prefetch of its first weight
-    columns into L2 (the weights are never written by a step). On for Hopper and later GPUs, tensor-parallel
-    ranks included (an NCCL kernel is launched plainly, so it waits for the kernel before it to
-    complete, and a PDL kernel after it waits for it); off on other devices, on the CPU and under the
-    Triton interpreter, and with PAGEDSERVE_PDL=0. How we know it works: the GPU tests of every
-    kernel and model run with it on (the default), a two-GPU rank gives the same logits with it on
-    and off (tests/gpu/test_tensor_parallel_gpu.py), and
-    `clients.bench.step` prints a decode step's graph time with and without it (docs/benchmarks.md,
-    round 12)."""
+    Launched so, a kernel's programs may become resident before the kernel ahead of it in the stream has
+    finished; each program first waits (`griddepcontrol.wait`, every program, before any load of a value
+    an earlier kernel may write and before any store) for that kernel to complete and its writes to be
+    visible, then lets the next kernel launch. So the order of a step's effects is the order of its
+    launches, as without PDL (a kernel that completes has waited for the one before, so the chain holds
+    across kernels launched plainly, cuBLAS's or torch's, too); what overlaps is the launch and a
+    program's set-up, and in the skinny GEMM the prefetch of its first weight columns into L2 (the weights
+    are never written by a step). On for Hopper and later GPUs, tensor-parallel ranks included (an NCCL
+    kernel is launched plainly, so it waits for the kernel before it to complete, and a PDL kernel after
+    it waits for it); off on other devices, on the CPU and under the Triton interpreter, and with
+    PAGEDSERVE_PDL=0; `kernel` (one of PDL_KERNELS) is launched plainly where PAGEDSERVE_PDL_OFF names it;
+    `num_seqs` (attention's decode-only launches): fewer than PDL_ATTENTION_MIN_SEQS launch plainly while
+    PAGEDSERVE_PDL_OFF is unset. How we know it works: the GPU tests of every kernel and model run with it
+    on (the default), a two-GPU rank gives the same logits with it on and off
+    (tests/gpu/test_tensor_parallel_gpu.py), and `clients.bench.step` prints a decode step's graph time
+    with and without it (docs/benchmarks.md, rounds 12 and 18)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    listed = os.environ.get(PDL_OFF_ENV)
+    if listed is None:
+        if kernel == "attention" and num_seqs is not None and num_seqs < PDL_ATTENTION_MIN_SEQS:
+            return False
+    elif kernel is not None and kernel in _pdl_off_kernels(listed):
         return False
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 

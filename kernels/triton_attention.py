@@ -805,7 +805,7 @@ def paged_attention(
             BLOCK_ADDR=sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0,
         )
 
-    on = pdl(query.device)
+    on = pdl(query.device, "attention", num_seqs if is_decode and not skip_decode else None)
     f32 = dict(dtype=torch.float32, device=query.device)
     part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32) if split else out
     part_max = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
@@ -828,10 +828,11 @@ def paged_attention(
         PDL=on, **pdl_launch(on),
     )
     if split:
+        on_reduce = pdl(query.device, "reduce")
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_max, part_sum, num_heads, num_splits, head_dim, out.stride(0), out.stride(1),
             S_PAD=triton.next_power_of_2(num_splits), D_PAD=d_pad, num_warps=4,
-            PDL=on, **pdl_launch(on),
+            PDL=on_reduce, **pdl_launch(on_reduce),
         )
     if skip_decode:  # after the split reduce, which writes every row of the step (the decode rows too)
         paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, 1,

@@ -65,7 +65,7 @@ def rms_norm(x, weight, eps, residual=None):
         return y, res_out
     block = triton.next_power_of_2(dim)
     res = residual if residual is not None else x
-    on = pdl(x.device)
+    on = pdl(x.device, "rms_norm")
     _rms_norm_kernel[(num_tokens,)](
         x, res, weight, y, res_out,
         x.stride(0), res.stride(0), y.stride(0), res_out.stride(0),
@@ -252,7 +252,7 @@ def rotary_and_cache(
     heads = min(triton.next_power_of_2(max(num_heads, num_kv_heads)), max(1, 512 // half_pad))
     num_q_blocks = triton.cdiv(num_heads, heads)
     grid = (num_tokens, num_q_blocks + triton.cdiv(num_kv_heads, heads))
-    on = pdl(query.device)
+    on = pdl(query.device, "rotary_cache")
     _rotary_and_cache_kernel[grid](
         query, key, value, query_out, key_cache, value_cache, positions, slot_mapping, cos_cache, sin_cache,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),

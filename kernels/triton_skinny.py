@@ -135,7 +135,7 @@ def _launch(x, weight, bias, out, n, gated, config):
     cfg = config or skinny_config(num_rows, n, k, gated)
     block_m = max(16, triton.next_power_of_2(num_rows))
     upcast = not x.is_cuda and x.dtype != torch.float32
-    on = pdl(x.device)
+    on = pdl(x.device, "skinny")
     line = 128 // weight.element_size()  # elements of a 128-byte L2 line
     lines = 1 << (max(1, min(PREFETCH_K, k) // line).bit_length() - 1) if on and PREFETCH_K > 0 else 0
     _skinny_kernel[(triton.cdiv(n, cfg.block_n),)](

@@ -189,3 +189,27 @@ def test_pdl_only_on_a_gpu_and_not_when_turned_off(monkeypatch):
         assert not kernels.pdl(torch.device("cuda", 0))
     finally:
         kernels._pdl_on.cache_clear()
+
+
+def test_pdl_per_kernel_list_and_the_small_decode_attention_rule(monkeypatch):
+    """PAGEDSERVE_PDL_OFF unset: only a decode-only attention launch of fewer than
+    PDL_ATTENTION_MIN_SEQS sequences goes plainly; set, its list alone decides; an unknown name is
+    refused with the known ones. (The GPU itself is faked: `_pdl_on` answers for a Hopper.)"""
+    import kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(kernels.PDL_OFF_ENV, raising=False)
+    monkeypatch.setattr(kernels, "_pdl_on", lambda index: True)
+    gpu = torch.device("cuda", 0)
+    small, big = kernels.PDL_ATTENTION_MIN_SEQS - 1, kernels.PDL_ATTENTION_MIN_SEQS
+    assert kernels.pdl(gpu) and kernels.pdl(gpu, "skinny", small) and kernels.pdl(gpu, "reduce", small)
+    assert not kernels.pdl(gpu, "attention", small)
+    assert kernels.pdl(gpu, "attention", big) and kernels.pdl(gpu, "attention")  # None: a mixed launch
+    monkeypatch.setenv(kernels.PDL_OFF_ENV, "")  # every kernel with PDL, the rule too
+    assert kernels.pdl(gpu, "attention", small)
+    monkeypatch.setenv(kernels.PDL_OFF_ENV, " rms_norm, attention ")
+    assert not kernels.pdl(gpu, "attention", big) and not kernels.pdl(gpu, "rms_norm")
+    assert kernels.pdl(gpu, "skinny") and kernels.pdl(gpu)
+    monkeypatch.setenv(kernels.PDL_OFF_ENV, "attention,gemm")
+    with pytest.raises(ValueError, match="unknown kernel.*gemm.*known: skinny"):
+        kernels.pdl(gpu, "attention")
