@@ -165,7 +165,7 @@ def _delta_from_pb(msg: generation_pb2.GenerateResponse) -> GenerationDelta:
     if msg.HasField("metrics"):
         m = msg.metrics
         metrics = RequestMetrics(m.queue_time_s, m.time_to_first_token_s, m.e2e_latency_s, m.num_preemptions,
-                                 m.cached_prompt_tokens)
+                                 m.cached_prompt_tokens, m.api_time_to_first_token_s)
     return GenerationDelta(msg.request_id, tuple(outputs), msg.prompt_tokens, msg.finished, metrics)
 
 

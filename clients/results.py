@@ -34,18 +34,21 @@ class OutputDelta:
 @dataclass(frozen=True, slots=True)
 class RequestMetrics:
     """How the server handled the request (on the last message): seconds from its arrival at the
-    scheduler, its preemptions, and the prompt tokens it found in the prefix cache."""
+    scheduler, its preemptions, the prompt tokens it found in the prefix cache, and the time to first
+    token that the API server taking the call measured from receiving it (0.0: none was sent)."""
 
     queue_time_s: float
     time_to_first_token_s: float
     e2e_latency_s: float
     num_preemptions: int
     cached_prompt_tokens: int
+    api_time_to_first_token_s: float = 0.0
 
     def to_json_dict(self) -> dict:
         return {"queue_time_s": self.queue_time_s, "time_to_first_token_s": self.time_to_first_token_s,
                 "e2e_latency_s": self.e2e_latency_s, "num_preemptions": self.num_preemptions,
-                "cached_prompt_tokens": self.cached_prompt_tokens}
+                "cached_prompt_tokens": self.cached_prompt_tokens,
+                "api_time_to_first_token_s": self.api_time_to_first_token_s}
 
 
 @dataclass(frozen=True, slots=True)

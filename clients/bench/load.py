@@ -9,7 +9,11 @@ sampled over gRPC either way.
 `processes` > 1 spreads the requests over that many load-generator processes (request i to process
 i mod K, each with its own connection, all timed from one start): one Python process reads a few
 tens of thousands of stream messages a second, which a small model's server outruns; with
-`serve --api-frontends N` the connections also spread over the front-end processes.
+`serve --api-frontends N` the connections also spread over the front-end processes. `auto_processes`
+is bench's default: one process per STREAMS_PER_PROCESS requests arriving within a second of each
+other. One event loop that starts a hundred calls at once while it reads the streams already open
+delays some first tokens by seconds (docs/benchmarks.md round 17: with 4 processes for a burst of 400
+requests, first tokens up to 3.9 s late in 14 of 31 runs; with 12, at most 175 ms in 3 of 3).
 
 Every request ignores EOS and asks for exactly its `max_tokens`, so the number of output tokens is
 fixed by the workload. A run's `Decoding` applies to every request: greedy (the default); `n` > 1
@@ -36,6 +40,10 @@ from clients.results import ServerStats
 from scheduler_svc.sim.workloads import RequestSpec
 
 STATS_PERIOD_S = 0.2
+MAX_PROCESSES = 64
+STREAMS_PER_PROCESS = 32  # requests a load process starts at once (module docstring)
+BURST_WINDOW_S = 1.0
+SERVER_CORES = 3  # left to the servers bench launches (executor, scheduler, API front-end)
 PROGRESS_PERIOD_S = 0.5
 
 
@@ -79,7 +87,8 @@ class RequestRecord:
     error: str | None = None
     num_outputs: int = 1  # counted outputs (n samples, or the best beam)
     # The server's RequestMetrics from the stream's last message (gRPC only): queue time, time to
-    # first token and end-to-end from its arrival at the scheduler (s), preemptions, cached tokens.
+    # first token and end-to-end from its arrival at the scheduler (s), preemptions, cached tokens,
+    # and the API server's own time to first token (s, 0.0: not measured).
     server: list | None = None
 
     @property
@@ -170,7 +179,7 @@ async def _one_request(
             m = delta.metrics
             if m is not None:
                 record.server = [m.queue_time_s, m.time_to_first_token_s, m.e2e_latency_s, m.num_preemptions,
-                                 m.cached_prompt_tokens]
+                                 m.cached_prompt_tokens, m.api_time_to_first_token_s]
     except Exception as err:  # noqa: BLE001 - reported per request, the run goes on
         record.error = f"{type(err).__name__}: {err}"
     progress.update(done=1)
@@ -236,6 +245,20 @@ async def _poll_stats(client: AsyncClient, samples: list[StatsSample], stop: asy
         samples.append(_sample(await client.stats()))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), STATS_PERIOD_S)
+
+
+def auto_processes(requests: list[RequestSpec], cpu_count: int | None = None) -> int:
+    """Load processes for `requests`: one per STREAMS_PER_PROCESS of the most requests that arrive
+    within BURST_WINDOW_S of each other (all of them in an offline run, whose requests arrive at 0),
+    at most the machine's cores less SERVER_CORES and MAX_PROCESSES, at least 1."""
+    times = sorted(r.arrival_time_s for r in requests)
+    peak, first = 0, 0
+    for last, t in enumerate(times):
+        while times[first] < t - BURST_WINDOW_S:
+            first += 1
+        peak = max(peak, last - first + 1)
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return max(1, min(-(-peak // STREAMS_PER_PROCESS), cores - SERVER_CORES, MAX_PROCESSES))
 
 
 async def run_load(

@@ -97,8 +97,11 @@ def server_side(done: list[RequestRecord]) -> dict:
     """What the server's RequestMetrics (gRPC streams) say of the finished requests: its queue time
     and time to first token (from each request's arrival at the scheduler); the lag, the client's
     time to first token less the server's (the request on its way in, and its first token on its way
-    out: load generator, front-end, network); and the slowest first token taken apart. Empty when no
-    record has them (the HTTP API)."""
+    out: load generator, front-end, network), and where the API server measured its own time to
+    first token, that lag in two: `client_api_lag_ms` (the client's TTFT less the API server's: the
+    load generator, the network, the API server's accept and its sending) and `api_engine_lag_ms`
+    (the API server's less the scheduler's: an API front-end's link both ways); and the slowest first
+    token taken apart. Empty when no record has them (the HTTP API)."""
     timed = [r for r in done if r.server is not None and r.token_times_s]
     if not timed:
         return {}
@@ -107,19 +110,29 @@ def server_side(done: list[RequestRecord]) -> dict:
     lag = [r.token_times_s[0] - r.arrival_s - r.server[1] for r in timed]
     slowest = max(timed, key=lambda r: r.token_times_s[0] - r.arrival_s)
     client_ttft = slowest.token_times_s[0] - slowest.arrival_s
+    split = {}
+    api_timed = [r for r in timed if len(r.server) > 5 and r.server[5] > 0]
+    if api_timed:
+        client_api = [r.token_times_s[0] - r.arrival_s - r.server[5] for r in api_timed]
+        api_engine = [r.server[5] - r.server[1] for r in api_timed]
+        split = {name: {"p50": _ms(percentile(v, 50)), "p99": _ms(percentile(v, 99)), "max": _ms(max(v))}
+                 for name, v in (("client_api_lag_ms", client_api), ("api_engine_lag_ms", api_engine))}
+    slow_api = slowest.server[5] if len(slowest.server) > 5 and slowest.server[5] > 0 else None
     return {"server": {
         "queue_time_ms": {"p50": _ms(percentile(queue, 50)), "p99": _ms(percentile(queue, 99)),
                           "max": _ms(max(queue))},
         "ttft_ms": {"p50": _ms(percentile(server_ttft, 50)), "p99": _ms(percentile(server_ttft, 99))},
         "ttft_lag_ms": {"p50": _ms(percentile(lag, 50)), "p99": _ms(percentile(lag, 99)),
                         "max": _ms(max(lag))},
+        **split,
         "preempted_requests": sum(1 for r in timed if r.server[3]),
         "cached_prompt_tokens": sum(r.server[4] for r in timed),
         "slowest_first_token": {"client_ttft_ms": _ms(client_ttft), "server_queue_ms": _ms(slowest.server[0]),
                                 "server_ttft_ms": _ms(slowest.server[1]),
                                 "lag_ms": _ms(client_ttft - slowest.server[1]),
                                 "send_delay_ms": _ms(slowest.sent_s - slowest.arrival_s),
-                                "preemptions": slowest.server[3]},
+                                "preemptions": slowest.server[3],
+                                **({"api_ttft_ms": _ms(slow_api)} if slow_api is not None else {})},
     }}
 
 

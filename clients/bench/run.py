@@ -42,6 +42,7 @@ import sys
 import tempfile
 
 from clients.bench.goodput import Slo, read_goodput, search_goodput
+from clients.bench.load import MAX_PROCESSES
 from clients.bench.peers import PEERS, add_ideal, peer_size, run_peers
 from clients.bench.repeat import add_repeat_arguments, run_repeat
 from clients.bench.serving import (
@@ -100,10 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "server gets --http-port), or both in turn on one server (default: grpc)")
         sub.add_argument("--http-url", default=None,
                          help="with --server and --endpoint openai: the server's HTTP API, http://HOST:PORT")
-        sub.add_argument("--client-processes", type=int, default=1,
+        sub.add_argument("--client-processes", type=int, default=None,
                          help="load-generator processes the requests are spread over, each with its own "
                               "connection (clients/bench/load.py; one Python process reads a few tens of "
-                              "thousands of stream messages a second)")
+                              "thousands of stream messages a second). Default: one per 32 requests that "
+                              "arrive within a second of each other, at most the cores less 3")
         if mode == "throughput":
             sub.add_argument("--prefixes", default="", help="also run the first K requests, e.g. 32,100")
             sub.add_argument("--compare", default="", help=f"peers to run after ours: {','.join(PEERS)}")
@@ -145,7 +147,7 @@ def _add_goodput_arguments(sub: argparse.ArgumentParser) -> None:
 # ---- the command ---------------------------------------------------------------------------------
 
 
-MAX_CLIENT_PROCESSES = 64
+MAX_CLIENT_PROCESSES = MAX_PROCESSES
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -160,8 +162,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return str(err)
     if args.requests < 1:
         return f"--requests must be >= 1, got {args.requests}"
-    processes = getattr(args, "client_processes", 1)
-    if not 1 <= processes <= MAX_CLIENT_PROCESSES:
+    processes = getattr(args, "client_processes", None)
+    if processes is not None and not 1 <= processes <= MAX_CLIENT_PROCESSES:
         return f"--client-processes must be in [1, {MAX_CLIENT_PROCESSES}], got {processes}"
     duration = getattr(args, "max_duration_s", None)
     if duration is not None and not (math.isfinite(duration) and duration > 0):

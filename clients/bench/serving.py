@@ -14,7 +14,7 @@ import pathlib
 import subprocess
 import sys
 
-from clients.bench.load import Decoding, run_load
+from clients.bench.load import Decoding, auto_processes, run_load
 from clients.bench.report import gpu_idle, read_step_trace, summarize
 from clients.cli import serve as launcher
 from clients.cli.supervise import executor_credential
@@ -88,10 +88,10 @@ def run_ours(
 ) -> dict:
     """steps_out: where given, the run's steps from the trace are appended to it."""
     show = not args.no_progress
+    processes = getattr(args, "client_processes", None) or auto_processes(requests)
     run = asyncio.run(run_load(target, requests, label, show_progress=show, decoding=decoding_of(args),
-                               processes=getattr(args, "client_processes", 1),
-                               http_url=_http_url(args, endpoint)))
-    summary = {"label": label, "endpoint": endpoint, **summarize(run)}
+                               processes=processes, http_url=_http_url(args, endpoint)))
+    summary = {"label": label, "endpoint": endpoint, "client_processes": processes, **summarize(run)}
     if os.path.exists(trace_path) and not args.server:
         steps = read_step_trace(trace_path, run.start_s, run.end_s)
         summary["gpu_idle"] = gpu_idle(steps, min(args.max_num_seqs, IDLE_DECODE_BATCH),

@@ -42,7 +42,17 @@ def format_table(result: dict) -> str:
                 f"{server['ttft_lag_ms']['p99']:.1f}/{server['ttft_lag_ms']['max']:.1f} ms; slowest first "
                 f"token {slow['client_ttft_ms']:.1f} ms = server {slow['server_ttft_ms']:.1f} (queue "
                 f"{slow['server_queue_ms']:.1f}) + lag {slow['lag_ms']:.1f}"
+                + (f"; load processes {r['client_processes']}" if "client_processes" in r else "")
             )
+            if "client_api_lag_ms" in server:
+                ca, ae = server["client_api_lag_ms"], server["api_engine_lag_ms"]
+                lines.append(
+                    f"{'':>12} that lag, client to API server p50/p99/max {ca['p50']:.1f}/{ca['p99']:.1f}/"
+                    f"{ca['max']:.1f} ms, API server to scheduler {ae['p50']:.1f}/{ae['p99']:.1f}/"
+                    f"{ae['max']:.1f} ms"
+                    + (f"; slowest first token at the API server {slow['api_ttft_ms']:.1f} ms"
+                       if "api_ttft_ms" in slow else "")
+                )
         full = r.get("gpu_idle", {})
         if "wall_after_last_step_ms" in full:
             lines.append(

@@ -37,7 +37,7 @@ from scheduler_svc.frontend.link_call import LinkCall
 from scheduler_svc.frontend.token_lane import TokenLane
 from scheduler_svc.wire.client_identity import CLIENT_KEY, DEFAULT_API
 from scheduler_svc.wire.collector import freeze_startup_heap
-from scheduler_svc.wire.convert import maps_errors
+from scheduler_svc.wire.convert import FirstTokenClock, maps_errors
 from scheduler_svc.wire.errors import RelayedError, ResourceExhaustedError, ServiceUnavailableError
 from scheduler_svc.wire.grpc_serving import (
     MAX_MESSAGE_BYTES,
@@ -205,11 +205,12 @@ class FrontendServicer(generation_pb2_grpc.GenerationServicer):
 
     @maps_errors()
     async def Generate(self, request, context):
+        clock = FirstTokenClock()
         check_decoded(request)
         call = LinkCall(self._link, request, client=context.peer(), api=DEFAULT_API)
         try:
             while (response := await call.next()) is not None:
-                yield response
+                yield clock.stamp(response)
         finally:
             call.close()
 

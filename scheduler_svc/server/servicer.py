@@ -13,7 +13,7 @@ from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine.engine import Engine, RequestStream
 from scheduler_svc.engine.outputs import OutputDelta, RequestDelta, RequestMetrics
 from scheduler_svc.wire.client_identity import DEFAULT_API, client_of
-from scheduler_svc.wire.convert import append_response, maps_errors, sampling_params_from_pb
+from scheduler_svc.wire.convert import FirstTokenClock, append_response, maps_errors, sampling_params_from_pb
 from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.request_decoding import check_decoded
 
@@ -100,6 +100,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @maps_errors()
     async def Generate(self, request, context):
+        clock = FirstTokenClock()
         check_decoded(request)
         stream = await add_request_from_pb(self._engine, request, client_of(context))
         finished = False
@@ -111,7 +112,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 while not finished and (later := stream.ready_delta()) is not None:  # fell behind: fold
                     finished = later.finished
                     append_response(response, request_delta_to_pb(later))
-                yield response
+                yield clock.stamp(response)
         finally:
             if not finished:  # cancelled by the client, or the stream broke: free the request
                 stream.abort()

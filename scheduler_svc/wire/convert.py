@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable, Mapping
 from itertools import chain, islice
 from operator import attrgetter
@@ -313,6 +314,26 @@ def append_response(into: generation_pb2.GenerateResponse, later: generation_pb2
     into.finished = later.finished
     if later.HasField("metrics"):
         into.metrics.CopyFrom(later.metrics)
+
+
+class FirstTokenClock:
+    """One call's time to first token as the API server that took it sees it
+    (RequestMetrics.api_time_to_first_token_s): started when its handler receives the call; `stamp`,
+    on each message just before it is sent, notes the first that carries output tokens and writes the
+    figure into the last one's metrics (0.0 when no token was sent)."""
+
+    __slots__ = ("_start_s", "_first_s")
+
+    def __init__(self) -> None:
+        self._start_s = time.perf_counter()
+        self._first_s = 0.0
+
+    def stamp(self, response: generation_pb2.GenerateResponse) -> generation_pb2.GenerateResponse:
+        if not self._first_s and any(out.token_ids or out.text for out in response.outputs):
+            self._first_s = max(time.perf_counter() - self._start_s, 1e-9)
+        if response.HasField("metrics"):
+            response.metrics.api_time_to_first_token_s = self._first_s
+        return response
 
 
 CallerErrors = Mapping[type[BaseException], str]  # exception types that are not ApiErrors -> status name

@@ -283,6 +283,7 @@ def test_bench_throughput_end_to_end_with_peers(config_only_model, tmp_path, cap
         server = run["server"]  # every gRPC stream's last message had the server's RequestMetrics
         assert 0 <= server["queue_time_ms"]["p50"] <= server["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
         assert server["ttft_lag_ms"]["p50"] >= 0
+        assert run["client_processes"] == 1  # the default: 6 requests at once need one load process
     by_size = {r["num_requests"]: r for r in result["runs"]}
     peers = {p["peer"]: p for p in result["peers"]}
     assert peers["hf-static"]["num_requests"] == 3 and peers["hf-cb"]["num_requests"] == 6
@@ -293,6 +294,7 @@ def test_bench_throughput_end_to_end_with_peers(config_only_model, tmp_path, cap
         ratio_all = by_size[6]["output_tok_s"] / peer["output_tok_s"]
         assert peer["ratio_ours_all"] == pytest.approx(ratio_all, rel=0.02)
     assert "hf-cb on the first 6 requests" in table and "ours[6]" in table and "server side: queue" in table
+    assert "; load processes 1" in table
     assert "ours on all 6 requests" in table  # hf-static ran on 3 of them
 
 
@@ -342,6 +344,7 @@ def test_bench_throughput_over_client_processes_front_ends_and_two_plans_ahead(c
     assert run["num_failed"] == 0 and run["output_tokens"] == run["expected_output_tokens"] > 0
     assert run["num_requests"] == 7 and 0 < run["ttft_ms"]["p50"] < run["wall_s"] * 1e3
     assert run["server"]["ttft_ms"]["p50"] > 0  # the load processes pass the RequestMetrics on
+    assert run["client_processes"] == 3
 
 
 def test_bench_refuses_a_bad_number_of_processes(config_only_model):

@@ -95,7 +95,10 @@ def test_sync_client_stream_generate_and_info(stack):
     m = whole.metrics
     assert m is not None and 0 <= m.queue_time_s <= m.time_to_first_token_s <= m.e2e_latency_s < 60
     assert m.num_preemptions == 0 and m.cached_prompt_tokens % 16 == 0
+    # measured by the scheduler's API servicer from receiving the call: spans the engine's TTFT
+    assert m.time_to_first_token_s - 1e-6 <= m.api_time_to_first_token_s < m.e2e_latency_s + 1.0
     assert whole.to_json_dict()["metrics"]["e2e_latency_s"] == m.e2e_latency_s
+    assert whole.to_json_dict()["metrics"]["api_time_to_first_token_s"] == m.api_time_to_first_token_s
 
 
 def test_async_client_matches_sync_for_seeded_parallel_samples(stack):

@@ -254,3 +254,33 @@ def test_the_schedulers_own_stream_raises_an_error_after_the_tokens_before_it(mo
         assert [list(r.outputs[0].token_ids) for r in got] == [[0, 1]]
         assert context.aborted == (grpc.StatusCode.UNAVAILABLE, "executor lost")
     asyncio.run(go())
+
+
+def test_the_api_servers_first_token_clock(monkeypatch):
+    """FirstTokenClock: the time from the handler's start to the first message with output tokens
+    (text alone counts), written into the last message's metrics and nowhere else; 0.0 when the
+    stream ended without a token."""
+    from scheduler_svc.wire import convert
+
+    now = [100.0]
+    monkeypatch.setattr(convert.time, "perf_counter", lambda: now[0])
+    clock = convert.FirstTokenClock()
+    now[0] = 100.5
+    empty = generation_pb2.GenerateResponse(request_id="r", prompt_tokens=3)
+    empty.outputs.add(index=0)
+    assert not clock.stamp(empty).HasField("metrics")
+    now[0] = 101.25
+    first = generation_pb2.GenerateResponse()
+    first.outputs.add(index=0, text="Hi")  # a text-only delta is the first token too
+    clock.stamp(first)
+    now[0] = 107.0
+    last = generation_pb2.GenerateResponse(finished=True)
+    last.outputs.add(index=0, token_ids=[5])
+    last.metrics.time_to_first_token_s = 0.75
+    assert clock.stamp(last) is last and not first.HasField("metrics")
+    assert last.metrics.api_time_to_first_token_s == pytest.approx(1.25)
+    assert last.metrics.time_to_first_token_s == 0.75  # the scheduler's figure untouched
+    silent = convert.FirstTokenClock()
+    ended = generation_pb2.GenerateResponse(finished=True)
+    ended.metrics.e2e_latency_s = 1.0
+    assert silent.stamp(ended).metrics.api_time_to_first_token_s == 0.0

@@ -95,18 +95,20 @@ class OutputDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., completion_tokens: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("queue_time_s", "time_to_first_token_s", "e2e_latency_s", "num_preemptions", "cached_prompt_tokens")
+    __slots__ = ("queue_time_s", "time_to_first_token_s", "e2e_latency_s", "num_preemptions", "cached_prompt_tokens", "api_time_to_first_token_s")
     QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     E2E_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    API_TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     queue_time_s: float
     time_to_first_token_s: float
     e2e_latency_s: float
     num_preemptions: int
     cached_prompt_tokens: int
-    def __init__(self, queue_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., e2e_latency_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    api_time_to_first_token_s: float
+    def __init__(self, queue_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., e2e_latency_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., api_time_to_first_token_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "outputs", "prompt_tokens", "finished", "metrics")
