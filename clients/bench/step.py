@@ -10,7 +10,8 @@ decode at `--context` positions through random block tables over a cache of rand
 `--kernels`: GPU time per step of each kernel (torch.profiler over 10 forward passes, graph and
 eager), the largest first. `--pipeline`: the executor's host time per step as a server runs it
 (`Worker.launch` of step i+1 before `Worker.finish` of step i, plans with placeholder tokens), and
-the wall time per step; the host keeps up when its time is below the GPU's step.
+the wall time per step; the host keeps up when its time is below the GPU's step. Two variants of
+the code (environment settings) are compared over several processes with `clients.bench.ab`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,58 @@
+"""clients/bench/ab.py: variants alternate A B, B A, ... in their own processes with their own
+environment; the summary's medians and ratios come from the rounds; bad variants and failing
+commands are reported, not summarized."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from clients.bench import ab
+
+# prints two rows whose value is batch x $F, and logs which variant ran to $LOG
+FAKE = [sys.executable, "-c",
+        "import json, os\n"
+        "f = float(os.environ.get('F', '1'))\n"
+        "open(os.environ['LOG'], 'a').write(os.environ.get('TAG', '-') + '\\n')\n"
+        "print('warming up')\n"
+        "for b in (16, 48):\n"
+        "    print(json.dumps({'batch': b, 'graph_forward_gpu_ms': b * f, 'other': 1}))\n"]
+
+
+def test_variants_alternate_and_the_summary_gives_medians_and_ratios(tmp_path, monkeypatch):
+    log = tmp_path / "log"
+    monkeypatch.setenv("LOG", str(log))
+    variants = [ab.parse_variant("base:TAG=a,F=1"), ab.parse_variant("fast:TAG=b,F=0.9")]
+    results = ab.run_rounds(FAKE, variants, 3, "batch", "graph_forward_gpu_ms")
+    assert log.read_text().split() == ["a", "b", "b", "a", "a", "b"]
+    assert results["base"] == [{"16": 16.0, "48": 48.0}] * 3
+    table = ab.summarize(results)
+    assert [row["key"] for row in table] == ["16", "48"]
+    assert table[1]["fast"] == pytest.approx(43.2) and table[1]["fast/base"] == pytest.approx(0.9)
+    assert table[0]["fast/base range"] == pytest.approx((0.9, 0.9))
+    text = ab.format_summary(table, ["base", "fast"], "graph_forward_gpu_ms")
+    assert "fast/base 0.900 (0.900-0.900)" in text
+
+
+def test_the_command_line_writes_the_rounds_and_refuses_bad_input(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LOG", str(tmp_path / "log"))
+    out = tmp_path / "ab.json"
+    flags = ["--variant", "a:F=2", "--variant", "b:", "--rounds", "2", "--out", str(out)]
+    assert ab.main([*flags, "--", *FAKE]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["variants"] == {"a": {"F": "2"}, "b": {}} and len(saved["rounds"]["a"]) == 2
+    assert saved["summary"][0]["b/a"] == pytest.approx(0.5)
+    with pytest.raises(SystemExit):  # one variant only
+        ab.main(["--variant", "a:", "--", *FAKE])
+    with pytest.raises(SystemExit):
+        ab.main(["--variant", "a:", "--variant", "a:F=1", "--", *FAKE])  # the same name twice
+    with pytest.raises(SystemExit):
+        ab.main(["--variant", "a:NOEQUALS", "--variant", "b:", "--", *FAKE])
+    assert ab.main(["--variant", "a:", "--variant", "b:"]) == 2  # no `--` and no command
+    failing = [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"]
+    assert ab.main(["--variant", "a:", "--variant", "b:", "--", *failing]) == 1
+    assert "exit 3: boom" in capsys.readouterr().err
+    silent = [sys.executable, "-c", "print('no json')"]
+    assert ab.main(["--variant", "a:", "--variant", "b:", "--", *silent]) == 1
