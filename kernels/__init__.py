@@ -89,6 +89,12 @@ def _pdl_off_kernels(value: str) -> frozenset[str]:
     return names
 
 
+def check_pdl_env() -> None:
+    """Refuses (ValueError naming the known kernels) a PAGEDSERVE_PDL_OFF with an unknown name, so
+    an executor says so at its start instead of at its first kernel launch."""
+    _pdl_off_kernels(os.environ.get(PDL_OFF_ENV, ""))
+
+
 def pdl(device: torch.device, kernel: str | None = None, num_seqs: int | None = None) -> bool:
     """Whether the decode path's Triton kernels (the skinny GEMMs, RMSNorm, rotary + cache write,
     paged attention and its split reduce) launch on `device` with programmatic dependent launch.

@@ -89,6 +89,12 @@ MIXED_BUCKETS = tuple(
 )
 
 
+def check_launch_environment() -> None:
+    """The kernels' launch settings from the environment (kernels.check_pdl_env: PAGEDSERVE_PDL_OFF),
+    checked when an executor starts rather than when its graphs are first captured (ValueError)."""
+    kernels.check_pdl_env()
+
+
 def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> tuple[int, ...]:
     """The buckets a server whose steps hold at most `max_batch` sequences (decode) or tokens (mixed)
     can use: those up to the first one that holds max_batch (all of them when none does). Capturing

@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     add_arguments(parser)
     try:
         opts = with_executor_token(from_args(ExecutorOptions, options.parse_args_with_config(parser, argv)))
+        from executor_svc.runner.cuda_graphs import check_launch_environment
+
+        check_launch_environment()
     except (ValueError, OSError) as err:
         parser.exit(2, f"{parser.prog}: {err}\n")
     try:

@@ -111,6 +111,17 @@ def test_an_executor_without_a_token_refuses_to_start(tiny_llama_dir, tmp_path, 
     assert done.returncode == 2 and "missing" in done.stderr
 
 
+def test_an_executor_refuses_an_unknown_kernel_in_pagedserve_pdl_off(tiny_llama_dir):
+    """Said at the start, with the known names, not at the first kernel launch."""
+    import os
+
+    env = {**os.environ, "PAGEDSERVE_PDL_OFF": "attention,gemm"}
+    done = _executor("--model", str(tiny_llama_dir), "--device", "cpu", "--insecure-no-executor-token",
+                     env=env)
+    assert done.returncode == 2
+    assert "PAGEDSERVE_PDL_OFF: unknown kernel(s) gemm" in done.stderr and "rms_norm" in done.stderr
+
+
 def test_token_options_resolve_from_file_and_environment(tmp_path, monkeypatch):
     from executor_svc.server.main import ExecutorOptions, MissingCredentialError, with_executor_token
     from executor_svc.worker.config import WorkerConfig

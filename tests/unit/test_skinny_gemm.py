@@ -210,6 +210,9 @@ def test_pdl_per_kernel_list_and_the_small_decode_attention_rule(monkeypatch):
     monkeypatch.setenv(kernels.PDL_OFF_ENV, " rms_norm, attention ")
     assert not kernels.pdl(gpu, "attention", big) and not kernels.pdl(gpu, "rms_norm")
     assert kernels.pdl(gpu, "skinny") and kernels.pdl(gpu)
+    kernels.check_pdl_env()
     monkeypatch.setenv(kernels.PDL_OFF_ENV, "attention,gemm")
     with pytest.raises(ValueError, match="unknown kernel.*gemm.*known: skinny"):
         kernels.pdl(gpu, "attention")
+    with pytest.raises(ValueError, match="PAGEDSERVE_PDL_OFF: unknown kernel"):
+        kernels.check_pdl_env()  # what the executor checks at its start (executor_svc/server/main.py)
