@@ -63,7 +63,7 @@ PDL_ENV = "PAGEDSERVE_PDL"  # "0": launch every kernel plainly (for comparisons)
 # PDL_KERNELS; "" = every one with PDL). Set, it alone decides; unset, the default rule holds: a
 # decode-only paged-attention launch of fewer than PDL_ATTENTION_MIN_SEQS sequences launches plainly.
 # Why (H200, llama3-8b, decode graphs at 800 positions, docs/benchmarks.md round 18): with every kernel
-# chained by PDL, graphs of 40-64 sequences ran 4-7 % longer than with none, and launching any one kind
+# chained by PDL, graphs of 40-64 sequences ran 3-7 % longer than with none, and launching any one kind
 # of kernel of a layer plainly took most of that back, attention the most (16 sequences kept PDL's
 # gain); attention launched plainly at 96-256 sequences was 1.2-1.5 % slower than with PDL.
 PDL_OFF_ENV = "PAGEDSERVE_PDL_OFF"

@@ -805,7 +805,7 @@ def paged_attention(
             BLOCK_ADDR=sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0,
         )
 
-    on = pdl(query.device, "attention", num_seqs if is_decode and not skip_decode else None)
+    on = pdl(query.device, "attention", num_seqs if is_decode else None)
     f32 = dict(dtype=torch.float32, device=query.device)
     part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32) if split else out
     part_max = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out

@@ -48,13 +48,14 @@ def parse_variant(text: str) -> Variant:
     return Variant(name.strip(), env)
 
 
-def run_rounds(command: list[str], variants: list[Variant], rounds: int, key: str, value: str,
-               runner=subprocess.run) -> dict[str, list[dict]]:
-    """{variant: [{key: value} for each round]}; `runner` is subprocess.run (a test passes its own)."""
+def run_rounds(
+    command: list[str], variants: list[Variant], rounds: int, key: str, value: str
+) -> dict[str, list[dict]]:
+    """{variant: [{key: value} for each round]}, each run a process of its own."""
     results: dict[str, list[dict]] = {v.name: [] for v in variants}
     for r in range(rounds):
         for variant in variants if r % 2 == 0 else list(reversed(variants)):
-            proc = runner(command, env={**os.environ, **variant.env}, capture_output=True, text=True)
+            proc = subprocess.run(command, env={**os.environ, **variant.env}, capture_output=True, text=True)
             if proc.returncode != 0:
                 tail = proc.stderr[-2000:]
                 raise RuntimeError(f"{variant.name}, round {r + 1}: exit {proc.returncode}: {tail}")

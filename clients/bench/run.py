@@ -147,9 +147,6 @@ def _add_goodput_arguments(sub: argparse.ArgumentParser) -> None:
 # ---- the command ---------------------------------------------------------------------------------
 
 
-MAX_CLIENT_PROCESSES = MAX_PROCESSES
-
-
 def check_args(args: argparse.Namespace) -> str | None:
     """Why these options cannot run (before any process starts), or None."""
     try:
@@ -163,8 +160,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     if args.requests < 1:
         return f"--requests must be >= 1, got {args.requests}"
     processes = getattr(args, "client_processes", None)
-    if processes is not None and not 1 <= processes <= MAX_CLIENT_PROCESSES:
-        return f"--client-processes must be in [1, {MAX_CLIENT_PROCESSES}], got {processes}"
+    if processes is not None and not 1 <= processes <= MAX_PROCESSES:
+        return f"--client-processes must be in [1, {MAX_PROCESSES}], got {processes}"
     duration = getattr(args, "max_duration_s", None)
     if duration is not None and not (math.isfinite(duration) and duration > 0):
         return f"--max-duration-s must be a positive number of seconds, got {duration}"
