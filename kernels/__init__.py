@@ -65,7 +65,9 @@ PDL_ENV = "PAGEDSERVE_PDL"  # "0": launch every kernel plainly (for comparisons)
 # Why (H200, llama3-8b, decode graphs at 800 positions, docs/benchmarks.md round 18): with every kernel
 # chained by PDL, graphs of 40-64 sequences ran 3-7 % longer than with none, and launching any one kind
 # of kernel of a layer plainly took most of that back, attention the most (16 sequences kept PDL's
-# gain); attention launched plainly at 96-256 sequences was 1.2-1.5 % slower than with PDL.
+# gain); attention launched plainly at 96-256 sequences was 1.2-1.5 % slower than with PDL. Giving the
+# early-launched attention programs work before their wait (an L2 prefetch of the cached K/V, whose
+# positions no kernel of the step writes) made 16-96-sequence graphs 0-7 % slower, not faster (round 19).
 PDL_OFF_ENV = "PAGEDSERVE_PDL_OFF"
 PDL_KERNELS = ("skinny", "rms_norm", "rotary_cache", "attention", "reduce")
 PDL_ATTENTION_MIN_SEQS = 96

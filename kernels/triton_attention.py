@@ -437,6 +437,9 @@ EVEN_SPLIT_DECODE_MAXNREG = 128
 # (fewer programs) were slower with it (1.09 at 24 x 896) and keep the default (docs/benchmarks.md,
 # round 10).
 UNSPLIT_DECODE_TILE = (32, 1, 6)
+# Not taken (H200, docs/benchmarks.md round 19): 16-24 sequences x 8 KV heads (128-192 programs)
+# unsplit with a (128, 4, 3) tile ran 8-12 % faster than split in two in a graph of attention calls
+# alone, and no faster inside a decode step's graph (paired processes, within their spread).
 # (BLOCK_N, num_warps, num_stages) of every decode launch over an FP8 (e4m3) cache, split or not, through
 # _attend_bulk (block-aligned addresses, the scale in exp2). H100, 256 x 1024: 215.6 us, (32, 2, 5)
 # through _attend_tiles 225.2, (16, 1, 6) 213.0 but 231 at 64 x 4096 (205.8 here); the bf16 cache 375

@@ -35,7 +35,10 @@ from kernels import SKINNY_GATED_BLOCK_N, SKINNY_GATED_WIDE_ROWS, SKINNY_MAX_ROW
 
 _WIDE_N = 25_000  # at and above: 128-row weight tiles (enough programs to fill an H100 twice over)
 # With PDL (kernels.pdl), each program first prefetches this many columns of its weight rows into L2,
-# while the kernel before it in the stream is still running (0: none).
+# while the kernel before it in the stream is still running (0: none). H200, llama3-8b decode graphs
+# at 500 positions, paired processes (docs/benchmarks.md round 19): 256 and 0 within the processes'
+# spread of 512 at 16-128 sequences; 2048 5-12 % slower and 4096 18-27 % (the whole weight of the
+# smaller projections: more L2 traffic, no less waiting).
 PREFETCH_K = int(os.environ.get("PAGEDSERVE_SKINNY_PREFETCH_K", "512"))
 
 
