@@ -10,6 +10,12 @@ in the given order, then in reverse in the next round (A B, B A, A B, ...), so n
 first on a warmer or cooler machine. A variant is `NAME:ENV=VALUE,ENV=VALUE` (`NAME:` changes no
 variable; `ENV=` sets an empty value); its processes get the current environment with those set.
 
+The command prints JSON lines (`clients.bench.step`) or one JSON document; `--rows runs` takes the rows
+from the document's `runs` list, as `bench throughput --json` prints them, so a paired offline run is
+
+    python -m clients.bench.ab --variant a: --variant b:ENV=1 --rounds 2 --rows runs --key label \
+        --value output_tok_s -- python -m clients.cli bench throughput --model llama3-8b ... --json
+
 Per key (a row's `--key` field, e.g. the batch size) it prints each variant's median of `--value`
 over the rounds, and for every variant after the first the ratio of medians to the first's and the
 range of the per-round ratios (a ratio range that straddles 1.0 says the difference is within the
@@ -49,7 +55,8 @@ def parse_variant(text: str) -> Variant:
 
 
 def run_rounds(
-    command: list[str], variants: list[Variant], rounds: int, key: str, value: str
+    command: list[str], variants: list[Variant], rounds: int, key: str, value: str,
+    rows_field: str | None = None,
 ) -> dict[str, list[dict]]:
     """{variant: [{key: value} for each round]}, each run a process of its own."""
     results: dict[str, list[dict]] = {v.name: [] for v in variants}
@@ -59,17 +66,55 @@ def run_rounds(
             if proc.returncode != 0:
                 tail = proc.stderr[-2000:]
                 raise RuntimeError(f"{variant.name}, round {r + 1}: exit {proc.returncode}: {tail}")
-            rows = {}
-            for line in proc.stdout.splitlines():
-                line = line.strip()
-                if line.startswith("{"):
-                    row = json.loads(line)
-                    if key in row and value in row:
-                        rows[str(row[key])] = float(row[value])
+            rows = values_by_key(proc.stdout, key, value, rows_field)
             if not rows:
-                raise RuntimeError(f"{variant.name}, round {r + 1}: no JSON line with {key!r} and {value!r}")
+                where = f"no JSON row with {key!r} and {value!r}"
+                if rows_field:
+                    where += f" in {rows_field!r}"
+                raise RuntimeError(f"{variant.name}, round {r + 1}: {where}")
             results[variant.name].append(rows)
     return results
+
+
+def _field(row: dict, path: str):
+    """row's value at a dotted path ("ideal.measured_over_ideal"), or None."""
+    for part in path.split("."):
+        if not isinstance(row, dict) or part not in row:
+            return None
+        row = row[part]
+    return row
+
+
+def values_by_key(stdout: str, key: str, value: str, rows_field: str | None = None) -> dict[str, float]:
+    """{row[key]: row[value]} from a command's output: JSON documents among other text, each opening
+    on a line of its own, one a line (`clients.bench.step`) or one over many (`bench throughput --json`
+    after its servers' log lines, its rows in the list at `rows_field`: "runs"); a line that opens
+    something that does not parse is skipped. `value` may be a dotted path."""
+    decoder, docs, pos = json.JSONDecoder(), [], 0
+    while pos < len(stdout):  # each line that opens a JSON value: decode it, however many lines it spans
+        end = stdout.find("\n", pos)
+        end = len(stdout) if end < 0 else end
+        start = pos + len(stdout[pos:end]) - len(stdout[pos:end].lstrip())
+        if stdout.startswith(("{", "["), start):
+            try:
+                doc, after = decoder.raw_decode(stdout, start)
+            except ValueError:
+                pass
+            else:
+                docs.append(doc)
+                end = max(end, after)
+        pos = end + 1
+    rows = []
+    for doc in docs:
+        if rows_field is not None:
+            doc = _field(doc, rows_field) if isinstance(doc, dict) else None
+        rows.extend(doc if isinstance(doc, list) else [doc])
+    out = {}
+    for row in rows:
+        k, v = _field(row, key), _field(row, value)
+        if k is not None and isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[str(k)] = float(v)
+    return out
 
 
 def summarize(results: dict[str, list[dict]]) -> list[dict]:
@@ -112,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", required=True, help="NAME:ENV=VALUE,... (two or more)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--key", default="batch", help="the JSON field that names a row")
-    parser.add_argument("--value", default="graph_forward_gpu_ms", help="the JSON field compared")
+    parser.add_argument("--value", default="graph_forward_gpu_ms",
+                        help="the JSON field compared (a dotted path: ideal.measured_over_ideal)")
+    parser.add_argument("--rows", default=None,
+                        help="rows: the list at this field of one JSON document (bench's --json: runs)")
     parser.add_argument("--out", default=None, help="also write the rounds and the summary here (JSON)")
     args = parser.parse_args(argv[:split])
     command = argv[split + 1:]
@@ -125,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or not command:
         parser.error("--rounds must be >= 1 and a command must follow --")
     try:
-        results = run_rounds(command, variants, args.rounds, args.key, args.value)
+        results = run_rounds(command, variants, args.rounds, args.key, args.value, args.rows)
     except RuntimeError as err:
         print(f"clients.bench.ab: {err}", file=sys.stderr)
         return 1

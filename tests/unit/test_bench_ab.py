@@ -56,3 +56,40 @@ def test_the_command_line_writes_the_rounds_and_refuses_bad_input(tmp_path, monk
     assert "exit 3: boom" in capsys.readouterr().err
     silent = [sys.executable, "-c", "print('no json')"]
     assert ab.main(["--variant", "a:", "--variant", "b:", "--", *silent]) == 1
+
+
+def test_rows_from_one_json_document_or_json_lines_among_text():
+    """`bench throughput --json` prints one indented document whose rows are its `runs`; the step bench
+    prints JSON lines among log text. A dotted --value reaches into a row; rows without the key or with
+    a value that is not a number are left out, and a line that starts like JSON but is not is skipped."""
+    doc = {"mode": "throughput", "runs": [
+        {"label": "ours[400]", "output_tok_s": 12158.2, "ideal": {"measured_over_ideal": 0.684}},
+        {"label": "hf-cb", "output_tok_s": 697.5, "ideal": None},
+        {"output_tok_s": 1.0},
+    ]}
+    text = "pagedserve scheduler listening on 127.0.0.1:1\n" + json.dumps(doc, indent=2) + "\ndone\n"
+    assert ab.values_by_key(text, "label", "output_tok_s", "runs") == {"ours[400]": 12158.2, "hf-cb": 697.5}
+    assert ab.values_by_key(text, "label", "ideal.measured_over_ideal", "runs") == {"ours[400]": 0.684}
+    assert ab.values_by_key(text, "label", "output_tok_s") == {}  # the rows are in `runs`
+    assert ab.values_by_key(text, "label", "output_tok_s", "missing") == {}
+    lines = "\n".join([
+        "warming up", "{not json", json.dumps({"batch": 16, "graph_forward_gpu_ms": 4.9}),
+        json.dumps({"batch": 48, "graph_forward_gpu_ms": True}), json.dumps({"batch": 64, "x": 1}),
+    ])
+    assert ab.values_by_key(lines, "batch", "graph_forward_gpu_ms") == {"16": 4.9}
+
+
+def test_the_command_line_pairs_a_json_document(tmp_path, capsys):
+    script = tmp_path / "doc.py"
+    script.write_text(
+        "import json, os\n"
+        "f = float(os.environ.get('F', '1'))\n"
+        "print(json.dumps({'runs': [{'label': 'ours', 'output_tok_s': 100 * f}]}, indent=2))\n"
+    )
+    command = [sys.executable, str(script)]
+    flags = ["--variant", "a:", "--variant", "b:F=1.1", "--rounds", "2", "--key", "label",
+             "--value", "output_tok_s"]
+    assert ab.main([*flags, "--rows", "runs", "--", *command]) == 0
+    assert "b/a 1.100 (1.100-1.100)" in capsys.readouterr().out
+    assert ab.main([*flags, "--", *command]) == 1  # without --rows: no row at the top level
+    assert "no JSON row with 'label' and 'output_tok_s'" in capsys.readouterr().err
