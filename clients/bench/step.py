@@ -8,10 +8,13 @@ graphs), and the forward alone (`runner.logits`, CUDA events), each the median o
 decode at `--context` positions through random block tables over a cache of random values.
 
 `--kernels`: GPU time per step of each kernel (torch.profiler over 10 forward passes, graph and
-eager), the largest first. `--pipeline`: the executor's host time per step as a server runs it
-(`Worker.launch` of step i+1 before `Worker.finish` of step i, plans with placeholder tokens), and
-the wall time per step; the host keeps up when its time is below the GPU's step. Two variants of
-the code (environment settings) are compared over several processes with `clients.bench.ab`.
+eager), the largest first, and the idle time between kernels charged to the kernel after it
+(`*_gaps`, `boundary_gaps`: what each kind of launch waits; run it with PAGEDSERVE_PDL=0, since with
+programmatic dependent launch a kernel's wait for the one ahead is inside its own time).
+`--pipeline`: the executor's host time per step as a server runs it (`Worker.launch` of step i+1
+before `Worker.finish` of step i, plans with placeholder tokens), and the wall time per step; the
+host keeps up when its time is below the GPU's step. Two variants of the code (environment settings)
+are compared over several processes with `clients.bench.ab`.
 """
 
 from __future__ import annotations
@@ -74,8 +77,37 @@ def _gpu_ms(call) -> float:
     return round(statistics.median(events() for _ in range(REPEATS)), 3)
 
 
-def _kernel_table(runner, batch, steps: int = 10, top: int = 14) -> list[dict]:
-    """[{kernel, calls, us}] per step (GPU time), the most expensive first, plus a row for the rest."""
+MAX_BOUNDARY_US = 100.0  # a longer gap between two kernels is between steps (the host), not a boundary
+
+
+def boundary_gaps(kernels: list[tuple[str, float, float]], steps: int, top: int = 8) -> list[dict]:
+    """Idle time between consecutive kernels, charged to the kernel that starts after it: [{before,
+    calls, us}] per step, the most expensive first, plus a row for the rest. kernels: (name, start
+    µs, end µs) of every kernel of `steps` steps on one stream; gaps of MAX_BOUNDARY_US or more (the
+    host between steps) and overlaps (a kernel launched with PDL starts before the one ahead ends: its
+    wait is inside its own time) are not counted. Read with PAGEDSERVE_PDL=0."""
+    ordered = sorted(kernels, key=lambda k: k[1])
+    by_name: dict[str, list[float]] = {}
+    for (_, _, prev_end), (name, start, _) in zip(ordered, ordered[1:], strict=False):
+        gap = start - prev_end
+        if 0 < gap < MAX_BOUNDARY_US:
+            by_name.setdefault(name[:90], []).append(gap)
+    rows = [{"before": name, "calls": len(g) / steps, "us": sum(g) / steps} for name, g in by_name.items()]
+    rows.sort(key=lambda r: -r["us"])
+    rest = rows[top:]
+    rows = rows[:top]
+    if rest:
+        rows.append({"before": f"({len(rest)} others)", "calls": sum(r["calls"] for r in rest),
+                     "us": sum(r["us"] for r in rest)})
+    for r in rows:
+        r["calls"], r["us"] = round(r["calls"], 1), round(r["us"], 1)
+    return rows
+
+
+def _kernel_table(runner, batch, steps: int = 10, top: int = 14) -> tuple[list[dict], list[dict]]:
+    """([{kernel, calls, us}] per step (GPU time), the most expensive first, plus a row for the rest;
+    boundary_gaps of the same steps)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     runner.logits(batch)
@@ -84,6 +116,8 @@ def _kernel_table(runner, batch, steps: int = 10, top: int = 14) -> list[dict]:
         for _ in range(steps):
             runner.logits(batch)
         torch.cuda.synchronize()
+    timeline = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type == DeviceType.CUDA]
     rows = []
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", None)
@@ -99,7 +133,7 @@ def _kernel_table(runner, batch, steps: int = 10, top: int = 14) -> list[dict]:
                      "us": sum(r["us"] for r in rest)})
     for r in rows:
         r["calls"], r["us"] = round(r["calls"], 1), round(r["us"], 1)
-    return rows
+    return rows, boundary_gaps(timeline, steps)
 
 
 def _pipeline(worker: Worker, num_seqs: int, context: int, rng: random.Random, steps: int = 60) -> dict:
@@ -187,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
             row[f"{mode}_step_gpu_ms"] = _gpu_ms(lambda b=batch: runner.execute(b))
             row[f"{mode}_forward_gpu_ms"] = _gpu_ms(lambda b=batch: runner.logits(b))
             if args.kernels:
-                row[f"{mode}_kernels"] = _kernel_table(runner, batch)
+                row[f"{mode}_kernels"], row[f"{mode}_gaps"] = _kernel_table(runner, batch)
         runner.decode_graphs = graphs
         if args.pipeline:
             row.update(_pipeline(worker, num_seqs, args.context, rng))
