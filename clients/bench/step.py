@@ -93,15 +93,19 @@ def boundary_gaps(kernels: list[tuple[str, float, float]], steps: int, top: int 
         if 0 < gap < MAX_BOUNDARY_US:
             by_name.setdefault(name[:90], []).append(gap)
     rows = [{"before": name, "calls": len(g) / steps, "us": sum(g) / steps} for name, g in by_name.items()]
-    rows.sort(key=lambda r: -r["us"])
+    return _largest(rows, "before", top)
+
+
+def _largest(rows: list[dict], name: str, top: int) -> list[dict]:
+    """rows ({name, calls, us}) the most `us` first, the `top` largest and one row summing the rest,
+    rounded to 0.1."""
+    rows = sorted(rows, key=lambda r: -r["us"])
     rest = rows[top:]
     rows = rows[:top]
     if rest:
-        rows.append({"before": f"({len(rest)} others)", "calls": sum(r["calls"] for r in rest),
+        rows.append({name: f"({len(rest)} others)", "calls": sum(r["calls"] for r in rest),
                      "us": sum(r["us"] for r in rest)})
-    for r in rows:
-        r["calls"], r["us"] = round(r["calls"], 1), round(r["us"], 1)
-    return rows
+    return [{**r, "calls": round(r["calls"], 1), "us": round(r["us"], 1)} for r in rows]
 
 
 def _kernel_table(runner, batch, steps: int = 10, top: int = 14) -> tuple[list[dict], list[dict]]:
@@ -125,15 +129,7 @@ def _kernel_table(runner, batch, steps: int = 10, top: int = 14) -> tuple[list[d
             device_us = getattr(event, "self_cuda_time_total", 0)
         if device_us > 0:
             rows.append({"kernel": event.key[:90], "calls": event.count / steps, "us": device_us / steps})
-    rows.sort(key=lambda r: -r["us"])
-    rest = rows[top:]
-    rows = rows[:top]
-    if rest:
-        rows.append({"kernel": f"({len(rest)} others)", "calls": sum(r["calls"] for r in rest),
-                     "us": sum(r["us"] for r in rest)})
-    for r in rows:
-        r["calls"], r["us"] = round(r["calls"], 1), round(r["us"], 1)
-    return rows, boundary_gaps(timeline, steps)
+    return _largest(rows, "kernel", top), boundary_gaps(timeline, steps)
 
 
 def _pipeline(worker: Worker, num_seqs: int, context: int, rng: random.Random, steps: int = 60) -> dict:
