@@ -13,10 +13,11 @@ only through `.shape` and `.narrow(dim, start, length)`, so a rank reads just it
 
 Every weight product goes through `linear` and every sum over ranks through `tp_all_reduce`, which
 compute batch-invariantly in deterministic mode (executor_svc/layers/determinism.py). Inside
-`graph_gemms()` (the CUDA graphs' warm-up and capture) products of up to kernels.SKINNY_MAX_ROWS rows
-run the skinny kernel (kernels/triton_skinny.py), which reads the weights faster than cuBLAS at decode
-batch sizes; eagerly its launch (two TMA descriptors) costs the host more than cuBLAS's, so eager
-steps keep cuBLAS.
+`graph_gemms()` (the CUDA graphs' warm-up and capture) a product runs the backend the GEMM plan
+measured for it on this GPU (executor_svc/layers/gemm_plan.py): the skinny kernel
+(kernels/triton_skinny.py, which reads the weights faster than cuBLAS at decode batch sizes), cuBLAS
+or cuBLASLt; eagerly the skinny kernel's launch (two TMA descriptors) costs the host more than
+cuBLAS's, so eager steps keep cuBLAS.
 """
 
 from __future__ import annotations
@@ -31,37 +32,59 @@ from torch import nn
 
 import kernels
 from executor_svc.layers import determinism
+from executor_svc.layers.gemm_plan import GemmPlan, blas_library
 
-_GRAPH_GEMMS = contextvars.ContextVar("pagedserve_graph_gemms", default=False)
+_GRAPH_GEMMS = contextvars.ContextVar("pagedserve_graph_gemms", default=None)
+_RULE = object()  # graph_gemms() without a plan: the fixed rule
 
 
 @contextlib.contextmanager
-def graph_gemms():
-    """Projections of few rows take the skinny kernel while this is open (what a CUDA graph records)."""
-    token = _GRAPH_GEMMS.set(True)
+def graph_gemms(plan: GemmPlan | None = None):
+    """While this is open (what a CUDA graph records), CUDA projections take the backend `plan` gives
+    them (executor_svc/layers/gemm_plan.py), or without one the fixed rule: the skinny kernel where
+    kernels.skinny_usable takes the product, else cuBLAS."""
+    token = _GRAPH_GEMMS.set(plan if plan is not None else _RULE)
     try:
         yield
     finally:
         _GRAPH_GEMMS.reset(token)
 
 
-def _skinny_rows(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
-    """x as [M, K] rows where the skinny kernel takes this product (inside graph_gemms, not in
-    deterministic mode, kernels.skinny_usable), else None: eager calls pay one context lookup."""
-    if not _GRAPH_GEMMS.get() or determinism.deterministic():
+def _product(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             gated: bool) -> torch.Tensor:
+    """x [..., K] @ weight.T (+ bias) with `backend` (gemm_plan.BACKENDS); gated: silu_and_mul of it
+    ([..., N/2])."""
+    if backend == "skinny":
+        rows = x.reshape(-1, x.shape[-1])
+        if gated:
+            return kernels.skinny_gate_up_silu(rows, weight).view(*x.shape[:-1], weight.shape[0] // 2)
+        return kernels.skinny_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    with blas_library("cublaslt" if backend == "cublaslt" else None):
+        out = F.linear(x, weight, bias)
+    return kernels.silu_and_mul(out) if gated else out
+
+
+def _graph_backend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   gated: bool) -> str | None:
+    """The backend of this product inside graph_gemms() (on CUDA, not in deterministic mode), else
+    None (F.linear as eagerly): eager calls pay one context lookup."""
+    state = _GRAPH_GEMMS.get()
+    if state is None or not x.is_cuda or determinism.deterministic():
         return None
     rows = x.reshape(-1, x.shape[-1])
-    return rows if kernels.skinny_usable(rows, weight, gated) else None
+    rule = "skinny" if kernels.skinny_usable(rows, weight, gated) else "cublas"
+    if state is _RULE:
+        return rule
+    return state.backend(rows.shape[0], weight, gated, rule,
+                         lambda backend, w: lambda: _product(backend, x, w, bias, gated))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T + bias -> [..., N]. In deterministic mode a row's result does not
     depend on the other rows (`kernels.batch_invariant_matmul`; cuBLAS picks its kernel by M)."""
     if not determinism.deterministic():
-        rows = _skinny_rows(x, weight)
-        if rows is not None:
-            return kernels.skinny_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight, bias)
+        backend = _graph_backend(x, weight, bias, gated=False)
+        return F.linear(x, weight, bias) if backend is None else _product(backend, x, weight, bias, False)
     out = kernels.batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight, bias)  # [M, N]
     return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -165,9 +188,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         launch where the skinny kernel applies (its epilogue rounds as the two ops do)."""
         sizes = self.out_sizes_per_rank
         if self.bias is None and len(sizes) == 2 and sizes[0] == sizes[1]:
-            rows = _skinny_rows(x, self.weight, gated=True)
-            if rows is not None:
-                return kernels.skinny_gate_up_silu(rows, self.weight).view(*x.shape[:-1], sizes[0])
+            backend = _graph_backend(x, self.weight, None, gated=True)
+            if backend is not None:
+                return _product(backend, x, self.weight, None, True)
         return kernels.silu_and_mul(self(x))
 
     def weight_loader(self, param, full, shard_id=None):
@@ -290,3 +313,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = tp_all_gather_last_dim(linear(hidden, self.weight), self.tp_size)  # [S, V_padded]
         return logits[..., : self.vocab_size]
+
+
+def projection_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights `linear` multiplies by: every parallel linear layer's and the LM head's."""
+    return [m.weight for m in model.modules() if isinstance(m, (_ParallelLinear, ParallelLMHead))]

@@ -64,6 +64,7 @@ from torch import nn
 
 import kernels
 from executor_svc.layers.attention import AttentionMetadata
+from executor_svc.layers.gemm_plan import GemmPlan
 from executor_svc.layers.linear import graph_gemms
 from executor_svc.runner.inputs import ModelInput
 from executor_svc.runner.kv_cache import KVCache
@@ -208,11 +209,13 @@ class _BucketGraphs:
     bucket's shape (`bucket_shape`) and what its graph makes of the hidden states (`_output`)."""
 
     def __init__(
-        self, model: nn.Module, kv_cache: KVCache, max_model_len: int, buckets: tuple[int, ...], max_seqs: int
+        self, model: nn.Module, kv_cache: KVCache, max_model_len: int, buckets: tuple[int, ...],
+        max_seqs: int, gemm_plan: GemmPlan | None = None,
     ):
         if not buckets:
             raise ValueError("no bucket to capture")
         self.model = model
+        self.gemm_plan = gemm_plan  # None: the fixed rule (executor_svc/layers/gemm_plan.py)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.buckets = tuple(sorted(buckets))
@@ -244,9 +247,11 @@ class _BucketGraphs:
             raise ValueError("CUDA graphs need a CUDA device")
         self.inputs.clear()
         pool = None
-        with graph_gemms():  # decode-sized projections take the skinny GEMM (no host cost in a replay)
+        with graph_gemms(self.gemm_plan):  # each projection its planned GEMM (no host cost in a replay)
             self._capture_buckets(pool)
         torch.cuda.synchronize()
+        if self.gemm_plan is not None:
+            self.gemm_plan.finish()
 
     def _capture_buckets(self, pool) -> None:
         for bucket in reversed(self.buckets):
@@ -282,8 +287,9 @@ class DecodeGraphs(_BucketGraphs):
         kv_cache: KVCache,
         max_model_len: int,
         buckets: tuple[int, ...] = DECODE_BUCKETS,
+        gemm_plan: GemmPlan | None = None,
     ):
-        super().__init__(model, kv_cache, max_model_len, buckets, max(buckets))
+        super().__init__(model, kv_cache, max_model_len, buckets, max(buckets), gemm_plan)
         # The greedy sampler over each bucket's logits (kernels.greedy_sample), captured after the
         # forward graphs: tokens [max bucket] int64 and their log-probabilities float32 (bucket b: the
         # first b rows), so a plain greedy decode step launches no sampler kernel from Python.
@@ -376,11 +382,12 @@ class MixedGraphs(_BucketGraphs):
         max_model_len: int,
         buckets: tuple[int, ...],
         max_num_seqs: int,
+        gemm_plan: GemmPlan | None = None,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
-        super().__init__(model, kv_cache, max_model_len, buckets, min(max(buckets), max_num_seqs))
+        super().__init__(model, kv_cache, max_model_len, buckets, min(max(buckets), max_num_seqs), gemm_plan)
 
     def bucket_shape(self, bucket: int) -> tuple[int, int, int]:
         return bucket, min(bucket, self.max_num_seqs), bucket

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from executor_svc.layers.attention import AttentionMetadata
+from executor_svc.layers.gemm_plan import GemmPlan
+from executor_svc.layers.linear import projection_weights
 from executor_svc.runner.cuda_graphs import MIXED_BUCKETS, DecodeGraphs, MixedGraphs, buckets_up_to
 from executor_svc.runner.inputs import ModelInput
 from executor_svc.runner.kv_cache import KVCache
@@ -22,11 +24,23 @@ class ModelRunner:
         # goes through compute_logits (float32) and sample (for callers that look at the logits).
         self.graph_sampling = True
         self.mixed_graphs: MixedGraphs | None = None
+        self._gemm_plan: GemmPlan | None | bool = False  # False: not read from the environment yet
+
+    def gemm_plan(self) -> GemmPlan | None:
+        """The graphs' GEMM plan (PAGEDSERVE_GEMM_PLAN, read once; None: the fixed rule), over the
+        model's projection weights; the decode and the mixed graphs share it."""
+        if self._gemm_plan is False:
+            plan = GemmPlan.from_env(self.kv_cache.device_cache.device)
+            if plan is not None:
+                plan.register(projection_weights(self.model))
+            self._gemm_plan = plan
+        return self._gemm_plan
 
     def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """From now on decode batches of up to max_num_seqs sequences (at most DECODE_BUCKETS[-1])
         replay CUDA graphs; only the buckets those batches can use are captured."""
-        graphs = DecodeGraphs(self.model, self.kv_cache, max_model_len, buckets_up_to(max_num_seqs))
+        graphs = DecodeGraphs(self.model, self.kv_cache, max_model_len, buckets_up_to(max_num_seqs),
+                              self.gemm_plan())
         graphs.capture()
         self.decode_graphs = graphs
 
@@ -37,7 +51,8 @@ class ModelRunner:
         replay CUDA graphs too, one per MIXED_BUCKETS size up to the first that holds
         max_num_batched_tokens (the largest is what the memory profile reserves)."""
         buckets = buckets_up_to(max_num_batched_tokens, MIXED_BUCKETS)
-        graphs = MixedGraphs(self.model, self.kv_cache, max_model_len, buckets, max_num_seqs)
+        graphs = MixedGraphs(self.model, self.kv_cache, max_model_len, buckets, max_num_seqs,
+                             self.gemm_plan())
         graphs.capture()
         self.mixed_graphs = graphs
 

@@ -1,0 +1,256 @@
+"""Which GEMM each projection of a CUDA graph runs, measured on this GPU (`PAGEDSERVE_GEMM_PLAN`).
+
+A graph records one kernel per projection and bucket, so the choice is made once, while the graphs
+warm up. The fixed rule (`linear._skinny_rows`: the skinny Triton kernel where kernels.skinny_usable
+takes the product, else cuBLAS) was tuned on an H100; on an H200 it loses in places (llama3-8b,
+16 layers' weights in one graph, µs a call, docs/benchmarks.md round 20: gate_up + SiLU at 96 rows
+78.2 skinny against 67.3 cuBLAS; o_proj and down_proj at 96 rows 13.3 / 33.1 cuBLASLt against 15.6 /
+39.1 cuBLAS; qkv at 288 rows 24.5 against 28.1). So for each product the graphs ask for, keyed by
+(weight rows, columns, dtype, gated, rows), the candidates - the rule's choice, cuBLAS, cuBLASLt
+(`torch.backends.cuda.preferred_blas_library`) - are timed as one CUDA graph holding one call per
+layer's own weight of that shape (the weights stream from memory, as in a step), the median of
+REPLAYS replays, and another candidate replaces the rule's only when it is MARGIN faster: near-ties
+keep today's kernel.
+
+    PAGEDSERVE_GEMM_PLAN unset or "measure"  measure at start-up (a few seconds on an 8B model)
+    PAGEDSERVE_GEMM_PLAN=off                 the fixed rule
+    PAGEDSERVE_GEMM_PLAN=/path/plan.json     load the plan measured and saved there before (on this
+                                             GPU model), measure and save it if the file is missing
+
+A plan file makes restarts choose the same kernels (the same bits for the same batch); a measured
+plan can differ between starts only where two candidates are within the timer's spread of MARGIN.
+Deterministic mode ignores the plan (its batch-invariant matmul serves every product). CPU tensors
+never consult it.
+
+How we know it works: tests/unit/test_gemm_plan.py (the choice against fake timings, the margin,
+the file's round trip and refusals, the dispatch of `linear` by plan on the CPU), tests/gpu/
+test_gemm_plan_gpu.py (a measured plan on a model in graphs gives the eager tokens; each backend
+agrees with cuBLAS), and `clients.bench.ab` over `clients.bench.step` with the plan off and on: a
+decode graph must not be slower anywhere and faster where the plan departs from the rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PLAN_ENV = "PAGEDSERVE_GEMM_PLAN"
+BACKENDS = ("skinny", "cublas", "cublaslt")
+MARGIN = 0.03  # another candidate must be this much faster than the rule's choice
+REPLAYS = 7
+MAX_LAYERS = 8  # weights of one shape in a timing graph (more than any GPU's L2 holds of the large ones)
+MAX_ROWS = 512  # larger products (prompt chunks) keep the rule: not measured (less temporary memory)
+FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class GemmKey:
+    """One product a graph asks for: x [rows, k] @ weight [n, k].T, or gated (weight = gate | up,
+    SiLU-and-mul after it)."""
+
+    n: int
+    k: int
+    rows: int
+    gated: bool
+    dtype: str
+
+    @classmethod
+    def of(cls, rows: int, weight: torch.Tensor, gated: bool) -> GemmKey:
+        return cls(int(weight.shape[0]), int(weight.shape[1]), int(rows), bool(gated), str(weight.dtype))
+
+
+def choose(rule: str, times_us: dict[str, float], margin: float = MARGIN) -> str:
+    """The rule's choice unless another candidate is `margin` faster (then the fastest)."""
+    if rule not in times_us:
+        raise ValueError(f"the rule's choice {rule!r} was not timed: {sorted(times_us)}")
+    best = min(times_us, key=times_us.__getitem__)
+    return best if times_us[best] < times_us[rule] * (1 - margin) else rule
+
+
+@contextlib.contextmanager
+def blas_library(name: str | None):
+    """cuBLASLt or cuBLAS for torch's matmuls inside (None: leave the setting as it is)."""
+    if name is None:
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def graph_time_us(calls: list[Callable[[], object]], replays: int = REPLAYS) -> float:
+    """Median GPU time per call (µs) of one CUDA graph holding every call, over `replays` replays
+    (after one to warm up); the calls run once eagerly first (compile, settle the allocator)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls[0]()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+class GemmPlan:
+    """The measured choices (GemmKey -> backend) and, while measuring, the model's weights by shape.
+
+    `backend(rows, weight, gated, rule, run)` is what `linear` asks: the planned backend of the
+    product, measuring it first when the plan measures and the stream is not capturing; `run(backend)`
+    computes the product with a backend (the plan times it through that function)."""
+
+    def __init__(self, choices: dict[GemmKey, str] | None = None, measure: bool = True,
+                 device_name: str = "", save_to: Path | None = None):
+        self.choices: dict[GemmKey, str] = dict(choices or {})
+        self.times_us: dict[GemmKey, dict[str, float]] = {}
+        self.rules: dict[GemmKey, str] = {}  # the fixed rule's choice of each measured product
+        self.measure_s = 0.0  # time spent measuring
+        self.measure = measure
+        self.device_name = device_name
+        self.save_to = save_to
+        self._weights: dict[tuple, list[torch.Tensor]] = {}
+
+    # ---- start-up ----
+
+    @classmethod
+    def from_env(cls, device: torch.device) -> GemmPlan | None:
+        """The plan PAGEDSERVE_GEMM_PLAN asks for (module docstring), or None for the fixed rule."""
+        value = os.environ.get(PLAN_ENV, "measure").strip()
+        if value.lower() == "off":
+            return None
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        if value.lower() in ("", "measure"):
+            return cls(device_name=name)
+        path = Path(value)
+        if path.exists():
+            return cls.load(path, name)
+        return cls(device_name=name, save_to=path)
+
+    def register(self, weights: Iterable[torch.Tensor]) -> None:
+        """The model's projection weights, grouped by shape, to time a product over every layer's own."""
+        for w in weights:
+            if w.dim() == 2:
+                group = self._weights.setdefault((tuple(w.shape), w.dtype, w.device), [])
+                if len(group) < MAX_LAYERS and all(w.data_ptr() != g.data_ptr() for g in group):
+                    group.append(w)
+
+    # ---- what linear asks ----
+
+    def backend(self, rows: int, weight: torch.Tensor, gated: bool, rule: str,
+                run: Callable[[str, torch.Tensor], Callable[[], object]]) -> str:
+        """The backend for this product. `run(backend, w)` gives a call that computes the product with
+        `backend` over weight w (as the layer does), for timing."""
+        key = GemmKey.of(rows, weight, gated)
+        chosen = self.choices.get(key)
+        if chosen is not None:
+            return chosen
+        if not self.measure or rows > MAX_ROWS or torch.cuda.is_current_stream_capturing():
+            return rule
+        begin = time.perf_counter()
+        candidates = [rule, *(b for b in ("cublas", "cublaslt") if b != rule)]
+        group = self._weights.get((tuple(weight.shape), weight.dtype, weight.device)) or [weight]
+        times = {b: graph_time_us([run(b, w) for w in group]) for b in candidates}
+        self.measure_s += time.perf_counter() - begin
+        self.times_us[key], self.rules[key] = times, rule
+        self.choices[key] = choose(rule, times)
+        if self.choices[key] != rule:
+            log.debug("GEMM plan: %s takes %s (%s µs) instead of %s (%s µs)", key, self.choices[key],
+                     round(times[self.choices[key]], 2), rule, round(times[rule], 2))
+        return self.choices[key]
+
+    def departures(self) -> dict[GemmKey, str]:
+        """The measured products whose backend is not the rule's."""
+        return {k: b for k, b in self.choices.items() if k in self.rules and b != self.rules[k]}
+
+    def summary(self) -> str:
+        gone = self.departures()
+        parts = ", ".join(f"{k.n}x{k.k}{' gated' if k.gated else ''} at {k.rows} rows: {b}"
+                          for k, b in sorted(gone.items(), key=lambda kv: (kv[0].n, kv[0].rows)))
+        return (f"GEMM plan ({self.device_name}): {len(self.rules)} products measured in "
+                f"{self.measure_s:.1f} s, {len(gone)} take another backend than the fixed rule"
+                + (f" ({parts})" if parts else ""))
+
+    def finish(self) -> None:
+        """After a capture: log what was measured, save the file when there is one."""
+        if self.rules:
+            log.info(self.summary())
+            self.save()
+
+    # ---- the file ----
+
+    def to_json(self) -> dict:
+        entries = []
+        order = sorted(self.choices.items(), key=lambda kv: (kv[0].n, kv[0].k, kv[0].gated, kv[0].rows))
+        for key, backend in order:
+            entry = {"n": key.n, "k": key.k, "rows": key.rows, "gated": key.gated, "dtype": key.dtype,
+                     "backend": backend}
+            if key in self.times_us:
+                entry["rule"] = self.rules[key]
+                entry["us"] = {b: round(t, 3) for b, t in self.times_us[key].items()}
+            entries.append(entry)
+        return {"format": FORMAT, "device": self.device_name, "margin": MARGIN, "choices": entries}
+
+    def save(self, path: Path | None = None) -> None:
+        path = path or self.save_to
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def from_json(cls, doc: dict, device_name: str, where: str = "GEMM plan") -> GemmPlan:
+        """A saved plan (measuring what it lacks). ValueError naming the problem for another format,
+        another GPU model or a malformed entry."""
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"{where}: not a GEMM plan of format {FORMAT}")
+        if doc.get("device") != device_name:
+            raise ValueError(f"{where}: measured on {doc.get('device')!r}, this GPU is {device_name!r}; "
+                             f"delete it or point {PLAN_ENV} elsewhere to measure again")
+        choices = {}
+        for i, e in enumerate(doc.get("choices", [])):
+            try:
+                key = GemmKey(int(e["n"]), int(e["k"]), int(e["rows"]), bool(e["gated"]), str(e["dtype"]))
+                backend = e["backend"]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{where}: entry {i} is malformed ({exc!r})") from exc
+            if backend not in BACKENDS or min(key.n, key.k, key.rows) < 1:
+                raise ValueError(f"{where}: entry {i} has backend {backend!r} / sizes {key}")
+            choices[key] = backend
+        return cls(choices, device_name=device_name)
+
+    @classmethod
+    def load(cls, path: Path, device_name: str) -> GemmPlan:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{PLAN_ENV}={path}: cannot read the plan ({exc})") from exc
+        plan = cls.from_json(doc, device_name, f"{PLAN_ENV}={path}")
+        plan.save_to = path  # products it lacks are measured and the file rewritten
+        return plan

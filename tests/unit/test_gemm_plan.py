@@ -1,0 +1,142 @@
+"""The GEMM plan (executor_svc/layers/gemm_plan.py) without a GPU: the choice against given timings
+and its margin, measuring each product once over the layers' weights of its shape, what is never
+measured, the file's round trip and its refusals, and PAGEDSERVE_GEMM_PLAN. The timings themselves
+and the backends' results are checked on the GPU (tests/gpu/test_gemm_plan_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from executor_svc.layers import gemm_plan
+from executor_svc.layers.gemm_plan import GemmKey, GemmPlan, choose
+
+
+def test_choose_keeps_the_rule_within_the_margin():
+    assert choose("skinny", {"skinny": 10.0, "cublas": 9.8, "cublaslt": 9.9}) == "skinny"  # 2 % faster
+    assert choose("skinny", {"skinny": 10.0, "cublas": 9.0, "cublaslt": 9.5}) == "cublas"
+    assert choose("cublas", {"cublas": 20.0, "cublaslt": 17.0}) == "cublaslt"
+    assert choose("cublas", {"cublas": 20.0, "cublaslt": 21.0}) == "cublas"
+    assert choose("cublas", {"cublas": 20.0, "cublaslt": 19.0}, margin=0.1) == "cublas"
+    with pytest.raises(ValueError, match="rule's choice 'skinny' was not timed"):
+        choose("skinny", {"cublas": 1.0})
+
+
+@pytest.fixture
+def fake_timer(monkeypatch):
+    """graph_time_us from a table of per-backend times; records what it was asked to time."""
+    timed = []
+    table = {}
+
+    def fake(calls, replays=gemm_plan.REPLAYS):
+        results = [call() for call in calls]
+        backend = results[0][0]
+        timed.append((backend, [w for _, w in results]))
+        return table[backend]
+
+    monkeypatch.setattr(gemm_plan, "graph_time_us", fake)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return timed, table
+
+
+def _run(backend, w):
+    return lambda: (backend, w)
+
+
+def test_a_product_is_measured_once_over_the_layers_of_its_shape(fake_timer):
+    timed, table = fake_timer
+    table.update(skinny=12.0, cublas=10.0, cublaslt=11.0)
+    layers = [torch.empty(96, 64) for _ in range(12)]
+    other = torch.empty(32, 64)
+    plan = GemmPlan(device_name="gpu")
+    plan.register([*layers, other, layers[0], torch.empty(5)])  # a repeat and a 1-D tensor are ignored
+    assert plan.backend(16, layers[3], False, "skinny", _run) == "cublas"
+    assert [b for b, _ in timed] == ["skinny", "cublas", "cublaslt"]  # the rule first
+    assert all(ws == layers[: gemm_plan.MAX_LAYERS] for _, ws in timed)  # distinct weights of its shape
+    assert plan.backend(16, layers[5], False, "skinny", _run) == "cublas"  # the same key: not again
+    assert len(timed) == 3
+    assert plan.backend(16, other, False, "cublas", _run) == "cublas"  # another shape: measured
+    assert timed[-1][1] == [other] and len(timed) == 5
+    assert plan.backend(16, layers[0], True, "cublas", _run) == "cublas"  # gated is another product
+    key = GemmKey.of(16, layers[0], False)
+    assert plan.departures() == {key: "cublas"}
+    assert plan.times_us[key] == {"skinny": 12.0, "cublas": 10.0, "cublaslt": 11.0}
+    assert "1 take another backend" in plan.summary() and "96x64 at 16 rows: cublas" in plan.summary()
+
+
+def test_what_is_never_measured(fake_timer, monkeypatch):
+    timed, table = fake_timer
+    table.update(cublas=10.0, cublaslt=1.0)
+    w = torch.empty(8, 8)
+    assert GemmPlan(measure=False).backend(4, w, False, "cublas", _run) == "cublas"
+    assert GemmPlan().backend(gemm_plan.MAX_ROWS + 1, w, False, "cublas", _run) == "cublas"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert GemmPlan().backend(4, w, False, "cublas", _run) == "cublas"  # inside a capture: the rule
+    assert timed == []
+
+
+def test_the_file_round_trip(tmp_path, fake_timer):
+    timed, table = fake_timer
+    table.update(skinny=5.0, cublas=4.0, cublaslt=4.5)
+    plan = GemmPlan(device_name="NVIDIA H200", save_to=tmp_path / "sub" / "plan.json")
+    w = torch.empty(64, 32, dtype=torch.bfloat16)
+    plan.backend(8, w, False, "skinny", _run)
+    plan.backend(8, w, True, "skinny", _run)
+    plan.finish()
+    doc = json.loads((tmp_path / "sub" / "plan.json").read_text())
+    assert doc["device"] == "NVIDIA H200" and len(doc["choices"]) == 2
+    assert doc["choices"][0] == {"n": 64, "k": 32, "rows": 8, "gated": False, "dtype": "torch.bfloat16",
+                                 "backend": "cublas", "rule": "skinny",
+                                 "us": {"skinny": 5.0, "cublas": 4.0, "cublaslt": 4.5}}
+    again = GemmPlan.load(tmp_path / "sub" / "plan.json", "NVIDIA H200")
+    assert again.choices == plan.choices and again.save_to == tmp_path / "sub" / "plan.json"
+    count = len(timed)
+    assert again.backend(8, w, False, "skinny", _run) == "cublas" and len(timed) == count  # from the file
+
+
+@pytest.mark.parametrize("doc, message", [
+    ({"format": 2, "device": "g", "choices": []}, "not a GEMM plan of format 1"),
+    ([], "not a GEMM plan"),
+    ({"format": 1, "device": "NVIDIA H100", "choices": []}, "measured on 'NVIDIA H100', this GPU is 'g'"),
+    ({"format": 1, "device": "g", "choices": [{"n": 1}]}, "entry 0 is malformed"),
+    ({"format": 1, "device": "g", "choices": [{"n": 1, "k": 1, "rows": 1, "gated": False, "dtype": "x",
+                                               "backend": "magic"}]}, "backend 'magic'"),
+    ({"format": 1, "device": "g", "choices": [{"n": 1, "k": 1, "rows": -4, "gated": False, "dtype": "x",
+                                               "backend": "cublas"}]}, "sizes"),
+    ({"format": 1, "device": "g", "choices": [{"n": "many", "k": 1, "rows": 1, "gated": False,
+                                               "dtype": "x", "backend": "cublas"}]}, "malformed"),
+])
+def test_a_bad_file_is_refused_with_its_problem(doc, message):
+    with pytest.raises(ValueError, match=message):
+        GemmPlan.from_json(doc, "g")
+
+
+def test_the_environment(tmp_path, monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(gemm_plan.PLAN_ENV, "off")
+    assert GemmPlan.from_env(cpu) is None
+    monkeypatch.setenv(gemm_plan.PLAN_ENV, "measure")
+    plan = GemmPlan.from_env(cpu)
+    assert plan.measure and plan.save_to is None and plan.choices == {}
+    monkeypatch.delenv(gemm_plan.PLAN_ENV)
+    assert GemmPlan.from_env(cpu).save_to is None  # measure by default
+    path = tmp_path / "plan.json"
+    monkeypatch.setenv(gemm_plan.PLAN_ENV, str(path))
+    assert GemmPlan.from_env(cpu).save_to == path  # missing: measure, then save there
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the plan"):
+        GemmPlan.from_env(cpu)
+    path.write_text(json.dumps({"format": 1, "device": "cpu", "choices": [
+        {"n": 4, "k": 4, "rows": 2, "gated": True, "dtype": "torch.float32", "backend": "cublaslt"}]}))
+    assert GemmPlan.from_env(cpu).choices == {GemmKey(4, 4, 2, True, "torch.float32"): "cublaslt"}
+
+
+def test_projection_weights_are_every_linear_layer_and_the_lm_head():
+    from executor_svc.layers.linear import projection_weights
+    from executor_svc.layers.mlp import GatedMLP
+
+    mlp = GatedMLP(64, 128, bias=False, tp_rank=0, tp_size=1)
+    weights = projection_weights(mlp)
+    assert [tuple(w.shape) for w in weights] == [(256, 64), (64, 128)]
