@@ -71,11 +71,15 @@ class GemmKey:
 
 
 def choose(rule: str, times_us: dict[str, float], margin: float = MARGIN) -> str:
-    """The rule's choice unless another candidate is `margin` faster (then the fastest)."""
+    """The rule's choice, replaced by each other candidate in BACKENDS order that is `margin` faster
+    than the choice so far: two candidates within the margin of each other never swap on noise."""
     if rule not in times_us:
         raise ValueError(f"the rule's choice {rule!r} was not timed: {sorted(times_us)}")
-    best = min(times_us, key=times_us.__getitem__)
-    return best if times_us[best] < times_us[rule] * (1 - margin) else rule
+    chosen = rule
+    for backend in BACKENDS:
+        if backend in times_us and times_us[backend] < times_us[chosen] * (1 - margin):
+            chosen = backend
+    return chosen
 
 
 @contextlib.contextmanager
@@ -219,10 +223,13 @@ class GemmPlan:
         path = path or self.save_to
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(json.dumps(self.to_json(), indent=1))
+            tmp.replace(path)
+        except OSError as exc:
+            raise ValueError(f"{PLAN_ENV}={path}: cannot write the plan ({exc})") from exc
 
     @classmethod
     def from_json(cls, doc: dict, device_name: str, where: str = "GEMM plan") -> GemmPlan:

@@ -20,6 +20,10 @@ def test_choose_keeps_the_rule_within_the_margin():
     assert choose("cublas", {"cublas": 20.0, "cublaslt": 17.0}) == "cublaslt"
     assert choose("cublas", {"cublas": 20.0, "cublaslt": 21.0}) == "cublas"
     assert choose("cublas", {"cublas": 20.0, "cublaslt": 19.0}, margin=0.1) == "cublas"
+    # two candidates within the margin of each other: the earlier in BACKENDS order, not the noise's pick
+    assert choose("skinny", {"skinny": 17.5, "cublas": 16.70, "cublaslt": 16.62}) == "cublas"
+    assert choose("skinny", {"skinny": 17.5, "cublas": 16.62, "cublaslt": 16.70}) == "cublas"
+    assert choose("skinny", {"skinny": 17.5, "cublas": 16.70, "cublaslt": 15.0}) == "cublaslt"
     with pytest.raises(ValueError, match="rule's choice 'skinny' was not timed"):
         choose("skinny", {"cublas": 1.0})
 
@@ -131,6 +135,13 @@ def test_the_environment(tmp_path, monkeypatch):
     path.write_text(json.dumps({"format": 1, "device": "cpu", "choices": [
         {"n": 4, "k": 4, "rows": 2, "gated": True, "dtype": "torch.float32", "backend": "cublaslt"}]}))
     assert GemmPlan.from_env(cpu).choices == {GemmKey(4, 4, 2, True, "torch.float32"): "cublaslt"}
+    monkeypatch.setenv(gemm_plan.PLAN_ENV, str(tmp_path))  # a directory
+    with pytest.raises(ValueError, match="cannot read the plan"):
+        GemmPlan.from_env(cpu)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(ValueError, match="cannot write the plan"):
+        GemmPlan(save_to=blocked / "plan.json").save()
 
 
 def test_projection_weights_are_every_linear_layer_and_the_lm_head():
