@@ -9,6 +9,7 @@ Deliberately no `__version__` here: transformers probes for an unrelated PyPI pa
 `kernels` (tests/unit/test_layering.py).
 """
 
+import contextlib
 import functools
 import importlib
 import os
@@ -19,6 +20,7 @@ from kernels import reference
 
 __all__ = [
     "batch_invariant_matmul",
+    "blas_library",
     "copy_blocks",
     "fused_moe",
     "gemma_rms_norm",
@@ -216,6 +218,21 @@ def greedy_sample(logits) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [S, V] -> (token ids [S] int64: each row's first argmax, their log-softmax [S] float32),
     in one read of the logits on CUDA (kernels/triton_sampling.py)."""
     return (_cuda_module("triton_sampling") if logits.is_cuda else reference).greedy_sample(logits)
+
+
+@contextlib.contextmanager
+def blas_library(name: str | None):
+    """torch's matmuls inside run on cuBLASLt ("cublaslt") or cuBLAS ("cublas"); None leaves the
+    setting as it is. The setting is process-wide: restored on the way out."""
+    if name is None:
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 # ---- decode-batch GEMMs (kernels/triton_skinny.py): the weight streamed through TMA ----

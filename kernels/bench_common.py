@@ -1,6 +1,8 @@
 """What the kernel benchmarks (kernels/bench.py, kernels/bench_prefill.py) share: the model shape
 they time, the cache layout, the timer and the paged-to-contiguous K/V copy SDPA reads."""
 
+import statistics
+
 import torch
 import triton.testing
 
@@ -34,6 +36,32 @@ def time_graph_ms(fn, rep: int = 100) -> float:
         torch.cuda.synchronize()
         return time_ms(fn, rep)
     return time_ms(graph.replay, rep)
+
+
+def graph_call_us(calls, replays: int = 20) -> float:
+    """Median GPU time per call (µs) of one CUDA graph holding every call, over `replays` replays
+    (after one to warm up); the first call runs once eagerly on a side stream before the capture
+    (compile, settle the allocator). One call per layer's own weight keeps the weights out of L2."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls[0]()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
 
 
 def contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,10 @@
 
 llama3-8b's projections (qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down 4096 x 14336,
 lm_head 128256 x 4096; bf16) at decode batch sizes, ours (kernels/triton_skinny.py, the engine's
-choice of tile) against cuBLAS (torch.matmul), and the MLP's gate_up + SiLU-and-mul as one launch
-against cuBLAS's gate_up then `silu_and_mul`. A weight read from L2 would flatter either side, so
+choice of tile) against cuBLAS (torch.matmul) and cuBLASLt, and the MLP's gate_up + SiLU-and-mul as
+one launch against cuBLAS's gate_up then `silu_and_mul`; at MID_ROWS (96-512) cuBLAS and cuBLASLt
+against each projection's bound (the device's measured rates). A weight read from L2 would flatter
+either side, so
 each case captures one call per layer, 32 layers' own weights (4 for lm_head), in one CUDA graph,
 and reports its replay time per call (median of 20 replays) and the weight bytes per second.
 `--sweep` also times every SWEEP_CONFIGS / SWEEP_GATED entry.
@@ -13,12 +15,17 @@ from functools import partial
 
 import torch
 
+import kernels
 from kernels import triton_layers, triton_skinny
+from kernels.bench_common import graph_call_us
 from kernels.triton_skinny import SkinnyConfig
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
 ROWS = (1, 8, 16, 32, 64)
+# Past the skinny kernel's rows (decode batches of 96-512 sequences): cuBLAS against cuBLASLt and each
+# projection's bound, the choice the engine's GEMM plan (executor_svc/layers/gemm_plan.py) makes per GPU
+MID_ROWS = (96, 128, 192, 256, 320, 384, 512)
 LAYERS = 32
 SWEEP_CONFIGS = [SkinnyConfig(*c) for c in ((64, 128, 4), (64, 128, 6), (128, 128, 3), (128, 128, 4),
                                             (64, 256, 3), (64, 64, 8), (128, 64, 6), (64, 128, 6, 8))]
@@ -27,23 +34,7 @@ SWEEP_GATED = [SkinnyConfig(*c) for c in ((64, 128, 3), (64, 128, 4), (64, 128, 
 
 def _graph_us(calls) -> float:
     """Median replay time of one CUDA graph holding every call, per call (µs)."""
-    for call in calls[:1]:
-        call()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(20):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return sorted(times)[len(times) // 2]
+    return graph_call_us(calls, 20)
 
 
 def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -63,28 +54,41 @@ def _cublas(x, w, out):
     return torch.matmul(x, w.T, out=out)
 
 
+def _cublaslt(x, w, out):
+    with kernels.blas_library("cublaslt"):
+        return torch.matmul(x, w.T, out=out)
+
+
 def _cublas_silu(x, w, out):
     return triton_layers.silu_and_mul(torch.matmul(x, w.T, out=out))
 
 
-def bench_gemm(gen: torch.Generator, sweep: bool = False) -> list[dict]:
+def bench_gemm(gen: torch.Generator, sweep: bool = False, copy_bytes_per_s: float | None = None,
+               matmul_flops_per_s: float | None = None) -> list[dict]:
+    """Per projection and row count: cuBLAS, cuBLASLt and (up to SKINNY_MAX_ROWS) ours; with the
+    device's rates, each row's bound max(weight bytes / copy rate, FLOPs / matmul rate)."""
     results = []
     dev, dtype = "cuda", torch.bfloat16
     for name, (n, k) in SHAPES.items():
         layers = 4 if name == "lm_head" else LAYERS
         weights = [torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * 0.02 for _ in range(layers)]
-        for rows in ROWS:
+        for rows in (*ROWS, *MID_ROWS):
             x = torch.randn(rows, k, device=dev, dtype=dtype, generator=gen)
             outs = [torch.empty(rows, n, device=dev, dtype=dtype) for _ in weights]
             row = {"shape": name, "rows": rows, "n": n, "k": k}
+            if copy_bytes_per_s and matmul_flops_per_s:
+                bound_s = max(n * k * 2 / copy_bytes_per_s, 2 * rows * n * k / matmul_flops_per_s)
+                row["bound_us"] = bound_s * 1e6
             row["cublas_us"] = _time(_cublas, x, weights, outs)
             ref = outs[0].clone()
-            row["ours_us"] = _time(triton_skinny.skinny_linear, x, weights, outs)
-            row["rel_err"] = _error(outs[0], ref)
-            for cfg in SWEEP_CONFIGS if sweep else ():
-                key = f"{cfg.block_n}x{cfg.block_k}s{cfg.stages}w{cfg.warps}"
-                row[key] = _time(triton_skinny.skinny_linear, x, weights, outs, config=cfg)
-            if name == "gate_up":
+            row["cublaslt_us"] = _time(_cublaslt, x, weights, outs)
+            if rows in ROWS:
+                row["ours_us"] = _time(triton_skinny.skinny_linear, x, weights, outs)
+                row["rel_err"] = _error(outs[0], ref)
+                for cfg in SWEEP_CONFIGS if sweep else ():
+                    key = f"{cfg.block_n}x{cfg.block_k}s{cfg.stages}w{cfg.warps}"
+                    row[key] = _time(triton_skinny.skinny_linear, x, weights, outs, config=cfg)
+            if name == "gate_up" and (rows in ROWS or rows in kernels.SKINNY_GATED_WIDE_ROWS):
                 acts = [torch.empty(rows, n // 2, device=dev, dtype=dtype) for _ in weights]
                 row["cublas_silu_us"] = _time(_cublas_silu, x, weights, outs)
                 ref_act = triton_layers.silu_and_mul(x @ weights[0].T)
@@ -93,7 +97,8 @@ def bench_gemm(gen: torch.Generator, sweep: bool = False) -> list[dict]:
                 for cfg in SWEEP_GATED if sweep else ():
                     key = f"gated_{cfg.block_n}x{cfg.block_k}s{cfg.stages}"
                     row[key] = _time(triton_skinny.skinny_gate_up_silu, x, weights, acts, config=cfg)
-            row["weight_tb_s"] = {key: n * k * 2 / row[f"{key}_us"] / 1e6 for key in ("cublas", "ours")}
+            timed = [key for key in ("cublas", "cublaslt", "ours") if isinstance(row.get(f"{key}_us"), float)]
+            row["weight_tb_s"] = {key: n * k * 2 / row[f"{key}_us"] / 1e6 for key in timed}
             results.append(row)
             print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()
                    if key != "weight_tb_s"}, flush=True)
@@ -103,14 +108,21 @@ def bench_gemm(gen: torch.Generator, sweep: bool = False) -> list[dict]:
 
 
 def gemm_table(rows: list[dict]) -> str:
-    lines = ["decode GEMMs (llama3-8b projections, bf16, 32 layers' weights in one graph): µs per call",
-             f"{'shape':>8} {'rows':>4} {'cublas':>8} {'ours':>8} {'cublas/ours':>11} {'ours TB/s':>9}"
-             f" {'+silu cublas':>12} {'gated':>8} {'ratio':>6}"]
+    def us(r, key):
+        v = r.get(f"{key}_us")
+        return f"{v:>8.2f}" if isinstance(v, float) else f"{'-':>8}"
+
+    lines = ["decode GEMMs (llama3-8b projections, bf16, 32 layers' weights in one graph): µs per call; "
+             "bound = max(weight bytes / copy rate, FLOPs / matmul rate)",
+             f"{'shape':>8} {'rows':>4} {'bound':>8} {'cublas':>8} {'cublasLt':>8} {'ours':>8}"
+             f" {'cublas/ours':>11} {'+silu cublas':>12} {'gated':>8} {'ratio':>6}"]
     for r in rows:
-        line = (f"{r['shape']:>8} {r['rows']:>4} {r['cublas_us']:>8.2f} {r['ours_us']:>8.2f} "
-                f"{r['cublas_us'] / r['ours_us']:>11.3f} {r['weight_tb_s']['ours']:>9.2f}")
-        if "gated_us" in r:
-            ratio = r["cublas_silu_us"] / r["gated_us"]
-            line += f" {r['cublas_silu_us']:>12.2f} {r['gated_us']:>8.2f} {ratio:>6.3f}"
+        both = isinstance(r.get("ours_us"), float) and isinstance(r["cublas_us"], float)
+        ratio = f"{r['cublas_us'] / r['ours_us']:>11.3f}" if both else f"{'':>11}"
+        line = (f"{r['shape']:>8} {r['rows']:>4} {us(r, 'bound')} {us(r, 'cublas')} {us(r, 'cublaslt')} "
+                f"{us(r, 'ours')} {ratio}")
+        if isinstance(r.get("gated_us"), float) and isinstance(r.get("cublas_silu_us"), float):
+            gated = r["cublas_silu_us"] / r["gated_us"]
+            line += f" {r['cublas_silu_us']:>12.2f} {r['gated_us']:>8.2f} {gated:>6.3f}"
         lines.append(line)
     return "\n".join(lines)

@@ -7,7 +7,7 @@ takes the product, else cuBLAS) was tuned on an H100; on an H200 it loses in pla
 78.2 skinny against 67.3 cuBLAS; o_proj and down_proj at 96 rows 13.3 / 33.1 cuBLASLt against 15.6 /
 39.1 cuBLAS; qkv at 288 rows 24.5 against 28.1). So for each product the graphs ask for, keyed by
 (weight rows, columns, dtype, gated, rows), the candidates - the rule's choice, cuBLAS, cuBLASLt
-(`torch.backends.cuda.preferred_blas_library`) - are timed as one CUDA graph holding one call per
+(`kernels.blas_library`) - are timed as one CUDA graph holding one call per
 layer's own weight of that shape (the weights stream from memory, as in a step), the median of
 REPLAYS replays, and another candidate replaces the rule's only when it is MARGIN faster: near-ties
 keep today's kernel.
@@ -31,11 +31,9 @@ decode graph must not be slower anywhere and faster where the plan departs from 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -82,43 +80,12 @@ def choose(rule: str, times_us: dict[str, float], margin: float = MARGIN) -> str
     return chosen
 
 
-@contextlib.contextmanager
-def blas_library(name: str | None):
-    """cuBLASLt or cuBLAS for torch's matmuls inside (None: leave the setting as it is)."""
-    if name is None:
-        yield
-        return
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
+def graph_time_us(calls: list[Callable[[], object]]) -> float:
+    """Median GPU time per call (µs) of one CUDA graph holding every call (kernels.bench_common,
+    imported here: CPU-only processes never import triton)."""
+    from kernels.bench_common import graph_call_us
 
-
-def graph_time_us(calls: list[Callable[[], object]], replays: int = REPLAYS) -> float:
-    """Median GPU time per call (µs) of one CUDA graph holding every call, over `replays` replays
-    (after one to warm up); the calls run once eagerly first (compile, settle the allocator)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls[0]()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
+    return graph_call_us(calls, REPLAYS)
 
 
 class GemmPlan:

@@ -32,7 +32,7 @@ from torch import nn
 
 import kernels
 from executor_svc.layers import determinism
-from executor_svc.layers.gemm_plan import GemmPlan, blas_library
+from executor_svc.layers.gemm_plan import GemmPlan
 
 _GRAPH_GEMMS = contextvars.ContextVar("pagedserve_graph_gemms", default=None)
 _RULE = object()  # graph_gemms() without a plan: the fixed rule
@@ -59,7 +59,7 @@ def _product(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         if gated:
             return kernels.skinny_gate_up_silu(rows, weight).view(*x.shape[:-1], weight.shape[0] // 2)
         return kernels.skinny_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
-    with blas_library("cublaslt" if backend == "cublaslt" else None):
+    with kernels.blas_library("cublaslt" if backend == "cublaslt" else None):
         out = F.linear(x, weight, bias)
     return kernels.silu_and_mul(out) if gated else out
 
