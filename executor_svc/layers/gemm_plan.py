@@ -145,7 +145,13 @@ class GemmPlan:
         begin = time.perf_counter()
         candidates = [rule, *(b for b in ("cublas", "cublaslt") if b != rule)]
         group = self._weights.get((tuple(weight.shape), weight.dtype, weight.device)) or [weight]
-        times = {b: graph_time_us([run(b, w) for w in group]) for b in candidates}
+        times = {rule: graph_time_us([run(rule, w) for w in group])}  # the rule's failure is the graphs'
+        for backend in candidates[1:]:
+            try:
+                times[backend] = graph_time_us([run(backend, w) for w in group])
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is not chosen
+                log.warning("GEMM plan: %s cannot run %s here (%s: %s); not a candidate", backend, key,
+                            type(exc).__name__, exc)
         self.measure_s += time.perf_counter() - begin
         self.times_us[key], self.rules[key] = times, rule
         self.choices[key] = choose(rule, times)

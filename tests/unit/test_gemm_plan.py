@@ -70,6 +70,18 @@ def test_a_product_is_measured_once_over_the_layers_of_its_shape(fake_timer):
     assert "1 take another backend" in plan.summary() and "96x64 at 16 rows: cublas" in plan.summary()
 
 
+def test_a_candidate_that_fails_is_not_chosen_and_the_rule_failing_is_an_error(fake_timer):
+    timed, table = fake_timer
+    table.update(skinny=10.0, cublas=5.0)  # no cublaslt entry: timing it raises KeyError
+    plan = GemmPlan()
+    w = torch.empty(8, 8)
+    assert plan.backend(4, w, False, "skinny", _run) == "cublas"
+    assert set(plan.times_us[GemmKey.of(4, w, False)]) == {"skinny", "cublas"}
+    table.pop("skinny")
+    with pytest.raises(KeyError):
+        plan.backend(5, w, False, "skinny", _run)
+
+
 def test_what_is_never_measured(fake_timer, monkeypatch):
     timed, table = fake_timer
     table.update(cublas=10.0, cublaslt=1.0)
