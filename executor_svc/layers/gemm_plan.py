@@ -198,7 +198,8 @@ class GemmPlan:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(path.suffix + ".tmp")
+            # a file of this process's own, then renamed: ranks saving to one path never interleave
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(self.to_json(), indent=1))
             tmp.replace(path)
         except OSError as exc:

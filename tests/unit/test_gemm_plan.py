@@ -101,6 +101,7 @@ def test_the_file_round_trip(tmp_path, fake_timer):
     plan.backend(8, w, False, "skinny", _run)
     plan.backend(8, w, True, "skinny", _run)
     plan.finish()
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["plan.json"]  # no temporary left
     doc = json.loads((tmp_path / "sub" / "plan.json").read_text())
     assert doc["device"] == "NVIDIA H200" and len(doc["choices"]) == 2
     assert doc["choices"][0] == {"n": 64, "k": 32, "rows": 8, "gated": False, "dtype": "torch.bfloat16",
