@@ -1,5 +1,6 @@
 """What the kernel benchmarks (kernels/bench.py, kernels/bench_prefill.py) share: the model shape
-they time, the cache layout, the timer and the paged-to-contiguous K/V copy SDPA reads."""
+they time, the cache layout, the timers and the paged-to-contiguous K/V copy SDPA reads. The engine's
+GEMM plan (executor_svc/layers/gemm_plan.py) times its candidates with `graph_call_us` too."""
 
 import statistics
 

@@ -142,15 +142,18 @@ class GemmPlan:
         `backend` over weight w (as the layer does), for timing."""
         key = GemmKey.of(rows, weight, gated)
         chosen = self.choices.get(key)
+        if chosen == "skinny" and rule != "skinny":  # a plan file's entry this build cannot honour
+            log.warning("GEMM plan: the skinny kernel cannot take %s here; the fixed rule's %s instead",
+                        key, rule)
+            return rule
         if chosen is not None:
             return chosen
         if not self.measure or rows > MAX_ROWS or torch.cuda.is_current_stream_capturing():
             return rule
         begin = time.perf_counter()
-        candidates = [rule, *(b for b in ("cublas", "cublaslt") if b != rule)]
         group = self._weights.get((tuple(weight.shape), weight.dtype, weight.device)) or [weight]
         times = {rule: graph_time_us([run(rule, w) for w in group])}  # the rule's failure is the graphs'
-        for backend in candidates[1:]:
+        for backend in (b for b in ("cublas", "cublaslt") if b != rule):
             try:
                 times[backend] = graph_time_us([run(backend, w) for w in group])
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is not chosen
@@ -196,8 +199,9 @@ class GemmPlan:
             entries.append(entry)
         return {"format": FORMAT, "device": self.device_name, "margin": MARGIN, "choices": entries}
 
-    def save(self, path: Path | None = None) -> None:
-        path = path or self.save_to
+    def save(self) -> None:
+        """Writes the plan to `save_to` (if any); ValueError naming the path where it cannot."""
+        path = self.save_to
         if path is None:
             return
         try:

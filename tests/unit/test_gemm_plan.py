@@ -82,6 +82,15 @@ def test_a_candidate_that_fails_is_not_chosen_and_the_rule_failing_is_an_error(f
         plan.backend(5, w, False, "skinny", _run)
 
 
+def test_a_file_naming_the_skinny_kernel_where_it_cannot_run_gets_the_rule(fake_timer):
+    timed, table = fake_timer
+    w = torch.empty(8, 8)
+    plan = GemmPlan({GemmKey.of(300, w, False): "skinny", GemmKey.of(4, w, False): "skinny"})
+    assert plan.backend(300, w, False, "cublas", _run) == "cublas"  # skinny refused there: the rule
+    assert plan.backend(4, w, False, "skinny", _run) == "skinny"
+    assert timed == []  # neither measured
+
+
 def test_what_is_never_measured(fake_timer, monkeypatch):
     timed, table = fake_timer
     table.update(cublas=10.0, cublaslt=1.0)
