@@ -266,9 +266,13 @@ def skinny_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) ->
     return need + SKINNY_SMEM_MARGIN <= limit
 
 
-def skinny_linear(x, weight, bias=None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] where skinny_usable(x, weight)."""
-    return _cuda_module("triton_skinny").skinny_linear(x, weight, bias)
+def skinny_linear(x, weight, bias=None, split_k: bool = False) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] where skinny_usable(x, weight). split_k: K in two
+    slices a tile (triton_skinny.split_config; more programs where the weight has few tiles), summed
+    in one order by the tile's last program: the same bits every run, not those without it."""
+    skinny = _cuda_module("triton_skinny")
+    config = skinny.split_config(x.shape[0], weight.shape[0], x.shape[1]) if split_k else None
+    return skinny.skinny_linear(x, weight, bias, config=config)
 
 
 def skinny_gate_up_silu(x, weight) -> torch.Tensor:

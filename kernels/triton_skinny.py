@@ -8,7 +8,11 @@ is the weight's bytes over the memory bandwidth. cuBLAS's kernels for these shap
 GEMMs"). Here each program owns BLOCK_N output columns over the whole K: the weight streams through
 TMA in BLOCK_K slices, NUM_STAGES deep, and the product is computed transposed (w_tile @ x_tile.T,
 BLOCK_N = 64 or 128 rows as the MMA's M, so Hopper's wgmma applies however few tokens there are).
-No split-K: a row's sum over K runs in one order whatever the batch, and nothing is reduced twice.
+By default no split-K: a row's sum over K runs in one order whatever the batch, and nothing is
+reduced twice. `SkinnyConfig.split_k` > 1 (`split_config`, which the GEMM plan times as a candidate)
+gives a weight with few tiles more programs: each slice of K stores a float32 partial, and the
+tile's last program to finish adds them in slice order (an arrival counter per tile) in the same
+launch, so a product has the same bits every run.
 
 `skinny_gate_up_silu` computes the gate tile and the up tile of the same columns in one program
 and writes silu(gate) * up, rounded where `silu_and_mul` rounds (each projection to the model dtype,
@@ -48,6 +52,11 @@ class SkinnyConfig:
     block_k: int
     stages: int
     warps: int = 4
+    # > 1: K cut into this many slices, a program each (more programs where a projection has few
+    # weight tiles: llama3-8b's o_proj has 64 of 64 rows for an H200's 132 SMs). Each slice's float32
+    # partial goes to a workspace; the tile's last program to finish adds them in slice order, so the
+    # result is the same bits every run (not those of split_k=1). Plain (not gated) products only.
+    split_k: int = 1
 
 
 def skinny_config(num_rows: int, n: int, k: int, gated: bool = False) -> SkinnyConfig:
@@ -59,6 +68,14 @@ def skinny_config(num_rows: int, n: int, k: int, gated: bool = False) -> SkinnyC
     if n >= _WIDE_N:
         return SkinnyConfig(128, 128, 4)
     return SkinnyConfig(64, 128, 6)
+
+
+def split_config(num_rows: int, n: int, k: int) -> SkinnyConfig:
+    """The split-K form the GEMM plan times against the rest (executor_svc/layers/gemm_plan.py): K in
+    two slices, a 64-row weight tile six stages deep. H200, llama3-8b, 16 layers' weights in a graph
+    (docs/benchmarks.md round 21): `o_proj` at 1-32 rows 10.8-11.2 us against 11.1-11.9 unsplit,
+    `down_proj` at 1-16 rows 29.4-30.3 against 31.3-31.8; `qkv_proj` (96 tiles) gains nothing."""
+    return SkinnyConfig(64, 128, 6, split_k=2)
 
 
 def shared_memory_bytes(num_rows: int, n: int, k: int, gated: bool = False, element_size: int = 2,
@@ -82,13 +99,18 @@ def _prefetch_rows(w_ptr, rows, stride_w, LINES: tl.constexpr, LINE: tl.constexp
 
 @triton.jit
 def _skinny_kernel(
-    x_desc, w_desc, y_ptr, bias_ptr, w_ptr,
+    x_desc, w_desc, y_ptr, bias_ptr, w_ptr, partial_ptr, counter_ptr,
     num_rows, n, gate_rows, stride_y, stride_w,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
-    n0 = tl.program_id(0) * BLOCK_N
+    tile = tl.program_id(0)
+    n0 = tile * BLOCK_N
+    k_steps: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    slice_steps: tl.constexpr = (k_steps + SPLIT_K - 1) // SPLIT_K
+    first = tl.program_id(1) * slice_steps  # this program's slice of K, in BLOCK_K steps
+    last = tl.minimum(first + slice_steps, k_steps)
     if PDL:  # kernels.pdl: the weight is never written by a step; x and y are, after the wait only
         if PREFETCH_LINES > 0:
             rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), n - 1)
@@ -99,7 +121,7 @@ def _skinny_kernel(
         gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y.T tile: weight rows x tokens
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for i in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+    for i in tl.range(first, last, num_stages=NUM_STAGES):
         k0 = i * BLOCK_K
         x = x_desc.load([0, k0])  # [BLOCK_M, BLOCK_K]; rows >= num_rows and k >= K read as 0
         w = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K]
@@ -115,6 +137,21 @@ def _skinny_kernel(
     dtype = y_ptr.dtype.element_ty
     cols = n0 + tl.arange(0, BLOCK_N)  # output columns
     rows = tl.arange(0, BLOCK_M)  # tokens
+    inside = (rows[None, :] < num_rows) & (cols[:, None] < n)
+    if SPLIT_K > 1:
+        # partials [SPLIT_K, num_rows, n] float32; the tile's counter counts the slices stored, and the
+        # program that stores the last one sums them (the others' writes below are masked off)
+        here = rows[None, :].to(tl.int64) * n + cols[:, None]
+        tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * num_rows * n + here, acc, mask=inside)
+        tl.debug_barrier()  # every thread's partial stored before the count (released at GPU scope)
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        inside = inside & (arrived == SPLIT_K - 1)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for s in tl.static_range(SPLIT_K):  # slice order: the same sum every run
+            acc += tl.load(partial_ptr + s * num_rows * n + here, mask=inside, other=0.0,
+                           cache_modifier=".cg")
+        # the last program leaves the counter at zero for the next launch
+        tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu", mask=arrived == SPLIT_K - 1)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
         acc = acc + bias[:, None]
@@ -124,13 +161,27 @@ def _skinny_kernel(
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = act * up
     ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_y + cols[:, None]
-    tl.store(ptrs, acc.to(dtype), mask=(rows[None, :] < num_rows) & (cols[:, None] < n))
+    tl.store(ptrs, acc.to(dtype), mask=inside)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K tiles' arrival counters on `device`: zeros, and each launch leaves them zero. One
+    set per device serves every launch: launches on one stream run one after another (with PDL, a
+    program touches them only after its wait for the kernel before it)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def _launch(x, weight, bias, out, n, gated, config):
@@ -141,13 +192,19 @@ def _launch(x, weight, bias, out, n, gated, config):
     on = pdl(x.device, "skinny")
     line = 128 // weight.element_size()  # elements of a 128-byte L2 line
     lines = 1 << (max(1, min(PREFETCH_K, k) // line).bit_length() - 1) if on and PREFETCH_K > 0 else 0
-    _skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
+    tiles = triton.cdiv(n, cfg.block_n)
+    if cfg.split_k > 1:
+        partials = torch.empty((cfg.split_k, num_rows, n), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, tiles)
+    else:
+        partials = counters = out
+    _skinny_kernel[(tiles, cfg.split_k)](
         _descriptor(x, [block_m, cfg.block_k]), _descriptor(weight, [cfg.block_n, cfg.block_k]),
-        out, bias if bias is not None else out, weight,
+        out, bias if bias is not None else out, weight, partials, counters,
         num_rows, n, n if gated else 0, out.stride(0), weight.stride(0),
         K=k, HAS_BIAS=bias is not None, GATED=gated, UPCAST=upcast,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.stages,
-        PDL=on, PREFETCH_LINES=lines, LINE=line, num_warps=cfg.warps, **pdl_launch(on),
+        SPLIT_K=cfg.split_k, PDL=on, PREFETCH_LINES=lines, LINE=line, num_warps=cfg.warps, **pdl_launch(on),
     )
     return out
 
@@ -165,6 +222,11 @@ def refusal(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, config: 
     for name, t in (("x", x), ("weight", weight)):  # TMA: unit inner stride, 16-byte row pitch and base
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return f"{name} {tuple(t.shape)} strides {t.stride()}: rows not contiguous or not 16-byte aligned"
+    if config is not None and config.split_k > 1 and gated:
+        return "the gated kernel has no split-K form (its gate and up tiles meet in one program)"
+    if config is not None and not 1 <= config.split_k <= triton.cdiv(x.shape[1], config.block_k):
+        slices = triton.cdiv(x.shape[1], config.block_k)
+        return f"split_k {config.split_k}: K {x.shape[1]} has {slices} slices of {config.block_k}"
     if gated:
         block_n = (config or skinny_config(x.shape[0], weight.shape[0] // 2, x.shape[1], gated)).block_n
         if weight.shape[0] % (2 * block_n):
@@ -180,7 +242,7 @@ def _check(x, weight, gated=False, config=None) -> None:
 
 def skinny_linear(x, weight, bias=None, out=None, config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N], 1 <= M <= SKINNY_MAX_ROWS."""
-    _check(x, weight)
+    _check(x, weight, config=config)
     n = weight.shape[0]
     if out is None:
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)

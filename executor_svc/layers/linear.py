@@ -15,9 +15,9 @@ Every weight product goes through `linear` and every sum over ranks through `tp_
 compute batch-invariantly in deterministic mode (executor_svc/layers/determinism.py). Inside
 `graph_gemms()` (the CUDA graphs' warm-up and capture) a product runs the backend the GEMM plan
 measured for it on this GPU (executor_svc/layers/gemm_plan.py): the skinny kernel
-(kernels/triton_skinny.py, which reads the weights faster than cuBLAS at decode batch sizes), cuBLAS
-or cuBLASLt; eagerly the skinny kernel's launch (two TMA descriptors) costs the host more than
-cuBLAS's, so eager steps keep cuBLAS.
+(kernels/triton_skinny.py, which reads the weights faster than cuBLAS at decode batch sizes) or its
+split-K form, cuBLAS or cuBLASLt; eagerly the skinny kernel's launch (two TMA descriptors) costs
+the host more than cuBLAS's, so eager steps keep cuBLAS.
 """
 
 from __future__ import annotations
@@ -54,11 +54,14 @@ def _product(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
              gated: bool) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias) with `backend` (gemm_plan.BACKENDS); gated: silu_and_mul of it
     ([..., N/2])."""
-    if backend == "skinny":
+    if backend in ("skinny", "skinny_split"):
         rows = x.reshape(-1, x.shape[-1])
         if gated:
+            if backend == "skinny_split":
+                raise ValueError("the skinny kernel's split-K form takes no gated product")
             return kernels.skinny_gate_up_silu(rows, weight).view(*x.shape[:-1], weight.shape[0] // 2)
-        return kernels.skinny_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        split = backend == "skinny_split"
+        return kernels.skinny_linear(rows, weight, bias, split_k=split).view(*x.shape[:-1], weight.shape[0])
     with kernels.blas_library("cublaslt" if backend == "cublaslt" else None):
         out = F.linear(x, weight, bias)
     return kernels.silu_and_mul(out) if gated else out

@@ -30,12 +30,15 @@ def test_every_backend_computes_the_product(rows):
     ref = F.linear(x.float(), w.float(), bias.float())
     ref_gated = kernels.silu_and_mul(F.linear(x.float(), w.float()))
     before = torch.backends.cuda.preferred_blas_library()
-    backends = ["cublas", "cublaslt"] + (["skinny"] if kernels.skinny_usable(x, w) else [])
+    backends = ["cublas", "cublaslt"] + (["skinny", "skinny_split"] if kernels.skinny_usable(x, w) else [])
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert ("skinny" in backends) == (rows <= kernels.SKINNY_MAX_ROWS and hopper)
     for backend in backends:
         assert _rel(linear_mod._product(backend, x, w, bias, False), ref) < 1e-2, backend
-        if backend != "skinny" or kernels.skinny_usable(x, w, gated=True):
+        if backend == "skinny_split":
+            with pytest.raises(ValueError, match="gated"):
+                linear_mod._product(backend, x, w, None, True)
+        elif backend != "skinny" or kernels.skinny_usable(x, w, gated=True):
             assert _rel(linear_mod._product(backend, x, w, None, True), ref_gated) < 2e-2, backend
         assert torch.backends.cuda.preferred_blas_library() == before  # the setting is restored
 

@@ -45,6 +45,48 @@ def test_matches_float32_product(dtype, rows, n, k):
     assert _rel(out, ref) <= 2 * _rel(cublas, ref) + 1e-3  # no worse than cuBLAS's own rounding
 
 
+@pytest.mark.parametrize("rows", [1, 7, 32, 64])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_split_k_matches_float32_product_with_the_same_bits_every_run(rows, n, k):
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(rows + n + 1)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = F.linear(x.float(), w.float(), b.float())
+    out = kernels.skinny_linear(x, w, b, split_k=True)
+    assert _rel(out, ref) < 8e-3
+    assert _rel(out, ref) <= 2 * _rel(F.linear(x, w, b), ref) + 1e-3
+    for _ in range(3):
+        assert torch.equal(kernels.skinny_linear(x, w, b, split_k=True), out)
+
+
+def test_split_k_launches_back_to_back_in_a_graph_share_their_counters():
+    """Eight split-K products in a row in one CUDA graph (with PDL where it is on: each launch's
+    programs reach the tile counters only after their wait), replayed on new inputs: every product
+    right, the counters zero after each replay."""
+    import kernels
+    from kernels import triton_skinny
+
+    gen = torch.Generator("cuda").manual_seed(3)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+          for _ in range(8)]
+    outs = [kernels.skinny_linear(x, w, split_k=True) for w in ws]  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [kernels.skinny_linear(x, w, split_k=True) for w in ws]
+    for seed in range(3):
+        x.copy_(torch.randn(16, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        for w, out in zip(ws, outs, strict=True):
+            assert _rel(out, F.linear(x.float(), w.float())) < 8e-3
+        assert not triton_skinny._COUNTERS[x.device].any()
+
+
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_gate_up_silu_matches_two_ops(rows):
     import kernels
@@ -81,7 +123,8 @@ def test_layers_take_it_only_inside_graph_gemms(monkeypatch):
 
     calls = []
     real = kernels.skinny_linear
-    monkeypatch.setattr(kernels, "skinny_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(kernels, "skinny_linear",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     small = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
     large = torch.randn(kernels.SKINNY_MAX_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)

@@ -24,6 +24,8 @@ def test_choose_keeps_the_rule_within_the_margin():
     assert choose("skinny", {"skinny": 17.5, "cublas": 16.70, "cublaslt": 16.62}) == "cublas"
     assert choose("skinny", {"skinny": 17.5, "cublas": 16.62, "cublaslt": 16.70}) == "cublas"
     assert choose("skinny", {"skinny": 17.5, "cublas": 16.70, "cublaslt": 15.0}) == "cublaslt"
+    # the split-K form: 5 % faster than the skinny kernel, and cuBLAS within the margin of it
+    assert choose("skinny", {"skinny": 10.0, "skinny_split": 9.5, "cublas": 9.6}) == "skinny_split"
     with pytest.raises(ValueError, match="rule's choice 'skinny' was not timed"):
         choose("skinny", {"cublas": 1.0})
 
@@ -51,23 +53,24 @@ def _run(backend, w):
 
 def test_a_product_is_measured_once_over_the_layers_of_its_shape(fake_timer):
     timed, table = fake_timer
-    table.update(skinny=12.0, cublas=10.0, cublaslt=11.0)
+    table.update(skinny=12.0, skinny_split=11.0, cublas=10.0, cublaslt=11.0)
     layers = [torch.empty(96, 64) for _ in range(12)]
     other = torch.empty(32, 64)
     plan = GemmPlan(device_name="gpu")
     plan.register([*layers, other, layers[0], torch.empty(5)])  # a repeat and a 1-D tensor are ignored
     assert plan.backend(16, layers[3], False, "skinny", _run) == "cublas"
-    assert [b for b, _ in timed] == ["skinny", "cublas", "cublaslt"]  # the rule first
+    assert [b for b, _ in timed] == ["skinny", "skinny_split", "cublas", "cublaslt"]  # the rule first
     assert all(ws == layers[: gemm_plan.MAX_LAYERS] for _, ws in timed)  # distinct weights of its shape
     assert plan.backend(16, layers[5], False, "skinny", _run) == "cublas"  # the same key: not again
-    assert len(timed) == 3
+    assert len(timed) == 4
     assert plan.backend(16, other, False, "cublas", _run) == "cublas"  # another shape: measured
-    assert timed[-1][1] == [other] and len(timed) == 5
-    assert plan.backend(16, layers[0], True, "cublas", _run) == "cublas"  # gated is another product
+    assert timed[-1][1] == [other] and len(timed) == 6  # no skinny candidate where the rule is cuBLAS
+    assert plan.backend(16, layers[0], True, "skinny", _run) == "cublas"  # gated is another product
+    assert [b for b, _ in timed[6:]] == ["skinny", "cublas", "cublaslt"]  # no split-K form gated
     key = GemmKey.of(16, layers[0], False)
-    assert plan.departures() == {key: "cublas"}
-    assert plan.times_us[key] == {"skinny": 12.0, "cublas": 10.0, "cublaslt": 11.0}
-    assert "1 take another backend" in plan.summary() and "96x64 at 16 rows: cublas" in plan.summary()
+    assert plan.departures() == {key: "cublas", GemmKey.of(16, layers[0], True): "cublas"}
+    assert plan.times_us[key] == {"skinny": 12.0, "skinny_split": 11.0, "cublas": 10.0, "cublaslt": 11.0}
+    assert "2 take another backend" in plan.summary() and "96x64 at 16 rows: cublas" in plan.summary()
 
 
 def test_a_candidate_that_fails_is_not_chosen_and_the_rule_failing_is_an_error(fake_timer):
@@ -85,9 +88,14 @@ def test_a_candidate_that_fails_is_not_chosen_and_the_rule_failing_is_an_error(f
 def test_a_file_naming_the_skinny_kernel_where_it_cannot_run_gets_the_rule(fake_timer):
     timed, table = fake_timer
     w = torch.empty(8, 8)
-    plan = GemmPlan({GemmKey.of(300, w, False): "skinny", GemmKey.of(4, w, False): "skinny"})
+    plan = GemmPlan({GemmKey.of(300, w, False): "skinny", GemmKey.of(4, w, False): "skinny",
+                     GemmKey.of(200, w, False): "skinny_split", GemmKey.of(4, w, True): "skinny_split",
+                     GemmKey.of(5, w, False): "skinny_split"})
     assert plan.backend(300, w, False, "cublas", _run) == "cublas"  # skinny refused there: the rule
+    assert plan.backend(200, w, False, "cublas", _run) == "cublas"
+    assert plan.backend(4, w, True, "skinny", _run) == "skinny"  # no split-K form of a gated product
     assert plan.backend(4, w, False, "skinny", _run) == "skinny"
+    assert plan.backend(5, w, False, "skinny", _run) == "skinny_split"
     assert timed == []  # neither measured
 
 
@@ -104,7 +112,7 @@ def test_what_is_never_measured(fake_timer, monkeypatch):
 
 def test_the_file_round_trip(tmp_path, fake_timer):
     timed, table = fake_timer
-    table.update(skinny=5.0, cublas=4.0, cublaslt=4.5)
+    table.update(skinny=5.0, skinny_split=4.2, cublas=4.0, cublaslt=4.5)
     plan = GemmPlan(device_name="NVIDIA H200", save_to=tmp_path / "sub" / "plan.json")
     w = torch.empty(64, 32, dtype=torch.bfloat16)
     plan.backend(8, w, False, "skinny", _run)
@@ -115,7 +123,7 @@ def test_the_file_round_trip(tmp_path, fake_timer):
     assert doc["device"] == "NVIDIA H200" and len(doc["choices"]) == 2
     assert doc["choices"][0] == {"n": 64, "k": 32, "rows": 8, "gated": False, "dtype": "torch.bfloat16",
                                  "backend": "cublas", "rule": "skinny",
-                                 "us": {"skinny": 5.0, "cublas": 4.0, "cublaslt": 4.5}}
+                                 "us": {"skinny": 5.0, "skinny_split": 4.2, "cublas": 4.0, "cublaslt": 4.5}}
     again = GemmPlan.load(tmp_path / "sub" / "plan.json", "NVIDIA H200")
     assert again.choices == plan.choices and again.save_to == tmp_path / "sub" / "plan.json"
     count = len(timed)

@@ -51,6 +51,33 @@ def test_skinny_linear_matches_torch_float32(rows, n, k, bias):
     assert torch.allclose(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+# split-K: K in 4 slices of 64 over 2, 3 (one slice empty: 2 + 2 + 0) and 4 programs a tile; odd N, M
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_split_k_matches_torch_and_leaves_its_counters_at_zero(split_k, bias):
+    gen = torch.Generator().manual_seed(split_k)
+    rows, n, k = 5, 72, 200
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    cfg = SkinnyConfig(block_n=32, block_k=64, stages=1, warps=1, split_k=split_k)
+    out = triton_skinny.skinny_linear(x, w, b, config=cfg)
+    assert torch.allclose(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert not triton_skinny._counters(x.device, 3)[:16].any()  # the next launch starts from zero
+    again = triton_skinny.skinny_linear(x, w, b, config=cfg)
+    assert torch.equal(out, again)  # the slices are summed in one order
+
+
+def test_skinny_split_k_refusals():
+    x, w = torch.randn(4, 128), torch.randn(64, 128)
+    assert "slices" in triton_skinny.refusal(x, w, config=SkinnyConfig(32, 64, 1, 1, split_k=3))
+    assert "slices" in triton_skinny.refusal(x, w, config=SkinnyConfig(32, 64, 1, 1, split_k=0))
+    assert "gated" in triton_skinny.refusal(x, torch.randn(128, 128), gated=True,
+                                            config=SkinnyConfig(32, 64, 1, 1, split_k=2))
+    with pytest.raises(ValueError, match="slices"):
+        triton_skinny.skinny_linear(x, w, config=SkinnyConfig(32, 64, 1, 1, split_k=4))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_skinny_linear_16_bit_within_one_rounding(dtype):
     """float32 accumulation, one rounding to the dtype at the end: within an ulp or so of torch's
