@@ -4,10 +4,11 @@ llama3-8b's projections (qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, d
 lm_head 128256 x 4096; bf16) at decode batch sizes, ours (kernels/triton_skinny.py, the engine's
 choice of tile) against cuBLAS (torch.matmul) and cuBLASLt, and the MLP's gate_up + SiLU-and-mul as
 one launch against cuBLAS's gate_up then `silu_and_mul`; at MID_ROWS (96-512) cuBLAS and cuBLASLt
-against each projection's bound (the device's measured rates). A weight read from L2 would flatter
-either side, so
-each case captures one call per layer, 32 layers' own weights (4 for lm_head), in one CUDA graph,
-and reports its replay time per call (median of 20 replays) and the weight bytes per second.
+against each projection's bound (the device's measured rates). `split` is the skinny kernel's
+split-K form (`triton_skinny.split_config`), which the GEMM plan also times. A weight read from L2
+would flatter either side, so each case captures one call per layer, 32 layers' own weights (4 for
+lm_head), in one CUDA graph, and reports its replay time per call (median of 20 replays) and the
+weight bytes per second.
 `--sweep` also times every SWEEP_CONFIGS / SWEEP_GATED entry.
 """
 
@@ -85,6 +86,9 @@ def bench_gemm(gen: torch.Generator, sweep: bool = False, copy_bytes_per_s: floa
             if rows in ROWS:
                 row["ours_us"] = _time(triton_skinny.skinny_linear, x, weights, outs)
                 row["rel_err"] = _error(outs[0], ref)
+                split = triton_skinny.split_config(rows, n, k)
+                row["ours_split_us"] = _time(triton_skinny.skinny_linear, x, weights, outs, config=split)
+                row["split_rel_err"] = _error(outs[0], ref)
                 for cfg in SWEEP_CONFIGS if sweep else ():
                     key = f"{cfg.block_n}x{cfg.block_k}s{cfg.stages}w{cfg.warps}"
                     row[key] = _time(triton_skinny.skinny_linear, x, weights, outs, config=cfg)
@@ -97,7 +101,8 @@ def bench_gemm(gen: torch.Generator, sweep: bool = False, copy_bytes_per_s: floa
                 for cfg in SWEEP_GATED if sweep else ():
                     key = f"gated_{cfg.block_n}x{cfg.block_k}s{cfg.stages}"
                     row[key] = _time(triton_skinny.skinny_gate_up_silu, x, weights, acts, config=cfg)
-            timed = [key for key in ("cublas", "cublaslt", "ours") if isinstance(row.get(f"{key}_us"), float)]
+            timed = [key for key in ("cublas", "cublaslt", "ours", "ours_split")
+                     if isinstance(row.get(f"{key}_us"), float)]
             row["weight_tb_s"] = {key: n * k * 2 / row[f"{key}_us"] / 1e6 for key in timed}
             results.append(row)
             print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()
@@ -114,13 +119,13 @@ def gemm_table(rows: list[dict]) -> str:
 
     lines = ["decode GEMMs (llama3-8b projections, bf16, 32 layers' weights in one graph): µs per call; "
              "bound = max(weight bytes / copy rate, FLOPs / matmul rate)",
-             f"{'shape':>8} {'rows':>4} {'bound':>8} {'cublas':>8} {'cublasLt':>8} {'ours':>8}"
+             f"{'shape':>8} {'rows':>4} {'bound':>8} {'cublas':>8} {'cublasLt':>8} {'ours':>8} {'split':>8}"
              f" {'cublas/ours':>11} {'+silu cublas':>12} {'gated':>8} {'ratio':>6}"]
     for r in rows:
         both = isinstance(r.get("ours_us"), float) and isinstance(r["cublas_us"], float)
         ratio = f"{r['cublas_us'] / r['ours_us']:>11.3f}" if both else f"{'':>11}"
         line = (f"{r['shape']:>8} {r['rows']:>4} {us(r, 'bound')} {us(r, 'cublas')} {us(r, 'cublaslt')} "
-                f"{us(r, 'ours')} {ratio}")
+                f"{us(r, 'ours')} {us(r, 'ours_split')} {ratio}")
         if isinstance(r.get("gated_us"), float) and isinstance(r.get("cublas_silu_us"), float):
             gated = r["cublas_silu_us"] / r["gated_us"]
             line += f" {r['cublas_silu_us']:>12.2f} {r['gated_us']:>8.2f} {gated:>6.3f}"
