@@ -5,10 +5,11 @@ gemm: kernels/bench_gemm.py, the decode-batch projections against cuBLAS).
 Prints a table and writes everything as JSON to --out. Times are medians of
 triton.testing.do_bench (CUDA events, warm-up first, L2 flushed between repetitions); attention
 (ours and SDPA alike, decode and prefill) is timed as a CUDA-graph replay of the call, as the engine
-runs it (bench_common.time_graph_ms: the GPU's time without the host's launch cost), the copy and
-cache kernels eagerly. All inputs are
-random, block tables are random permutations (scattered blocks). Bandwidth fractions are relative to
-the device-to-device copy bandwidth measured in the same run (bytes read + bytes written per second).
+runs it (bench_common.time_graph_ms: the GPU's time without the host's launch cost), the cache
+kernels eagerly. All inputs are random, block tables are random permutations (scattered blocks).
+Bandwidth fractions are relative to the device-to-device copy bandwidth measured in the same run
+(bytes read + bytes written per second), and the GEMM bounds to the 8192^3 bf16 matmul rate, both
+as `bench throughput`'s ideal measures them (bench_common.device_rates).
 """
 
 import argparse
@@ -32,6 +33,7 @@ from kernels.bench_common import (
     DTYPE,
     LLAMA3_8B,
     contiguous_kv,
+    device_rates,
     paged_kv,
     time_graph_ms,
     time_ms,
@@ -66,22 +68,6 @@ def compiled_attention_kernels() -> list[dict]:
     except (AttributeError, IndexError, TypeError) as exc:
         rows.append(dict(error=repr(exc)))
     return rows
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    src = torch.randn(1 << 29, device=DEV, dtype=DTYPE)  # [512 Mi] = 1 GiB
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
-
-
-def matmul_rate() -> float:
-    """bf16 FLOP/s of an 8192^3 product (the ceiling `bench throughput`'s ideal uses, timed here as
-    the other figures of this benchmark are)."""
-    n = 8192
-    a, b = torch.randn(n, n, device=DEV, dtype=DTYPE), torch.randn(n, n, device=DEV, dtype=DTYPE)
-    return 2 * n**3 / (time_ms(lambda: a @ b) * 1e-3)
 
 
 def _decode_inputs(batch: int, context: int, gen: torch.Generator):
@@ -315,8 +301,8 @@ def main() -> None:
         python=platform.python_version(),
     )
     warm_up_gpu()
-    if opts.only != "prefill":
-        copy_bw = copy_bandwidth()
+    if opts.only != "prefill":  # the ceilings `bench throughput`'s ideal divides by, measured alike
+        copy_bw, matmul_flops_per_s = device_rates()
         results["copy_bandwidth_bytes_per_s"] = copy_bw
     if opts.only in (None, "decode"):
         results["decode"] = []
@@ -336,7 +322,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         results["swap"] = bench_swap(gen)
     if opts.only in (None, "gemm"):
-        results["matmul_flops_per_s"] = matmul_rate()
+        results["matmul_flops_per_s"] = matmul_flops_per_s
         results["gemm"] = bench_gemm(gen, opts.sweep, copy_bw, results["matmul_flops_per_s"])
         torch.cuda.empty_cache()
     if opts.out:

@@ -1,6 +1,8 @@
 """What the kernel benchmarks (kernels/bench.py, kernels/bench_prefill.py) share: the model shape
-they time, the cache layout, the timers and the paged-to-contiguous K/V copy SDPA reads. The engine's
-GEMM plan (executor_svc/layers/gemm_plan.py) times its candidates with `graph_call_us` too."""
+they time, the cache layout, the timers, the device's copy and matmul rates, and the paged-to-contiguous
+K/V copy SDPA reads. The engine's GEMM plan (executor_svc/layers/gemm_plan.py) times its candidates
+with `graph_call_us`, and `bench throughput`'s ideal (clients/bench/device_rates.py) divides by
+`device_rates`."""
 
 import statistics
 
@@ -16,6 +18,36 @@ DEV = "cuda"
 def time_ms(fn, rep: int = 100) -> float:
     """Median ms of fn (triton.testing.do_bench: CUDA events, warm-up first, L2 flushed between runs)."""
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def events_median_ms(fn, reps: int = 1) -> float:
+    """Median over 10 timings (CUDA events, after 3 warm-ups) of `reps` back-to-back calls, per call."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(10):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def device_rates() -> tuple[float, float]:
+    """This GPU's two ceilings: (a 1 GiB device-to-device copy's bytes read + written per second, an
+    8192^3 bf16 product's FLOP/s), medians of `events_median_ms`. `bench throughput`'s ideal
+    (clients/bench/device_rates.py) and the kernel benchmarks' bounds both divide by these."""
+    src = torch.randn(1 << 29, dtype=torch.bfloat16, device=DEV)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = events_median_ms(lambda: dst.copy_(src))
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=DEV)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=DEV)
+    mm_ms = events_median_ms(lambda: a @ b)
+    return 2 * (1 << 29) * 2 / (copy_ms / 1e3), 2 * n**3 / (mm_ms / 1e3)
 
 
 def time_graph_ms(fn, rep: int = 100) -> float:

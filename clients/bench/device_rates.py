@@ -6,44 +6,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from clients.bench.report import AllReduceRates, DeviceRates, percentile
+from clients.bench.report import AllReduceRates, DeviceRates
 
 ALL_REDUCE_SMALL_BYTES = 16 << 10  # latency: a message the size of a few decode tokens' hidden states
 ALL_REDUCE_LARGE_BYTES = 256 << 20  # bandwidth
 
 
-def median_ms(fn: Callable[[], object], reps: int = 1) -> float:
-    """Median over 10 timings (CUDA events, after 3 warm-ups) of `reps` back-to-back calls, per call."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(10):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / reps)
-    return percentile(times, 50)
-
-
 def measure_device_rates() -> DeviceRates:
-    """The two ceilings on this GPU: a 1 GiB copy and an 8192^3 bf16 matrix product (median of 10)."""
+    """The two ceilings on this GPU: a 1 GiB copy and an 8192^3 bf16 matrix product (median of 10;
+    kernels/bench_common.py `device_rates`, which the kernel benchmarks' bounds use too)."""
     import torch
 
-    src = torch.randn(1 << 29, dtype=torch.bfloat16, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src))
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    mm_ms = median_ms(lambda: a @ b)
-    return DeviceRates(
-        torch.cuda.get_device_name(), 2 * src.numel() * 2 / (copy_ms / 1e3), 2 * n**3 / (mm_ms / 1e3)
-    )
+    from kernels.bench_common import device_rates
+
+    return DeviceRates(torch.cuda.get_device_name(), *device_rates())
 
 
 def measure_all_reduce_rates(world_size: int) -> AllReduceRates:
@@ -77,6 +53,8 @@ def _all_reduce_rank(rank: int, world_size: int, port: int, results) -> None:
     import torch
     import torch.distributed as dist
 
+    from kernels.bench_common import events_median_ms
+
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -85,7 +63,7 @@ def _all_reduce_rank(rank: int, world_size: int, port: int, results) -> None:
         small = torch.zeros(ALL_REDUCE_SMALL_BYTES // 2, dtype=torch.bfloat16, device=device)
         large = torch.zeros(ALL_REDUCE_LARGE_BYTES // 2, dtype=torch.bfloat16, device=device)
         small_ms = _graph_ms(lambda: dist.all_reduce(small), 20)
-        large_ms = median_ms(lambda: dist.all_reduce(large), reps=2)
+        large_ms = events_median_ms(lambda: dist.all_reduce(large), reps=2)
         if rank == 0:
             results.put((small_ms / 1e3, large_ms / 1e3))
     finally:
@@ -94,8 +72,10 @@ def _all_reduce_rank(rank: int, world_size: int, port: int, results) -> None:
 
 def _graph_ms(fn: Callable[[], object], count: int) -> float:
     """Per call: `count` calls of fn captured in one CUDA graph (after eager warm-ups on a side
-    stream, which also sets up NCCL), the graph's replay timed by `median_ms`."""
+    stream, which also sets up NCCL), the graph's replay timed by `events_median_ms`."""
     import torch
+
+    from kernels.bench_common import events_median_ms
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -107,4 +87,4 @@ def _graph_ms(fn: Callable[[], object], count: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(count):
             fn()
-    return median_ms(graph.replay) / count
+    return events_median_ms(graph.replay) / count
