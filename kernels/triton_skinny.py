@@ -89,9 +89,10 @@ def shared_memory_bytes(num_rows: int, n: int, k: int, gated: bool = False, elem
 
 
 @triton.jit
-def _prefetch_rows(w_ptr, rows, stride_w, LINES: tl.constexpr, LINE: tl.constexpr):
-    """prefetch.global.L2 of the first LINES lines (LINE elements each) of the weight rows `rows`."""
-    cols = tl.arange(0, LINES) * LINE
+def _prefetch_rows(w_ptr, rows, stride_w, col0, LINES: tl.constexpr, LINE: tl.constexpr):
+    """prefetch.global.L2 of LINES lines (LINE elements each) of the weight rows `rows` from column
+    col0 on."""
+    cols = col0 + tl.arange(0, LINES) * LINE
     ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
@@ -114,9 +115,10 @@ def _skinny_kernel(
     if PDL:  # kernels.pdl: the weight is never written by a step; x and y are, after the wait only
         if PREFETCH_LINES > 0:
             rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), n - 1)
-            _prefetch_rows(w_ptr, rows, stride_w, PREFETCH_LINES, LINE)
+            col0 = tl.minimum(first * BLOCK_K, K - PREFETCH_LINES * LINE)  # where this slice starts
+            _prefetch_rows(w_ptr, rows, stride_w, col0, PREFETCH_LINES, LINE)
             if GATED:
-                _prefetch_rows(w_ptr, gate_rows + rows, stride_w, PREFETCH_LINES, LINE)
+                _prefetch_rows(w_ptr, gate_rows + rows, stride_w, col0, PREFETCH_LINES, LINE)
         gdc_wait()
         gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y.T tile: weight rows x tokens
