@@ -173,14 +173,18 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # counters a larger set replaced: a captured graph may still use them
 
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
     """The split-K tiles' arrival counters on `device`: zeros, and each launch leaves them zero. One
     set per device serves every launch: launches on one stream run one after another (with PDL, a
-    program touches them only after its wait for the kernel before it)."""
+    program touches them only after its wait for the kernel before it). A set too small for `tiles`
+    is replaced by a larger one but never freed (CUDA graphs captured with it keep its address)."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
+        if counters is not None:
+            _OUTGROWN.append(counters)
         counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         _COUNTERS[device] = counters
     return counters

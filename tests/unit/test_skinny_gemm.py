@@ -68,6 +68,18 @@ def test_skinny_split_k_matches_torch_and_leaves_its_counters_at_zero(split_k, b
     assert torch.equal(out, again)  # the slices are summed in one order
 
 
+def test_skinny_split_k_counters_grow_without_freeing_the_old_ones(monkeypatch):
+    """A launch with more tiles than the counters hold gets a larger set; the smaller one stays
+    referenced, since a CUDA graph captured with it keeps its address."""
+    monkeypatch.setattr(triton_skinny, "_COUNTERS", {})
+    monkeypatch.setattr(triton_skinny, "_OUTGROWN", [])
+    small = triton_skinny._counters(torch.device("cpu"), 10)
+    assert small.numel() == 4096 and triton_skinny._counters(torch.device("cpu"), 4096) is small
+    large = triton_skinny._counters(torch.device("cpu"), 5000)
+    assert large.numel() == 5000 and not large.any()
+    assert len(triton_skinny._OUTGROWN) == 1 and triton_skinny._OUTGROWN[0] is small
+
+
 def test_skinny_split_k_refusals():
     x, w = torch.randn(4, 128), torch.randn(64, 128)
     assert "slices" in triton_skinny.refusal(x, w, config=SkinnyConfig(32, 64, 1, 1, split_k=3))
