@@ -246,33 +246,35 @@ SKINNY_GATED_BLOCK_N = 64  # the gated kernel's tile of gate (and of up) rows
 SKINNY_SMEM_MARGIN = 8 * 1024  # shared memory Triton adds to the pipeline's buffers (barriers, epilogue)
 
 
-def skinny_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+def skinny_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, split_k: bool = False) -> bool:
     """Whether the layers take skinny_linear (gated: skinny_gate_up_silu) for x [M, K] @ weight [N, K].T:
     a Hopper GPU (sm_9x; other GPUs with TMA keep cuBLAS until it is measured there), bf16 or fp16
     alike, 1 <= M <= SKINNY_MAX_ROWS (gated: or M in SKINNY_GATED_WIDE_ROWS), rows contiguous and
     16-byte aligned (gated: weight stored gate | up, each half whole SKINNY_GATED_BLOCK_N-row tiles),
-    and the device's shared memory a block holds the pipeline's buffers."""
+    and the device's shared memory a block holds the pipeline's buffers. split_k: whether its split-K
+    form (skinny_linear's split_k) takes the product: plain products whose K has two slices."""
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.get_device_capability(x.device)[0] != 9:  # Hopper: measured and tested there only
         return False
     skinny = _cuda_module("triton_skinny")
-    if skinny.refusal(x, weight, gated) is not None:
+    config = skinny.SPLIT_CONFIG if split_k else None
+    if skinny.refusal(x, weight, gated, config) is not None:
         return False
     # its pipeline needs ~200 KB of shared memory a block (an H100 has 227)
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    need = skinny.shared_memory_bytes(x.shape[0], n, x.shape[1], gated, x.element_size())
+    need = skinny.shared_memory_bytes(x.shape[0], n, x.shape[1], gated, x.element_size(), config)
     limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 0)
     return need + SKINNY_SMEM_MARGIN <= limit
 
 
 def skinny_linear(x, weight, bias=None, split_k: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] where skinny_usable(x, weight). split_k: K in two
-    slices a tile (triton_skinny.split_config; more programs where the weight has few tiles), summed
-    in one order by the tile's last program: the same bits every run, not those without it."""
+    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] where skinny_usable(x, weight, split_k=split_k).
+    split_k: K in two slices a tile (triton_skinny.SPLIT_CONFIG; more programs where the weight has
+    few tiles), summed in one order by the tile's last program: the same bits every run, not those
+    without it."""
     skinny = _cuda_module("triton_skinny")
-    config = skinny.split_config(x.shape[0], weight.shape[0], x.shape[1]) if split_k else None
-    return skinny.skinny_linear(x, weight, bias, config=config)
+    return skinny.skinny_linear(x, weight, bias, config=skinny.SPLIT_CONFIG if split_k else None)
 
 
 def skinny_gate_up_silu(x, weight) -> torch.Tensor:

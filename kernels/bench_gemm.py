@@ -5,7 +5,7 @@ lm_head 128256 x 4096; bf16) at decode batch sizes, ours (kernels/triton_skinny.
 choice of tile) against cuBLAS (torch.matmul) and cuBLASLt, and the MLP's gate_up + SiLU-and-mul as
 one launch against cuBLAS's gate_up then `silu_and_mul`; at MID_ROWS (96-512) cuBLAS and cuBLASLt
 against each projection's bound (the device's measured rates). `split` is the skinny kernel's
-split-K form (`triton_skinny.split_config`), which the GEMM plan also times. A weight read from L2
+split-K form (`triton_skinny.SPLIT_CONFIG`), which the GEMM plan also times. A weight read from L2
 would flatter either side, so each case captures one call per layer, 32 layers' own weights (4 for
 lm_head), in one CUDA graph, and reports its replay time per call (median of 20 replays) and the
 weight bytes per second.
@@ -86,8 +86,8 @@ def bench_gemm(gen: torch.Generator, sweep: bool = False, copy_bytes_per_s: floa
             if rows in ROWS:
                 row["ours_us"] = _time(triton_skinny.skinny_linear, x, weights, outs)
                 row["rel_err"] = _error(outs[0], ref)
-                split = triton_skinny.split_config(rows, n, k)
-                row["ours_split_us"] = _time(triton_skinny.skinny_linear, x, weights, outs, config=split)
+                row["ours_split_us"] = _time(triton_skinny.skinny_linear, x, weights, outs,
+                                             config=triton_skinny.SPLIT_CONFIG)
                 row["split_rel_err"] = _error(outs[0], ref)
                 for cfg in SWEEP_CONFIGS if sweep else ():
                     key = f"{cfg.block_n}x{cfg.block_k}s{cfg.stages}w{cfg.warps}"

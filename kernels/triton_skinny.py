@@ -9,7 +9,7 @@ GEMMs"). Here each program owns BLOCK_N output columns over the whole K: the wei
 TMA in BLOCK_K slices, NUM_STAGES deep, and the product is computed transposed (w_tile @ x_tile.T,
 BLOCK_N = 64 or 128 rows as the MMA's M, so Hopper's wgmma applies however few tokens there are).
 By default no split-K: a row's sum over K runs in one order whatever the batch, and nothing is
-reduced twice. `SkinnyConfig.split_k` > 1 (`split_config`, which the GEMM plan times as a candidate)
+reduced twice. `SkinnyConfig.split_k` > 1 (`SPLIT_CONFIG`, which the GEMM plan times as a candidate)
 gives a weight with few tiles more programs: each slice of K stores a float32 partial, and the
 tile's last program to finish adds them in slice order (an arrival counter per tile) in the same
 launch, so a product has the same bits every run.
@@ -70,12 +70,11 @@ def skinny_config(num_rows: int, n: int, k: int, gated: bool = False) -> SkinnyC
     return SkinnyConfig(64, 128, 6)
 
 
-def split_config(num_rows: int, n: int, k: int) -> SkinnyConfig:
-    """The split-K form the GEMM plan times against the rest (executor_svc/layers/gemm_plan.py): K in
-    two slices, a 64-row weight tile six stages deep. H200, llama3-8b, 16 layers' weights in a graph
-    (docs/benchmarks.md round 21): `o_proj` at 1-32 rows 10.8-11.2 us against 11.1-11.9 unsplit,
-    `down_proj` at 1-16 rows 29.4-30.3 against 31.3-31.8; `qkv_proj` (96 tiles) gains nothing."""
-    return SkinnyConfig(64, 128, 6, split_k=2)
+# The split-K form the GEMM plan times against the rest (executor_svc/layers/gemm_plan.py): K in two
+# slices, a 64-row weight tile six stages deep. H200, llama3-8b, 16 layers' weights in a graph
+# (docs/benchmarks.md round 21): `o_proj` at 1-32 rows 10.8-11.2 us against 11.1-11.9 unsplit,
+# `down_proj` at 1-16 rows 29.4-30.3 against 31.3-31.8; `qkv_proj` (96 tiles) gains nothing.
+SPLIT_CONFIG = SkinnyConfig(64, 128, 6, split_k=2)
 
 
 def shared_memory_bytes(num_rows: int, n: int, k: int, gated: bool = False, element_size: int = 2,

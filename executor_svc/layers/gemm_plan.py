@@ -6,9 +6,9 @@ takes the product, else cuBLAS) was tuned on an H100; on an H200 it loses in pla
 16 layers' weights in one graph, µs a call, docs/benchmarks.md round 20: gate_up + SiLU at 96 rows
 78.2 skinny against 67.3 cuBLAS; o_proj and down_proj at 96 rows 13.3 / 33.1 cuBLASLt against 15.6 /
 39.1 cuBLAS; qkv at 288 rows 24.5 against 28.1). So for each product the graphs ask for, keyed by
-(weight rows, columns, dtype, gated, rows), the candidates (`candidates`: the rule's choice; where
-that is the skinny kernel, also its split-K form for a plain product; cuBLAS; cuBLASLt through
-`kernels.blas_library`) are timed as one CUDA graph holding one call per
+(weight rows, columns, dtype, gated, rows), the candidates (`candidates`: the rule's choice; the
+skinny kernel's split-K form where it takes the product, `kernels.skinny_usable(split_k=True)`;
+cuBLAS; cuBLASLt through `kernels.blas_library`) are timed as one CUDA graph holding one call per
 layer's own weight of that shape (the weights stream from memory, as in a step), the median of
 REPLAYS replays, and another candidate replaces the rule's only when it is MARGIN faster (`choose`:
 near-ties keep today's kernel, and of two candidates within MARGIN of each other the earlier in
@@ -85,11 +85,12 @@ def choose(rule: str, times_us: dict[str, float], margin: float = MARGIN) -> str
     return chosen
 
 
-def candidates(rule: str, gated: bool) -> tuple[str, ...]:
+def candidates(rule: str, split: bool) -> tuple[str, ...]:
     """The backends timed for a product whose fixed rule is `rule`: the skinny kernel only where the
-    rule takes it (kernels.skinny_usable), its split-K form only for plain products, and the libraries."""
-    skinny = ("skinny",) + (() if gated else ("skinny_split",)) if rule == "skinny" else ()
-    return skinny + ("cublas", "cublaslt")
+    rule takes it (kernels.skinny_usable), its split-K form where `split` (the caller's
+    kernels.skinny_usable(split_k=True)), and the libraries."""
+    skinny = ("skinny",) if rule == "skinny" else ()
+    return skinny + (("skinny_split",) if split else ()) + ("cublas", "cublaslt")
 
 
 def graph_time_us(calls: list[Callable[[], object]]) -> float:
@@ -145,12 +146,13 @@ class GemmPlan:
     # ---- what linear asks ----
 
     def backend(self, rows: int, weight: torch.Tensor, gated: bool, rule: str,
-                run: Callable[[str, torch.Tensor], Callable[[], object]]) -> str:
+                run: Callable[[str, torch.Tensor], Callable[[], object]], split: bool = False) -> str:
         """The backend for this product. `run(backend, w)` gives a call that computes the product with
-        `backend` over weight w (as the layer does), for timing."""
+        `backend` over weight w (as the layer does), for timing; `split`: the skinny kernel's split-K
+        form takes the product."""
         key = GemmKey.of(rows, weight, gated)
         chosen = self.choices.get(key)
-        if chosen is not None and chosen not in candidates(rule, gated):  # a file's entry not valid here
+        if chosen is not None and chosen not in candidates(rule, split):  # a file's entry not valid here
             log.warning("GEMM plan: %s cannot take %s here; the fixed rule's %s instead", chosen, key, rule)
             return rule
         if chosen is not None:
@@ -160,7 +162,7 @@ class GemmPlan:
         begin = time.perf_counter()
         group = self._weights.get((tuple(weight.shape), weight.dtype, weight.device)) or [weight]
         times = {rule: graph_time_us([run(rule, w) for w in group])}  # the rule's failure is the graphs'
-        for backend in (b for b in candidates(rule, gated) if b != rule):
+        for backend in (b for b in candidates(rule, split) if b != rule):
             try:
                 times[backend] = graph_time_us([run(backend, w) for w in group])
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is not chosen

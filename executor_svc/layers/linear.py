@@ -78,8 +78,9 @@ def _graph_backend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rule = "skinny" if kernels.skinny_usable(rows, weight, gated) else "cublas"
     if state is _RULE:
         return rule
+    split = rule == "skinny" and not gated and kernels.skinny_usable(rows, weight, split_k=True)
     return state.backend(rows.shape[0], weight, gated, rule,
-                         lambda backend, w: lambda: _product(backend, x, w, bias, gated))
+                         lambda backend, w: lambda: _product(backend, x, w, bias, gated), split)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,6 +31,10 @@ def test_every_backend_computes_the_product(rows):
     ref_gated = kernels.silu_and_mul(F.linear(x.float(), w.float()))
     before = torch.backends.cuda.preferred_blas_library()
     backends = ["cublas", "cublaslt"] + (["skinny", "skinny_split"] if kernels.skinny_usable(x, w) else [])
+    assert kernels.skinny_usable(x, w, split_k=True) == kernels.skinny_usable(x, w)  # K 512: 4 slices
+    assert not kernels.skinny_usable(x, w, gated=True, split_k=True)  # no gated split form
+    one_slice = x[:, :128].contiguous(), w[:, :128].contiguous()  # K 128: one slice, nothing to split
+    assert not kernels.skinny_usable(*one_slice, split_k=True)
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert ("skinny" in backends) == (rows <= kernels.SKINNY_MAX_ROWS and hopper)
     for backend in backends:

@@ -58,15 +58,15 @@ def test_a_product_is_measured_once_over_the_layers_of_its_shape(fake_timer):
     other = torch.empty(32, 64)
     plan = GemmPlan(device_name="gpu")
     plan.register([*layers, other, layers[0], torch.empty(5)])  # a repeat and a 1-D tensor are ignored
-    assert plan.backend(16, layers[3], False, "skinny", _run) == "cublas"
+    assert plan.backend(16, layers[3], False, "skinny", _run, split=True) == "cublas"
     assert [b for b, _ in timed] == ["skinny", "skinny_split", "cublas", "cublaslt"]  # the rule first
     assert all(ws == layers[: gemm_plan.MAX_LAYERS] for _, ws in timed)  # distinct weights of its shape
-    assert plan.backend(16, layers[5], False, "skinny", _run) == "cublas"  # the same key: not again
+    assert plan.backend(16, layers[5], False, "skinny", _run, split=True) == "cublas"  # not again
     assert len(timed) == 4
     assert plan.backend(16, other, False, "cublas", _run) == "cublas"  # another shape: measured
     assert timed[-1][1] == [other] and len(timed) == 6  # no skinny candidate where the rule is cuBLAS
     assert plan.backend(16, layers[0], True, "skinny", _run) == "cublas"  # gated is another product
-    assert [b for b, _ in timed[6:]] == ["skinny", "cublas", "cublaslt"]  # no split-K form gated
+    assert [b for b, _ in timed[6:]] == ["skinny", "cublas", "cublaslt"]  # without split: not timed
     key = GemmKey.of(16, layers[0], False)
     assert plan.departures() == {key: "cublas", GemmKey.of(16, layers[0], True): "cublas"}
     assert plan.times_us[key] == {"skinny": 12.0, "skinny_split": 11.0, "cublas": 10.0, "cublaslt": 11.0}
@@ -90,12 +90,13 @@ def test_a_file_naming_the_skinny_kernel_where_it_cannot_run_gets_the_rule(fake_
     w = torch.empty(8, 8)
     plan = GemmPlan({GemmKey.of(300, w, False): "skinny", GemmKey.of(4, w, False): "skinny",
                      GemmKey.of(200, w, False): "skinny_split", GemmKey.of(4, w, True): "skinny_split",
-                     GemmKey.of(5, w, False): "skinny_split"})
+                     GemmKey.of(5, w, False): "skinny_split", GemmKey.of(6, w, False): "skinny_split"})
     assert plan.backend(300, w, False, "cublas", _run) == "cublas"  # skinny refused there: the rule
     assert plan.backend(200, w, False, "cublas", _run) == "cublas"
     assert plan.backend(4, w, True, "skinny", _run) == "skinny"  # no split-K form of a gated product
     assert plan.backend(4, w, False, "skinny", _run) == "skinny"
-    assert plan.backend(5, w, False, "skinny", _run) == "skinny_split"
+    assert plan.backend(5, w, False, "skinny", _run, split=True) == "skinny_split"
+    assert plan.backend(6, w, False, "skinny", _run) == "skinny"  # the split form cannot take it here
     assert timed == []  # neither measured
 
 
@@ -115,7 +116,7 @@ def test_the_file_round_trip(tmp_path, fake_timer):
     table.update(skinny=5.0, skinny_split=4.2, cublas=4.0, cublaslt=4.5)
     plan = GemmPlan(device_name="NVIDIA H200", save_to=tmp_path / "sub" / "plan.json")
     w = torch.empty(64, 32, dtype=torch.bfloat16)
-    plan.backend(8, w, False, "skinny", _run)
+    plan.backend(8, w, False, "skinny", _run, split=True)
     plan.backend(8, w, True, "skinny", _run)
     plan.finish()
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["plan.json"]  # no temporary left
@@ -127,7 +128,7 @@ def test_the_file_round_trip(tmp_path, fake_timer):
     again = GemmPlan.load(tmp_path / "sub" / "plan.json", "NVIDIA H200")
     assert again.choices == plan.choices and again.save_to == tmp_path / "sub" / "plan.json"
     count = len(timed)
-    assert again.backend(8, w, False, "skinny", _run) == "cublas" and len(timed) == count  # from the file
+    assert again.backend(8, w, False, "skinny", _run, split=True) == "cublas" and len(timed) == count
 
 
 @pytest.mark.parametrize("doc, message", [
