@@ -235,6 +235,18 @@ def blas_library(name: str | None):
         torch.backends.cuda.preferred_blas_library(before)
 
 
+def cublaslt_algos(x, weight, bias=None, count: int = 16) -> list[str]:
+    """Up to `count` of cuBLASLt's listed algorithms for x [M, K] @ weight [N, K].T (+ bias),
+    best-ranked first, as hex (kernels/cublaslt.py; CUDA only)."""
+    return _cuda_module("cublaslt").listed(x, weight, bias, count)
+
+
+def cublaslt_linear(x, weight, bias, algo: str) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] through cuBLASLt with one of `cublaslt_algos`'s
+    algorithms; ValueError if that algorithm does not fit the product."""
+    return _cuda_module("cublaslt").linear(x, weight, bias, algo)
+
+
 # ---- decode-batch GEMMs (kernels/triton_skinny.py): the weight streamed through TMA ----
 
 SKINNY_MAX_ROWS = 64  # at more rows cuBLAS is as fast (docs/benchmarks.md "Decode GEMMs")

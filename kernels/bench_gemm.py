@@ -5,7 +5,9 @@ lm_head 128256 x 4096; bf16) at decode batch sizes, ours (kernels/triton_skinny.
 choice of tile) against cuBLAS (torch.matmul) and cuBLASLt, and the MLP's gate_up + SiLU-and-mul as
 one launch against cuBLAS's gate_up then `silu_and_mul`; at MID_ROWS (96-512) cuBLAS and cuBLASLt
 against each projection's bound (the device's measured rates). `split` is the skinny kernel's
-split-K form (`triton_skinny.SPLIT_CONFIG`), which the GEMM plan also times. A weight read from L2
+split-K form (`triton_skinny.SPLIT_CONFIG`), which the GEMM plan also times; `lt best` the fastest of
+the algorithms cuBLASLt's heuristic lists for the product (kernels/cublaslt.py; torch runs the first of
+them) and `rank` its place in that list (the plan's "cublaslt_algo"). A weight read from L2
 would flatter either side, so each case captures one call per layer, 32 layers' own weights (4 for
 lm_head), in one CUDA graph, and reports its replay time per call (median of 20 replays) and the
 weight bytes per second.
@@ -64,8 +66,31 @@ def _cublas_silu(x, w, out):
     return triton_layers.silu_and_mul(torch.matmul(x, w.T, out=out))
 
 
+def _lt_algos(x, weights, outs, ref) -> dict:
+    """cuBLASLt's heuristic candidates for this product (kernels/cublaslt.py), each timed as the others:
+    the best one's µs, its rank in the heuristic's list, the first-ranked one's µs (what the library's
+    own choice would be), how many were listed, and whether the best gives the same bits twice."""
+    from kernels import cublaslt
+
+    try:
+        lt = cublaslt.product(x.shape[0], weights[0].shape[0], x.shape[1], x.dtype, False, x.device)
+        algos = lt.algos()
+    except Exception as exc:  # noqa: BLE001 - reported in the results
+        return {"lt_best_us": f"failed: {type(exc).__name__}: {exc}"}
+    times = [_time(lambda x, w, out, a=a: lt.run(x, w, None, a, out), x, weights, outs) for a in algos]
+    timed = [(t, i) for i, t in enumerate(times) if isinstance(t, float)]
+    if not timed:
+        return {"lt_best_us": "failed: no algorithm ran", "lt_listed": len(algos)}
+    best_us, rank = min(timed)
+    first = lt.run(x, weights[0], None, algos[rank]).clone()
+    again = lt.run(x, weights[0], None, algos[rank])
+    return {"lt_best_us": best_us, "lt_rank": rank, "lt_first_us": times[0], "lt_listed": len(algos),
+            "lt_best_algo": algos[rank].describe(), "lt_rel_err": _error(first, ref),
+            "lt_same_bits": bool(torch.equal(first, again))}
+
+
 def bench_gemm(gen: torch.Generator, sweep: bool = False, copy_bytes_per_s: float | None = None,
-               matmul_flops_per_s: float | None = None) -> list[dict]:
+               matmul_flops_per_s: float | None = None, lt_algos: bool = True) -> list[dict]:
     """Per projection and row count: cuBLAS, cuBLASLt and (up to SKINNY_MAX_ROWS) ours; with the
     device's rates, each row's bound max(weight bytes / copy rate, FLOPs / matmul rate)."""
     results = []
@@ -83,6 +108,8 @@ def bench_gemm(gen: torch.Generator, sweep: bool = False, copy_bytes_per_s: floa
             row["cublas_us"] = _time(_cublas, x, weights, outs)
             ref = outs[0].clone()
             row["cublaslt_us"] = _time(_cublaslt, x, weights, outs)
+            if lt_algos and name != "lm_head":
+                row.update(_lt_algos(x, weights, outs, ref))
             if rows in ROWS:
                 row["ours_us"] = _time(triton_skinny.skinny_linear, x, weights, outs)
                 row["rel_err"] = _error(outs[0], ref)
@@ -101,7 +128,7 @@ def bench_gemm(gen: torch.Generator, sweep: bool = False, copy_bytes_per_s: floa
                 for cfg in SWEEP_GATED if sweep else ():
                     key = f"gated_{cfg.block_n}x{cfg.block_k}s{cfg.stages}"
                     row[key] = _time(triton_skinny.skinny_gate_up_silu, x, weights, acts, config=cfg)
-            timed = [key for key in ("cublas", "cublaslt", "ours", "ours_split")
+            timed = [key for key in ("cublas", "cublaslt", "lt_best", "ours", "ours_split")
                      if isinstance(row.get(f"{key}_us"), float)]
             row["weight_tb_s"] = {key: n * k * 2 / row[f"{key}_us"] / 1e6 for key in timed}
             results.append(row)
@@ -120,12 +147,14 @@ def gemm_table(rows: list[dict]) -> str:
     lines = ["decode GEMMs (llama3-8b projections, bf16, 32 layers' weights in one graph): µs per call; "
              "bound = max(weight bytes / copy rate, FLOPs / matmul rate)",
              f"{'shape':>8} {'rows':>4} {'bound':>8} {'cublas':>8} {'cublasLt':>8} {'ours':>8} {'split':>8}"
-             f" {'cublas/ours':>11} {'+silu cublas':>12} {'gated':>8} {'ratio':>6}"]
+             f" {'lt best':>8} {'rank':>4} {'cublas/ours':>11} {'+silu cublas':>12} {'gated':>8}"
+             f" {'ratio':>6}"]
     for r in rows:
         both = isinstance(r.get("ours_us"), float) and isinstance(r["cublas_us"], float)
         ratio = f"{r['cublas_us'] / r['ours_us']:>11.3f}" if both else f"{'':>11}"
         line = (f"{r['shape']:>8} {r['rows']:>4} {us(r, 'bound')} {us(r, 'cublas')} {us(r, 'cublaslt')} "
-                f"{us(r, 'ours')} {us(r, 'ours_split')} {ratio}")
+                f"{us(r, 'ours')} {us(r, 'ours_split')} {us(r, 'lt_best')} {r.get('lt_rank', '-'):>4} "
+                f"{ratio}")
         if isinstance(r.get("gated_us"), float) and isinstance(r.get("cublas_silu_us"), float):
             gated = r["cublas_silu_us"] / r["gated_us"]
             line += f" {r['cublas_silu_us']:>12.2f} {r['gated_us']:>8.2f} {gated:>6.3f}"

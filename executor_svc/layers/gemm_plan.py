@@ -8,11 +8,14 @@ takes the product, else cuBLAS) was tuned on an H100; on an H200 it loses in pla
 39.1 cuBLAS; qkv at 288 rows 24.5 against 28.1). So for each product the graphs ask for, keyed by
 (weight rows, columns, dtype, gated, rows), the candidates (`candidates`: the rule's choice; the
 skinny kernel's split-K form where it takes the product, `kernels.skinny_usable(split_k=True)`;
-cuBLAS; cuBLASLt through `kernels.blas_library`) are timed as one CUDA graph holding one call per
-layer's own weight of that shape (the weights stream from memory, as in a step), the median of
-REPLAYS replays, and another candidate replaces the rule's only when it is MARGIN faster (`choose`:
-near-ties keep today's kernel, and of two candidates within MARGIN of each other the earlier in
-BACKENDS order stays); a candidate that cannot run on this GPU is logged and left out.
+cuBLAS; cuBLASLt through `kernels.blas_library`; from ALGO_MIN_ROWS rows "cublaslt_algo", the fastest
+of the first ALGOS algorithms cuBLASLt's heuristic lists for the product, run through
+kernels/cublaslt.py: torch runs only the first, and another was 3-22 % faster for o_proj, down,
+gate_up and qkv at 128-288 rows on an H200, docs/benchmarks.md round 22) are timed as one CUDA graph
+holding one call per layer's own weight of that shape (the weights stream from memory, as in a step),
+the median of REPLAYS replays, and another candidate replaces the rule's only when it is MARGIN
+faster (`choose`: near-ties keep today's kernel, and of two candidates within MARGIN of each other
+the earlier in BACKENDS order stays); a candidate that cannot run on this GPU is logged and left out.
 
     PAGEDSERVE_GEMM_PLAN unset or "measure"  measure at start-up (a few seconds on an 8B model)
     PAGEDSERVE_GEMM_PLAN=off                 the fixed rule
@@ -21,6 +24,8 @@ BACKENDS order stays); a candidate that cannot run on this GPU is logged and lef
 
 A plan file makes restarts choose the same kernels (the same bits for the same batch); a measured
 plan can differ between starts only where two candidates are within the timer's spread of MARGIN.
+A cuBLASLt algorithm is saved as its 64 bytes with cuBLASLt's version; under another version its
+entries are measured again, and one that no longer fits its product runs cuBLASLt's own choice.
 Deterministic mode ignores the plan (its batch-invariant matmul serves every product). CPU tensors
 never consult it.
 
@@ -49,11 +54,15 @@ import torch
 log = logging.getLogger(__name__)
 
 PLAN_ENV = "PAGEDSERVE_GEMM_PLAN"
-BACKENDS = ("skinny", "skinny_split", "cublas", "cublaslt")
+BACKENDS = ("skinny", "skinny_split", "cublas", "cublaslt", "cublaslt_algo")
 MARGIN = 0.03  # another candidate must be this much faster than the rule's choice
 REPLAYS = 7
 MAX_LAYERS = 8  # weights of one shape in a timing graph (more than any GPU's L2 holds of the large ones)
 MAX_ROWS = 512  # larger products (prompt chunks) keep the rule: not measured (less temporary memory)
+# cuBLASLt's listed algorithms ("cublaslt_algo") are timed from this many rows: below, the skinny kernel
+# or the library's first choice was as fast in every projection of llama3-8b on an H200 (round 22)
+ALGO_MIN_ROWS = 65
+ALGOS = 8  # of cuBLASLt's list, the first this many are timed (the fastest was among them at 96-512 rows)
 FORMAT = 1
 
 
@@ -85,12 +94,14 @@ def choose(rule: str, times_us: dict[str, float], margin: float = MARGIN) -> str
     return chosen
 
 
-def candidates(rule: str, split: bool) -> tuple[str, ...]:
+def candidates(rule: str, split: bool, tuned: bool = False) -> tuple[str, ...]:
     """The backends timed for a product whose fixed rule is `rule`: the skinny kernel only where the
     rule takes it (kernels.skinny_usable), its split-K form where `split` (the caller's
-    kernels.skinny_usable(split_k=True)), and the libraries."""
+    kernels.skinny_usable(split_k=True)), the libraries, and where `tuned` cuBLASLt's listed
+    algorithms (kernels/cublaslt.py), the fastest of which stands for "cublaslt_algo"."""
     skinny = ("skinny",) if rule == "skinny" else ()
-    return skinny + (("skinny_split",) if split else ()) + ("cublas", "cublaslt")
+    tuned_lt = ("cublaslt_algo",) if tuned else ()
+    return skinny + (("skinny_split",) if split else ()) + ("cublas", "cublaslt") + tuned_lt
 
 
 def graph_time_us(calls: list[Callable[[], object]]) -> float:
@@ -109,8 +120,12 @@ class GemmPlan:
     computes the product with a backend (the plan times it through that function)."""
 
     def __init__(self, choices: dict[GemmKey, str] | None = None, measure: bool = True,
-                 device_name: str = "", save_to: Path | None = None):
+                 device_name: str = "", save_to: Path | None = None, algos: dict[GemmKey, str] | None = None,
+                 lt_version: int | None = None):
         self.choices: dict[GemmKey, str] = dict(choices or {})
+        # "cublaslt_algo" choices: the algorithm (kernels.cublaslt.Algo.hex()), valid for cuBLASLt lt_version
+        self.algos: dict[GemmKey, str] = dict(algos or {})
+        self.lt_version = lt_version
         self.times_us: dict[GemmKey, dict[str, float]] = {}
         self.rules: dict[GemmKey, str] = {}  # the fixed rule's choice of each measured product
         self.measure_s = 0.0  # time spent measuring
@@ -128,12 +143,17 @@ class GemmPlan:
         if value.lower() == "off":
             return None
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        version = None
+        if device.type == "cuda":
+            from kernels import cublaslt
+
+            version = cublaslt.version()
         if value.lower() in ("", "measure"):
-            return cls(device_name=name)
+            return cls(device_name=name, lt_version=version)
         path = Path(value)
         if path.exists():
-            return cls.load(path, name)
-        return cls(device_name=name, save_to=path)
+            return cls.load(path, name, version)
+        return cls(device_name=name, save_to=path, lt_version=version)
 
     def register(self, weights: Iterable[torch.Tensor]) -> None:
         """The model's projection weights, grouped by shape, to time a product over every layer's own."""
@@ -146,13 +166,18 @@ class GemmPlan:
     # ---- what linear asks ----
 
     def backend(self, rows: int, weight: torch.Tensor, gated: bool, rule: str,
-                run: Callable[[str, torch.Tensor], Callable[[], object]], split: bool = False) -> str:
-        """The backend for this product. `run(backend, w)` gives a call that computes the product with
-        `backend` over weight w (as the layer does), for timing; `split`: the skinny kernel's split-K
-        form takes the product."""
+                run: Callable[..., Callable[[], object]], split: bool = False,
+                algos: Callable[[], list[str]] | None = None) -> str:
+        """The backend for this product. `run(backend, w, algo=None)` gives a call that computes the
+        product with `backend` over weight w (as the layer does), for timing; `split`: the skinny
+        kernel's split-K form takes the product; `algos()`: cuBLASLt's listed algorithms for it (None:
+        "cublaslt_algo" is not offered), timed from ALGO_MIN_ROWS rows. A "cublaslt_algo" choice's
+        algorithm is `algo(...)`'s."""
         key = GemmKey.of(rows, weight, gated)
+        tuned = algos is not None and rows >= ALGO_MIN_ROWS
         chosen = self.choices.get(key)
-        if chosen is not None and chosen not in candidates(rule, split):  # a file's entry not valid here
+        if chosen is not None and (chosen not in candidates(rule, split, tuned)
+                                   or (chosen == "cublaslt_algo" and key not in self.algos)):
             log.warning("GEMM plan: %s cannot take %s here; the fixed rule's %s instead", chosen, key, rule)
             return rule
         if chosen is not None:
@@ -162,19 +187,44 @@ class GemmPlan:
         begin = time.perf_counter()
         group = self._weights.get((tuple(weight.shape), weight.dtype, weight.device)) or [weight]
         times = {rule: graph_time_us([run(rule, w) for w in group])}  # the rule's failure is the graphs'
-        for backend in (b for b in candidates(rule, split) if b != rule):
+        for backend in (b for b in candidates(rule, split, tuned) if b != rule):
             try:
-                times[backend] = graph_time_us([run(backend, w) for w in group])
+                if backend == "cublaslt_algo":
+                    times[backend], self.algos[key] = self._fastest_algo(group, run, algos())
+                else:
+                    times[backend] = graph_time_us([run(backend, w) for w in group])
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run here is not chosen
                 log.warning("GEMM plan: %s cannot run %s here (%s: %s); not a candidate", backend, key,
                             type(exc).__name__, exc)
         self.measure_s += time.perf_counter() - begin
         self.times_us[key], self.rules[key] = times, rule
         self.choices[key] = choose(rule, times)
+        if self.choices[key] != "cublaslt_algo":
+            self.algos.pop(key, None)
         if self.choices[key] != rule:
             log.debug("GEMM plan: %s takes %s (%s µs) instead of %s (%s µs)", key, self.choices[key],
                      round(times[self.choices[key]], 2), rule, round(times[rule], 2))
         return self.choices[key]
+
+    @staticmethod
+    def _fastest_algo(group: list[torch.Tensor], run, listed: list[str]) -> tuple[float, str]:
+        """(µs, algorithm) of the fastest of cuBLASLt's listed algorithms; ValueError if none ran."""
+        best = None
+        for algo in listed:
+            try:
+                t = graph_time_us([run("cublaslt_algo", w, algo) for w in group])
+            except Exception as exc:  # noqa: BLE001 - one listed algorithm that fails is skipped
+                log.debug("GEMM plan: cuBLASLt algorithm %s failed (%s)", algo, exc)
+                continue
+            if best is None or t < best[0]:
+                best = (t, algo)
+        if best is None:
+            raise ValueError(f"none of the {len(listed)} algorithms cuBLASLt listed ran")
+        return best
+
+    def algo(self, rows: int, weight: torch.Tensor, gated: bool) -> str | None:
+        """The cuBLASLt algorithm of a "cublaslt_algo" choice (None for any other)."""
+        return self.algos.get(GemmKey.of(rows, weight, gated))
 
     def departures(self) -> dict[GemmKey, str]:
         """The measured products whose backend is not the rule's."""
@@ -202,11 +252,14 @@ class GemmPlan:
         for key, backend in order:
             entry = {"n": key.n, "k": key.k, "rows": key.rows, "gated": key.gated, "dtype": key.dtype,
                      "backend": backend}
+            if backend == "cublaslt_algo":
+                entry["algo"] = self.algos[key]
             if key in self.times_us:
                 entry["rule"] = self.rules[key]
                 entry["us"] = {b: round(t, 3) for b, t in self.times_us[key].items()}
             entries.append(entry)
-        return {"format": FORMAT, "device": self.device_name, "margin": MARGIN, "choices": entries}
+        return {"format": FORMAT, "device": self.device_name, "margin": MARGIN, "cublaslt": self.lt_version,
+                "choices": entries}
 
     def save(self) -> None:
         """Writes the plan to `save_to` (if any); ValueError naming the path where it cannot."""
@@ -223,32 +276,46 @@ class GemmPlan:
             raise ValueError(f"{PLAN_ENV}={path}: cannot write the plan ({exc})") from exc
 
     @classmethod
-    def from_json(cls, doc: dict, device_name: str, where: str = "GEMM plan") -> GemmPlan:
+    def from_json(cls, doc: dict, device_name: str, where: str = "GEMM plan",
+                  lt_version: int | None = None) -> GemmPlan:
         """A saved plan (measuring what it lacks). ValueError naming the problem for another format,
-        another GPU model or a malformed entry."""
+        another GPU model or a malformed entry. Entries naming a cuBLASLt algorithm saved under another
+        cuBLASLt version than `lt_version` are dropped (measured again), with a warning."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ValueError(f"{where}: not a GEMM plan of format {FORMAT}")
         if doc.get("device") != device_name:
             raise ValueError(f"{where}: measured on {doc.get('device')!r}, this GPU is {device_name!r}; "
                              f"delete it or point {PLAN_ENV} elsewhere to measure again")
-        choices = {}
+        choices, algos, stale = {}, {}, 0
+        same_lt = doc.get("cublaslt") == lt_version
         for i, e in enumerate(doc.get("choices", [])):
             try:
                 key = GemmKey(int(e["n"]), int(e["k"]), int(e["rows"]), bool(e["gated"]), str(e["dtype"]))
                 backend = e["backend"]
+                algo = str(e["algo"]) if backend == "cublaslt_algo" else None
+                if algo is not None and len(bytes.fromhex(algo)) != 64:
+                    raise ValueError(f"algo is {len(bytes.fromhex(algo))} bytes, not 64")
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{where}: entry {i} is malformed ({exc!r})") from exc
             if backend not in BACKENDS or min(key.n, key.k, key.rows) < 1:
                 raise ValueError(f"{where}: entry {i} has backend {backend!r} / sizes {key}")
+            if algo is not None and not same_lt:
+                stale += 1
+                continue
             choices[key] = backend
-        return cls(choices, device_name=device_name)
+            if algo is not None:
+                algos[key] = algo
+        if stale:
+            log.warning("%s: %d cuBLASLt algorithms were saved under cuBLASLt %s, this is %s; measuring "
+                        "those products again", where, stale, doc.get("cublaslt"), lt_version)
+        return cls(choices, device_name=device_name, algos=algos, lt_version=lt_version)
 
     @classmethod
-    def load(cls, path: Path, device_name: str) -> GemmPlan:
+    def load(cls, path: Path, device_name: str, lt_version: int | None = None) -> GemmPlan:
         try:
             doc = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{PLAN_ENV}={path}: cannot read the plan ({exc})") from exc
-        plan = cls.from_json(doc, device_name, f"{PLAN_ENV}={path}")
+        plan = cls.from_json(doc, device_name, f"{PLAN_ENV}={path}", lt_version)
         plan.save_to = path  # products it lacks are measured and the file rewritten
         return plan

@@ -16,7 +16,8 @@ compute batch-invariantly in deterministic mode (executor_svc/layers/determinism
 `graph_gemms()` (the CUDA graphs' warm-up and capture) a product runs the backend the GEMM plan
 measured for it on this GPU (executor_svc/layers/gemm_plan.py): the skinny kernel
 (kernels/triton_skinny.py, which reads the weights faster than cuBLAS at decode batch sizes) or its
-split-K form, cuBLAS or cuBLASLt; eagerly the skinny kernel's launch (two TMA descriptors) costs
+split-K form, cuBLAS, cuBLASLt, or one of the algorithms cuBLASLt lists, run through
+kernels/cublaslt.py; eagerly the skinny kernel's launch (two TMA descriptors) costs
 the host more than cuBLAS's, so eager steps keep cuBLAS.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 
 import torch
 import torch.distributed as dist
@@ -32,10 +34,12 @@ from torch import nn
 
 import kernels
 from executor_svc.layers import determinism
-from executor_svc.layers.gemm_plan import GemmPlan
+from executor_svc.layers.gemm_plan import ALGOS, GemmPlan
 
+log = logging.getLogger(__name__)
 _GRAPH_GEMMS = contextvars.ContextVar("pagedserve_graph_gemms", default=None)
 _RULE = object()  # graph_gemms() without a plan: the fixed rule
+_REFUSED: set[str] = set()  # cuBLASLt algorithms of a plan that did not fit their product (warned once)
 
 
 @contextlib.contextmanager
@@ -51,9 +55,10 @@ def graph_gemms(plan: GemmPlan | None = None):
 
 
 def _product(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             gated: bool) -> torch.Tensor:
+             gated: bool, algo: str | None = None) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias) with `backend` (gemm_plan.BACKENDS); gated: silu_and_mul of it
-    ([..., N/2])."""
+    ([..., N/2]). "cublaslt_algo" runs cuBLASLt's algorithm `algo` (kernels.cublaslt_algos); one that
+    does not fit this product (a plan file from elsewhere) falls back to cuBLASLt's own choice."""
     if backend in ("skinny", "skinny_split"):
         rows = x.reshape(-1, x.shape[-1])
         if gated:
@@ -62,33 +67,50 @@ def _product(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
             return kernels.skinny_gate_up_silu(rows, weight).view(*x.shape[:-1], weight.shape[0] // 2)
         split = backend == "skinny_split"
         return kernels.skinny_linear(rows, weight, bias, split_k=split).view(*x.shape[:-1], weight.shape[0])
-    with kernels.blas_library("cublaslt" if backend == "cublaslt" else None):
-        out = F.linear(x, weight, bias)
+    out = None
+    if backend == "cublaslt_algo":
+        if algo is None:
+            raise ValueError("the cublaslt_algo backend needs a cuBLASLt algorithm")
+        try:
+            out = kernels.cublaslt_linear(x.reshape(-1, x.shape[-1]), weight, bias, algo)
+            out = out.view(*x.shape[:-1], weight.shape[0])
+        except ValueError as exc:
+            if algo not in _REFUSED:
+                _REFUSED.add(algo)
+                log.warning("the GEMM plan's cuBLASLt algorithm was refused (%s); cuBLASLt's own choice "
+                            "instead", exc)
+    if out is None:
+        with kernels.blas_library("cublaslt" if backend.startswith("cublaslt") else None):
+            out = F.linear(x, weight, bias)
     return kernels.silu_and_mul(out) if gated else out
 
 
 def _graph_backend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   gated: bool) -> str | None:
-    """The backend of this product inside graph_gemms() (on CUDA, not in deterministic mode), else
-    None (F.linear as eagerly): eager calls pay one context lookup."""
+                   gated: bool) -> tuple[str, str | None] | None:
+    """(backend, cuBLASLt algorithm or None) of this product inside graph_gemms() (on CUDA, not in
+    deterministic mode), else None (F.linear as eagerly): eager calls pay one context lookup."""
     state = _GRAPH_GEMMS.get()
     if state is None or not x.is_cuda or determinism.deterministic():
         return None
     rows = x.reshape(-1, x.shape[-1])
     rule = "skinny" if kernels.skinny_usable(rows, weight, gated) else "cublas"
     if state is _RULE:
-        return rule
+        return rule, None
     split = rule == "skinny" and not gated and kernels.skinny_usable(rows, weight, split_k=True)
-    return state.backend(rows.shape[0], weight, gated, rule,
-                         lambda backend, w: lambda: _product(backend, x, w, bias, gated), split)
+    backend = state.backend(
+        rows.shape[0], weight, gated, rule,
+        lambda backend, w, algo=None: lambda: _product(backend, x, w, bias, gated, algo), split,
+        lambda: kernels.cublaslt_algos(rows, weight, None if gated else bias, ALGOS))
+    return backend, state.algo(rows.shape[0], weight, gated) if backend == "cublaslt_algo" else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T + bias -> [..., N]. In deterministic mode a row's result does not
     depend on the other rows (`kernels.batch_invariant_matmul`; cuBLAS picks its kernel by M)."""
     if not determinism.deterministic():
-        backend = _graph_backend(x, weight, bias, gated=False)
-        return F.linear(x, weight, bias) if backend is None else _product(backend, x, weight, bias, False)
+        chosen = _graph_backend(x, weight, bias, gated=False)
+        return F.linear(x, weight, bias) if chosen is None else _product(chosen[0], x, weight, bias, False,
+                                                                          chosen[1])
     out = kernels.batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight, bias)  # [M, N]
     return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -192,9 +214,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         launch where the skinny kernel applies (its epilogue rounds as the two ops do)."""
         sizes = self.out_sizes_per_rank
         if self.bias is None and len(sizes) == 2 and sizes[0] == sizes[1]:
-            backend = _graph_backend(x, self.weight, None, gated=True)
-            if backend is not None:
-                return _product(backend, x, self.weight, None, True)
+            chosen = _graph_backend(x, self.weight, None, gated=True)
+            if chosen is not None:
+                return _product(chosen[0], x, self.weight, None, True, chosen[1])
         return kernels.silu_and_mul(self(x))
 
     def weight_loader(self, param, full, shard_id=None):

@@ -45,6 +45,15 @@ def test_every_backend_computes_the_product(rows):
         elif backend != "skinny" or kernels.skinny_usable(x, w, gated=True):
             assert _rel(linear_mod._product(backend, x, w, None, True), ref_gated) < 2e-2, backend
         assert torch.backends.cuda.preferred_blas_library() == before  # the setting is restored
+    listed, listed_gated = kernels.cublaslt_algos(x, w, bias), kernels.cublaslt_algos(x, w)
+    assert listed and listed_gated
+    for algo in listed:  # every algorithm cuBLASLt lists, through the layer's product
+        assert _rel(linear_mod._product("cublaslt_algo", x, w, bias, False, algo), ref) < 1e-2, algo
+    assert _rel(linear_mod._product("cublaslt_algo", x, w, None, True, listed_gated[-1]), ref_gated) < 2e-2
+    # an algorithm that fits no product (a plan file from elsewhere): cuBLASLt's own choice, the same product
+    assert _rel(linear_mod._product("cublaslt_algo", x, w, bias, False, "ff" * 64), ref) < 1e-2
+    with pytest.raises(ValueError, match="needs a cuBLASLt algorithm"):
+        linear_mod._product("cublaslt_algo", x, w, bias, False)
 
 
 def test_graph_time_is_the_gpu_time_of_each_call():
@@ -91,9 +100,14 @@ def test_a_measured_plan_is_saved_and_its_graphs_give_the_eager_logits(model_dir
     assert doc["device"] == torch.cuda.get_device_name()
     measured = [e for e in doc["choices"] if "us" in e]
     assert measured and all(e["rows"] <= gemm_plan.MAX_ROWS for e in measured)
+    from kernels import cublaslt
+
+    assert doc["cublaslt"] == cublaslt.version()
     for e in measured:
         assert set(e["us"]) >= {"cublas", "cublaslt"} and all(0 < t < 1e4 for t in e["us"].values())
+        assert ("cublaslt_algo" in e["us"]) == (e["rows"] >= gemm_plan.ALGO_MIN_ROWS)
         assert e["backend"] == gemm_plan.choose(e["rule"], e["us"])
+        assert ("algo" in e) == (e["backend"] == "cublaslt_algo")
     _graphs_against_eager(worker)
     # a second start reads the file and measures nothing
     again = Worker(str(model_dir), device="cuda", dtype="bfloat16", num_gpu_blocks=2048, num_cpu_blocks=0,
@@ -103,15 +117,18 @@ def test_a_measured_plan_is_saved_and_its_graphs_give_the_eager_logits(model_dir
     assert plan.rules == {} and len(plan.choices) == len(doc["choices"])
 
 
-def test_graphs_with_cublaslt_everywhere_give_the_eager_logits(model_dir, monkeypatch):
-    from executor_svc.layers.gemm_plan import GemmPlan
+@pytest.mark.parametrize("backend", ["cublaslt", "cublaslt_algo"])
+def test_graphs_with_cublaslt_everywhere_give_the_eager_logits(model_dir, monkeypatch, backend):
+    from executor_svc.layers.gemm_plan import GemmKey, GemmPlan
     from executor_svc.worker.worker import Worker
 
     asked = []
 
-    def forced(self, rows, weight, gated, rule, run):
+    def forced(self, rows, weight, gated, rule, run, split=False, algos=None):
         asked.append(rule)
-        return "cublaslt"
+        if backend == "cublaslt_algo":  # the last algorithm cuBLASLt lists: not the one it would run
+            self.algos[GemmKey.of(rows, weight, gated)] = algos()[-1]
+        return backend
 
     monkeypatch.setattr(GemmPlan, "backend", forced)
     worker = Worker(str(model_dir), device="cuda", dtype="bfloat16", num_gpu_blocks=2048, num_cpu_blocks=0,

@@ -47,8 +47,11 @@ def fake_timer(monkeypatch):
     return timed, table
 
 
-def _run(backend, w):
-    return lambda: (backend, w)
+def _run(backend, w, algo=None):
+    return lambda: (backend if algo is None else f"{backend}:{algo[:2]}", w)
+
+
+A1, A2, A3 = "a1" * 64, "a2" * 64, "a3" * 64  # three cuBLASLt algorithms' bytes, as hex
 
 
 def test_a_product_is_measured_once_over_the_layers_of_its_shape(fake_timer):
@@ -129,6 +132,71 @@ def test_the_file_round_trip(tmp_path, fake_timer):
     assert again.choices == plan.choices and again.save_to == tmp_path / "sub" / "plan.json"
     count = len(timed)
     assert again.backend(8, w, False, "skinny", _run, split=True) == "cublas" and len(timed) == count
+
+
+def test_cublaslt_algorithms_are_timed_from_algo_min_rows_and_the_fastest_kept(fake_timer):
+    timed, table = fake_timer
+    table.update({"cublas": 10.0, "cublaslt": 10.0, "cublaslt_algo:a1": 9.9, "cublaslt_algo:a2": 8.0})
+    listed = []
+
+    def algos():
+        listed.append(1)
+        return [A1, A2, A3]  # A3 has no time: it fails and is skipped
+
+    w = torch.empty(8, 8)
+    plan = GemmPlan(device_name="g", lt_version=7)
+    small = gemm_plan.ALGO_MIN_ROWS - 1
+    assert plan.backend(small, w, False, "cublas", _run, algos=algos) == "cublas"
+    assert listed == [] and "cublaslt_algo" not in plan.times_us[GemmKey.of(small, w, False)]
+    rows = gemm_plan.ALGO_MIN_ROWS
+    assert plan.backend(rows, w, False, "cublas", _run, algos=algos) == "cublaslt_algo"
+    assert plan.algo(rows, w, False) == A2 and plan.algo(small, w, False) is None
+    assert plan.times_us[GemmKey.of(rows, w, False)]["cublaslt_algo"] == 8.0
+    assert [b for b, _ in timed[-3:]] == ["cublaslt_algo:a1", "cublaslt_algo:a2", "cublaslt_algo:a3"]
+    assert plan.backend(rows, w, False, "cublas", _run, algos=algos) == "cublaslt_algo" and len(listed) == 1
+    assert plan.backend(rows, w, False, "cublas", _run) == "cublas"  # not offered here: the rule
+    # the fastest algorithm within the margin of cuBLAS: the rule stays, no algorithm kept
+    table["cublaslt_algo:a2"] = 9.8
+    assert plan.backend(rows + 1, w, False, "cublas", _run, algos=algos) == "cublas"
+    assert plan.algo(rows + 1, w, False) is None
+    # none of the listed algorithms runs: not a candidate
+    assert plan.backend(rows + 2, w, False, "cublas", _run, algos=lambda: [A3]) == "cublas"
+    assert set(plan.times_us[GemmKey.of(rows + 2, w, False)]) == {"cublas", "cublaslt"}
+
+
+def test_a_saved_cublaslt_algorithm_is_kept_for_its_cublaslt_version_only(tmp_path, fake_timer):
+    timed, table = fake_timer
+    table.update({"cublas": 10.0, "cublaslt": 10.0, "cublaslt_algo:a1": 5.0})
+    w = torch.empty(16, 8, dtype=torch.bfloat16)
+    path = tmp_path / "plan.json"
+    plan = GemmPlan(device_name="g", save_to=path, lt_version=130100)
+    assert plan.backend(128, w, True, "cublas", _run, algos=lambda: [A1]) == "cublaslt_algo"
+    plan.finish()
+    doc = json.loads(path.read_text())
+    assert doc["cublaslt"] == 130100 and doc["choices"][0]["algo"] == A1
+    count = len(timed)
+    again = GemmPlan.load(path, "g", 130100)
+    assert again.backend(128, w, True, "cublas", _run, algos=lambda: [A1]) == "cublaslt_algo"
+    assert again.algo(128, w, True) == A1 and len(timed) == count  # read, not measured
+    other = GemmPlan.load(path, "g", 130200)  # another cuBLASLt: its algorithms may not exist there
+    assert other.choices == {} and other.algos == {}
+    assert other.backend(128, w, True, "cublas", _run, algos=lambda: [A1]) == "cublaslt_algo"
+    assert len(timed) > count  # measured again
+    # an entry naming an algorithm, read where algorithms are not offered: the rule
+    assert again.backend(128, w, True, "cublas", _run) == "cublas"
+
+
+@pytest.mark.parametrize("doc, message", [
+    ({"format": 1, "device": "g", "choices": [{"n": 1, "k": 1, "rows": 1, "gated": False, "dtype": "x",
+                                               "backend": "cublaslt_algo"}]}, "entry 0 is malformed"),
+    ({"format": 1, "device": "g", "choices": [{"n": 1, "k": 1, "rows": 1, "gated": False, "dtype": "x",
+                                               "backend": "cublaslt_algo", "algo": "zz"}]}, "malformed"),
+    ({"format": 1, "device": "g", "choices": [{"n": 1, "k": 1, "rows": 1, "gated": False, "dtype": "x",
+                                               "backend": "cublaslt_algo", "algo": "00" * 8}]}, "8 bytes"),
+])
+def test_a_bad_cublaslt_algorithm_is_refused(doc, message):
+    with pytest.raises(ValueError, match=message):
+        GemmPlan.from_json(doc, "g")
 
 
 @pytest.mark.parametrize("doc, message", [
