@@ -66,7 +66,7 @@ def _cublas_silu(x, w, out):
     return triton_layers.silu_and_mul(torch.matmul(x, w.T, out=out))
 
 
-def _lt_algos(x, weights, outs, ref) -> dict:
+def _lt_algos(x, weights, outs, ref, wide: bool = False) -> dict:
     """cuBLASLt's heuristic candidates for this product (kernels/cublaslt.py), each timed as the others:
     the best one's µs, its rank in the heuristic's list, the first-ranked one's µs (what the library's
     own choice would be), how many were listed, and whether the best gives the same bits twice."""
@@ -84,9 +84,29 @@ def _lt_algos(x, weights, outs, ref) -> dict:
     best_us, rank = min(timed)
     first = lt.run(x, weights[0], None, algos[rank]).clone()
     again = lt.run(x, weights[0], None, algos[rank])
-    return {"lt_best_us": best_us, "lt_rank": rank, "lt_first_us": times[0], "lt_listed": len(algos),
-            "lt_best_algo": algos[rank].describe(), "lt_rel_err": _error(first, ref),
-            "lt_same_bits": bool(torch.equal(first, again))}
+    row = {"lt_best_us": best_us, "lt_rank": rank, "lt_first_us": times[0], "lt_listed": len(algos),
+           "lt_best_algo": algos[rank].describe(), "lt_rel_err": _error(first, ref),
+           "lt_same_bits": bool(torch.equal(first, again))}
+    if wide:
+        row.update(_lt_wide(lt, algos, x, weights, outs, ref))
+    return row
+
+
+def _lt_wide(lt, listed, x, weights, outs, ref) -> dict:
+    """The algorithms one configuration attribute away from the listed ones (`LtMatmul.variants`),
+    timed over 8 layers' weights: the fastest, its configuration and error, how many ran."""
+    variants = lt.variants(listed)
+    few, few_outs = weights[:8], outs[:8]
+    base = _time(lambda x, w, out: lt.run(x, w, None, listed[0], out), x, few, few_outs)
+    times = [(_time(lambda x, w, out, a=a: lt.run(x, w, None, a, out), x, few, few_outs), i)
+             for i, a in enumerate(variants)]
+    ran = [(t, i) for t, i in times if isinstance(t, float)]
+    if not ran or not isinstance(base, float):
+        return {"wide_variants": len(variants), "wide_ran": len(ran)}
+    best_us, i = min(ran)
+    out = lt.run(x, weights[0], None, variants[i])
+    return {"wide_variants": len(variants), "wide_ran": len(ran), "wide_best_over_first": best_us / base,
+            "wide_best_algo": variants[i].describe(), "wide_rel_err": _error(out, ref)}
 
 
 def bench_gemm(gen: torch.Generator, sweep: bool = False, copy_bytes_per_s: float | None = None,
@@ -109,7 +129,7 @@ def bench_gemm(gen: torch.Generator, sweep: bool = False, copy_bytes_per_s: floa
             ref = outs[0].clone()
             row["cublaslt_us"] = _time(_cublaslt, x, weights, outs)
             if lt_algos and name != "lm_head":
-                row.update(_lt_algos(x, weights, outs, ref))
+                row.update(_lt_algos(x, weights, outs, ref, wide=sweep and rows in MID_ROWS))
             if rows in ROWS:
                 row["ours_us"] = _time(triton_skinny.skinny_linear, x, weights, outs)
                 row["rel_err"] = _error(outs[0], ref)

@@ -129,6 +129,9 @@ def _lib():
             "cublasLtMatmulAlgoCheck": [c_void_p] * 6 + [pointer(_AlgoStruct), pointer(_HeuristicResult)],
             "cublasLtMatmulAlgoConfigGetAttribute": [pointer(_AlgoStruct), c_int, c_void_p, c_size_t,
                                                      pointer(c_size_t)],
+            "cublasLtMatmulAlgoConfigSetAttribute": [pointer(_AlgoStruct), c_int, c_void_p, c_size_t],
+            "cublasLtMatmulAlgoCapGetAttribute": [pointer(_AlgoStruct), c_int, c_void_p, c_size_t,
+                                                  pointer(c_size_t)],
             "cublasLtMatmul": [c_void_p] * 12 + [pointer(_AlgoStruct), c_void_p, c_size_t, c_void_p],
         }
         for name, argtypes in signatures.items():
@@ -259,6 +262,55 @@ class LtMatmul:
         _check(status, "matmul")
         return out
 
+
+    def variants(self, listed: list[Algo], limit: int = 400) -> list[Algo]:
+        """Algorithms one configuration attribute away from each listed one (another tile, cluster
+        shape, custom option, or split-K count), that cuBLASLt accepts for this product: a wider
+        search than the heuristic's list, for kernels.bench (not the engine's plan). At most `limit`."""
+        lib, seen, found = _lib(), {a.data for a in listed}, []
+
+        def cap_list(algo, attr) -> list[int]:
+            need = ctypes.c_size_t(0)
+            if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(need)):
+                return []
+            values = (ctypes.c_uint32 * max(1, need.value // 4))()
+            if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, values, need.value,
+                                                     ctypes.byref(need)):
+                return []
+            return list(values[: need.value // 4])
+
+        def cap_int(algo, attr) -> int:
+            value, written = ctypes.c_int32(0), ctypes.c_size_t(0)
+            lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4,
+                                                  ctypes.byref(written))
+            return value.value
+
+        for base in listed:
+            algo = base.struct()
+            changes = [(1, 4, t) for t in cap_list(algo, 6)]  # tile ids
+            changes += [(8, 2, c) for c in range(0, 24)]  # cluster shapes (the check refuses the rest)
+            changes += [(5, 4, c) for c in range(cap_int(algo, 7) + 1)]  # custom options
+            if cap_int(algo, 0):  # split-K: with the output-type reduction
+                changes += [(2, 4, k) for k in (1, 2, 3, 4, 6, 8)]
+            for attr, size, value in changes:
+                variant = base.struct()
+                v, config = ctypes.c_uint32(value), lib.cublasLtMatmulAlgoConfigSetAttribute
+                if config(ctypes.byref(variant), attr, ctypes.byref(v), size):
+                    continue
+                if attr == 2 and value > 1:
+                    scheme = ctypes.c_uint32(4)  # CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE
+                    config(ctypes.byref(variant), 3, ctypes.byref(scheme), 4)
+                data = ctypes.string_at(ctypes.byref(variant), 64)
+                if data in seen:
+                    continue
+                seen.add(data)
+                try:
+                    found.append(self.check(Algo(data)))
+                except ValueError:
+                    continue
+                if len(found) >= limit:
+                    return found
+        return found
 
     def checked(self, algo_hex: str) -> Algo:
         """The algorithm of these hex bytes, checked against this product once (ValueError if it does

@@ -1,6 +1,7 @@
 """cuBLASLt with a chosen algorithm (kernels/cublaslt.py): every algorithm the heuristic lists computes
 x @ w.T (+ bias) within bf16 rounding of an fp32 reference, eagerly and inside a CUDA graph, gives the
-same bits twice, and saved bytes are checked against the product they are used for."""
+same bits twice, and saved bytes are checked against the product they are used for; the wider search
+(`LtMatmul.variants`, for kernels.bench) gives only algorithms that compute the product."""
 
 from __future__ import annotations
 
@@ -78,3 +79,20 @@ def test_refusals_name_the_problem():
         cublaslt.Algo.from_hex("00ff")
     assert cublaslt.version() > 0
     assert "tile=" in algo.describe()
+
+
+def test_the_wider_search_gives_checked_algorithms_that_compute_the_product():
+    from kernels import cublaslt
+
+    gen = torch.Generator("cuda").manual_seed(11)
+    x = torch.randn(192, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05
+    ref = F.linear(x.float(), w.float())
+    lt = cublaslt.product(192, 2048, 1024, torch.bfloat16, False, x.device)
+    listed = lt.algos()
+    variants = lt.variants(listed, limit=40)
+    assert variants and not {v.data for v in variants} & {a.data for a in listed}  # new ones only
+    for algo in variants:
+        out = torch.full((192, 2048), float("nan"), device="cuda", dtype=torch.bfloat16)
+        lt.run(x, w, None, algo, out)
+        assert _rel(out, ref) < 1e-2, algo.describe()
