@@ -342,9 +342,12 @@ def _of(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LtM
 
 
 def listed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           count: int = MAX_ALGOS) -> list[str]:
-    """cuBLASLt's listed algorithms (hex) for x [M, K] @ weight [N, K].T (+ bias), best-ranked first."""
-    return [a.hex() for a in _of(x, weight, bias).algos(count)]
+           count: int = MAX_ALGOS, wide: int = 0) -> list[str]:
+    """cuBLASLt's listed algorithms (hex) for x [M, K] @ weight [N, K].T (+ bias), best-ranked first,
+    then up to `wide` of their variants (`LtMatmul.variants`)."""
+    lt = _of(x, weight, bias)
+    algos = lt.algos(count)
+    return [a.hex() for a in algos + (lt.variants(algos, wide) if wide > 0 else [])]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, algo_hex: str) -> torch.Tensor:

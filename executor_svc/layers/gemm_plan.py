@@ -54,6 +54,10 @@ import torch
 log = logging.getLogger(__name__)
 
 PLAN_ENV = "PAGEDSERVE_GEMM_PLAN"
+SEARCH_ENV = "PAGEDSERVE_GEMM_SEARCH"  # "listed" (default) or "wide": which cuBLASLt algorithms are timed
+WIDE_ALGOS = 400  # "wide": the listed algorithms and up to this many of their variants (LtMatmul.variants)
+SCREEN_ABOVE = 16  # more algorithms than this: timed with SCREEN_REPLAYS first, the SCREEN_KEEP best again
+SCREEN_REPLAYS, SCREEN_KEEP = 2, 8
 BACKENDS = ("skinny", "skinny_split", "cublas", "cublaslt", "cublaslt_algo")
 MARGIN = 0.03  # another candidate must be this much faster than the rule's choice
 REPLAYS = 7
@@ -104,12 +108,12 @@ def candidates(rule: str, split: bool, tuned: bool = False) -> tuple[str, ...]:
     return skinny + (("skinny_split",) if split else ()) + ("cublas", "cublaslt") + tuned_lt
 
 
-def graph_time_us(calls: list[Callable[[], object]]) -> float:
+def graph_time_us(calls: list[Callable[[], object]], replays: int = REPLAYS) -> float:
     """Median GPU time per call (µs) of one CUDA graph holding every call (kernels.bench_common,
     imported here: CPU-only processes never import triton)."""
     from kernels.bench_common import graph_call_us
 
-    return graph_call_us(calls, REPLAYS)
+    return graph_call_us(calls, replays)
 
 
 class GemmPlan:
@@ -121,8 +125,9 @@ class GemmPlan:
 
     def __init__(self, choices: dict[GemmKey, str] | None = None, measure: bool = True,
                  device_name: str = "", save_to: Path | None = None, algos: dict[GemmKey, str] | None = None,
-                 lt_version: int | None = None):
+                 lt_version: int | None = None, wide: bool = False):
         self.choices: dict[GemmKey, str] = dict(choices or {})
+        self.wide = wide  # time the variants of cuBLASLt's listed algorithms too (SEARCH_ENV "wide")
         # "cublaslt_algo" choices: the algorithm (kernels.cublaslt.Algo.hex()), valid for cuBLASLt lt_version
         self.algos: dict[GemmKey, str] = dict(algos or {})
         self.lt_version = lt_version
@@ -142,6 +147,9 @@ class GemmPlan:
         value = os.environ.get(PLAN_ENV, "measure").strip()
         if value.lower() == "off":
             return None
+        search = os.environ.get(SEARCH_ENV, "listed").strip().lower() or "listed"
+        if search not in ("listed", "wide"):
+            raise ValueError(f"{SEARCH_ENV}={search!r}: expected 'listed' or 'wide'")
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
         version = None
         if device.type == "cuda":
@@ -149,11 +157,13 @@ class GemmPlan:
 
             version = cublaslt.version()
         if value.lower() in ("", "measure"):
-            return cls(device_name=name, lt_version=version)
-        path = Path(value)
-        if path.exists():
-            return cls.load(path, name, version)
-        return cls(device_name=name, save_to=path, lt_version=version)
+            plan = cls(device_name=name, lt_version=version)
+        elif Path(value).exists():
+            plan = cls.load(Path(value), name, version)
+        else:
+            plan = cls(device_name=name, save_to=Path(value), lt_version=version)
+        plan.wide = search == "wide"
+        return plan
 
     def register(self, weights: Iterable[torch.Tensor]) -> None:
         """The model's projection weights, grouped by shape, to time a product over every layer's own."""
@@ -208,19 +218,27 @@ class GemmPlan:
 
     @staticmethod
     def _fastest_algo(group: list[torch.Tensor], run, listed: list[str]) -> tuple[float, str]:
-        """(µs, algorithm) of the fastest of cuBLASLt's listed algorithms; ValueError if none ran."""
-        best = None
-        for algo in listed:
-            try:
-                t = graph_time_us([run("cublaslt_algo", w, algo) for w in group])
-            except Exception as exc:  # noqa: BLE001 - one listed algorithm that fails is skipped
-                log.debug("GEMM plan: cuBLASLt algorithm %s failed (%s)", algo, exc)
-                continue
-            if best is None or t < best[0]:
-                best = (t, algo)
-        if best is None:
-            raise ValueError(f"none of the {len(listed)} algorithms cuBLASLt listed ran")
-        return best
+        """(µs, algorithm) of the fastest of the given cuBLASLt algorithms; ValueError if none ran. More
+        than SCREEN_ABOVE (a wide search): each timed with SCREEN_REPLAYS replays first, then the
+        SCREEN_KEEP fastest with REPLAYS."""
+
+        def timed(algos: list[str], replays: int) -> list[tuple[float, str]]:
+            results = []
+            for algo in algos:
+                try:
+                    results.append((graph_time_us([run("cublaslt_algo", w, algo) for w in group], replays),
+                                    algo))
+                except Exception as exc:  # noqa: BLE001 - one algorithm that fails is skipped
+                    log.debug("GEMM plan: cuBLASLt algorithm %s failed (%s)", algo, exc)
+            return results
+
+        if len(listed) > SCREEN_ABOVE:
+            screened = sorted(timed(listed, SCREEN_REPLAYS), key=lambda r: r[0])
+            listed = [algo for _, algo in screened[:SCREEN_KEEP]]
+        results = timed(listed, REPLAYS)
+        if not results:
+            raise ValueError(f"none of the {len(listed)} cuBLASLt algorithms ran")
+        return min(results, key=lambda r: r[0])
 
     def algo(self, rows: int, weight: torch.Tensor, gated: bool) -> str | None:
         """The cuBLASLt algorithm of a "cublaslt_algo" choice (None for any other)."""

@@ -34,7 +34,7 @@ from torch import nn
 
 import kernels
 from executor_svc.layers import determinism
-from executor_svc.layers.gemm_plan import ALGOS, GemmPlan
+from executor_svc.layers.gemm_plan import ALGOS, WIDE_ALGOS, GemmPlan
 
 log = logging.getLogger(__name__)
 _GRAPH_GEMMS = contextvars.ContextVar("pagedserve_graph_gemms", default=None)
@@ -100,7 +100,8 @@ def _graph_backend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     backend = state.backend(
         rows.shape[0], weight, gated, rule,
         lambda backend, w, algo=None: lambda: _product(backend, x, w, bias, gated, algo), split,
-        lambda: kernels.cublaslt_algos(rows, weight, None if gated else bias, ALGOS))
+        lambda: kernels.cublaslt_algos(rows, weight, None if gated else bias, ALGOS,
+                                       WIDE_ALGOS if state.wide else 0))
     return backend, state.algo(rows.shape[0], weight, gated) if backend == "cublaslt_algo" else None
 
 

@@ -40,7 +40,8 @@ def fake_timer(monkeypatch):
         results = [call() for call in calls]
         backend = results[0][0]
         timed.append((backend, [w for _, w in results]))
-        return table[backend]
+        value = table[backend]
+        return value(replays) if callable(value) else value
 
     monkeypatch.setattr(gemm_plan, "graph_time_us", fake)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -162,6 +163,41 @@ def test_cublaslt_algorithms_are_timed_from_algo_min_rows_and_the_fastest_kept(f
     # none of the listed algorithms runs: not a candidate
     assert plan.backend(rows + 2, w, False, "cublas", _run, algos=lambda: [A3]) == "cublas"
     assert set(plan.times_us[GemmKey.of(rows + 2, w, False)]) == {"cublas", "cublaslt"}
+
+
+def test_a_wide_search_screens_its_algorithms_then_times_the_best_again(fake_timer):
+    timed, table = fake_timer
+    table.update({"cublas": 10.0, "cublaslt": 10.0})
+    algos = [f"{i:02x}" * 64 for i in range(40)]  # 40 algorithms: more than SCREEN_ABOVE
+    def timing(i):  # the screening pass (SCREEN_REPLAYS) ranks algorithm 30 first; the full one 31
+        def us(replays):
+            if replays == gemm_plan.SCREEN_REPLAYS:
+                return {30: 5.0, 31: 5.5}.get(i, 6.0 + i / 100)
+            return {30: 5.2, 31: 4.9}.get(i, 6.0)
+        return us
+
+    for i in range(40):
+        table[f"cublaslt_algo:{i:02x}"] = timing(i)
+    w = torch.empty(8, 8)
+    plan = GemmPlan(wide=True)
+    assert plan.backend(128, w, False, "cublas", _run, algos=lambda: algos) == "cublaslt_algo"
+    assert plan.algo(128, w, False) == algos[31]
+    algo_timings = [b for b, _ in timed if b.startswith("cublaslt_algo")]
+    assert len(algo_timings) == 40 + gemm_plan.SCREEN_KEEP  # all once, the best SCREEN_KEEP again
+    assert set(algo_timings[40:]) == {f"cublaslt_algo:{i:02x}" for i in (30, 31, 0, 1, 2, 3, 4, 5)}
+
+
+def test_the_search_environment(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(gemm_plan.PLAN_ENV, "measure")
+    assert GemmPlan.from_env(cpu).wide is False  # "listed" by default
+    monkeypatch.setenv(gemm_plan.SEARCH_ENV, "Wide")
+    assert GemmPlan.from_env(cpu).wide is True
+    monkeypatch.setenv(gemm_plan.SEARCH_ENV, "everything")
+    with pytest.raises(ValueError, match="PAGEDSERVE_GEMM_SEARCH='everything': expected 'listed' or 'wide'"):
+        GemmPlan.from_env(cpu)
+    monkeypatch.setenv(gemm_plan.PLAN_ENV, "off")  # no plan: the search is not read
+    assert GemmPlan.from_env(cpu) is None
 
 
 def test_a_saved_cublaslt_algorithm_is_kept_for_its_cublaslt_version_only(tmp_path, fake_timer):
