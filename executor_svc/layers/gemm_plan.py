@@ -151,11 +151,15 @@ class GemmPlan:
         if search not in ("listed", "wide"):
             raise ValueError(f"{SEARCH_ENV}={search!r}: expected 'listed' or 'wide'")
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-        version = None
+        version = None  # None: cuBLASLt's algorithms are not offered (no binding to call them through)
         if device.type == "cuda":
             from kernels import cublaslt
 
-            version = cublaslt.version()
+            try:
+                version = cublaslt.version()
+            except (OSError, AttributeError, RuntimeError) as exc:
+                log.warning("GEMM plan: cuBLASLt cannot be called here (%s: %s); its listed algorithms are "
+                            "not timed", type(exc).__name__, exc)
         if value.lower() in ("", "measure"):
             plan = cls(device_name=name, lt_version=version)
         elif Path(value).exists():

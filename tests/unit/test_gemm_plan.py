@@ -200,6 +200,27 @@ def test_the_search_environment(monkeypatch):
     assert GemmPlan.from_env(cpu) is None
 
 
+def test_a_process_that_cannot_call_cublaslt_still_gets_a_plan(monkeypatch, caplog):
+    import sys
+    import types
+
+    fake = types.ModuleType("kernels.cublaslt")
+
+    def missing():
+        raise OSError("libcublasLt.so: cannot open shared object file")
+
+    fake.version = missing
+    monkeypatch.setitem(sys.modules, "kernels.cublaslt", fake)
+    import kernels
+
+    monkeypatch.setattr(kernels, "cublaslt", fake, raising=False)  # also where it was imported before
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setenv(gemm_plan.PLAN_ENV, "measure")
+    plan = GemmPlan.from_env(torch.device("cuda", 0))
+    assert plan is not None and plan.lt_version is None  # linear offers no cuBLASLt algorithm then
+    assert "cuBLASLt cannot be called here (OSError" in caplog.text
+
+
 def test_a_saved_cublaslt_algorithm_is_kept_for_its_cublaslt_version_only(tmp_path, fake_timer):
     timed, table = fake_timer
     table.update({"cublas": 10.0, "cublaslt": 10.0, "cublaslt_algo:a1": 5.0})
