@@ -235,10 +235,10 @@ def blas_library(name: str | None):
         torch.backends.cuda.preferred_blas_library(before)
 
 
-def cublaslt_algos(x, weight, bias=None, count: int = 16, wide: int = 0) -> list[str]:
-    """Up to `count` of cuBLASLt's listed algorithms for x [M, K] @ weight [N, K].T (+ bias),
-    best-ranked first, then up to `wide` of their variants (a wider search), as hex
-    (kernels/cublaslt.py; CUDA only)."""
+def cublaslt_algos(x, weight, bias=None, count: int | None = None, wide: int = 0) -> list[str]:
+    """Up to `count` (kernels.cublaslt.MAX_ALGOS by default) of cuBLASLt's listed algorithms for
+    x [M, K] @ weight [N, K].T (+ bias), best-ranked first, then up to `wide` of their variants (a
+    wider search), as hex (kernels/cublaslt.py; CUDA only)."""
     return _cuda_module("cublaslt").listed(x, weight, bias, count, wide)
 
 

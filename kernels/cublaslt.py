@@ -59,10 +59,9 @@ assert ctypes.sizeof(_AlgoStruct) == 64 and ctypes.sizeof(_HeuristicResult) == 9
 
 @dataclass(frozen=True, slots=True)
 class Algo:
-    """One cuBLASLt algorithm: its 64 serialized bytes and the workspace it needs."""
+    """One cuBLASLt algorithm: its 64 serialized bytes (every call gets the whole WORKSPACE_BYTES)."""
 
     data: bytes
-    workspace: int = 0
 
     def struct(self) -> _AlgoStruct:
         algo = _AlgoStruct()
@@ -220,11 +219,11 @@ class LtMatmul:
                                                       ctypes.byref(found)), "heuristic")
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref)
-        return [Algo(ctypes.string_at(ctypes.byref(r.algo), 64), int(r.workspace_size))
+        return [Algo(ctypes.string_at(ctypes.byref(r.algo), 64))
                 for r in results[: found.value] if r.state == 0]
 
     def check(self, algo: Algo) -> Algo:
-        """`algo` with the workspace it needs for this product; ValueError if it cannot compute it (saved
+        """`algo`, if it computes this product within the workspace; ValueError if it cannot (saved
         bytes of another product or library version)."""
         result = _HeuristicResult()
         status = _lib().cublasLtMatmulAlgoCheck(*self._operands(), ctypes.byref(algo.struct()),
@@ -232,7 +231,7 @@ class LtMatmul:
         if status != 0 or result.workspace_size > WORKSPACE_BYTES:
             raise ValueError(f"cuBLASLt algorithm {algo.describe()} does not fit a {self.rows} x {self.k} "
                              f"@ {self.n} x {self.k} product here (status {status})")
-        return Algo(algo.data, int(result.workspace_size))
+        return algo
 
     def run(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, algo: Algo,
             out: torch.Tensor | None = None) -> torch.Tensor:
@@ -342,11 +341,11 @@ def _of(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> LtM
 
 
 def listed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           count: int = MAX_ALGOS, wide: int = 0) -> list[str]:
+           count: int | None = None, wide: int = 0) -> list[str]:
     """cuBLASLt's listed algorithms (hex) for x [M, K] @ weight [N, K].T (+ bias), best-ranked first,
     then up to `wide` of their variants (`LtMatmul.variants`)."""
     lt = _of(x, weight, bias)
-    algos = lt.algos(count)
+    algos = lt.algos(count or MAX_ALGOS)
     return [a.hex() for a in algos + (lt.variants(algos, wide) if wide > 0 else [])]
 
 
