@@ -11,8 +11,10 @@ import json
 import math
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import threading
 
 from clients.bench.load import Decoding, auto_processes, run_load
 from clients.bench.report import gpu_idle, read_step_trace, summarize
@@ -51,10 +53,38 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
 
 @contextlib.contextmanager
 def _stopped_at_exit(procs: list[subprocess.Popen]):
+    """Stops the servers however the bench ends: an error, Ctrl-C, or a SIGTERM (`timeout`, a job
+    runner, a pod's stop), which by default would end this process at once and leave its servers
+    holding the GPU for the next run."""
+    with _sigterm_raises():
+        try:
+            yield
+        finally:
+            launcher.stop_all(procs)
+
+
+class Terminated(SystemExit):
+    """The bench received SIGTERM (exit status 143, as the signal's own)."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While the servers run, SIGTERM raises `Terminated` in the main thread, so that the `finally`
+    blocks above stop them. (Signal handlers can only be set from the main thread; elsewhere this
+    changes nothing.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the servers' stop short
+        raise Terminated(128 + signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         yield
     finally:
-        launcher.stop_all(procs)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def warm_up(args, target: str, vocab_size: int) -> None:

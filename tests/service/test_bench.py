@@ -5,8 +5,10 @@ tokenizer) with the Hugging Face peers on request prefixes."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import pathlib
 
 import grpc
 import pytest
@@ -395,3 +397,81 @@ def test_records_of_several_load_processes_arrive_whole_however_large(tmp_path):
         assert rec.token_times_s[-1] == 100.0 + k + 19_999 / 7 and rec.server == [k, 1, 2, 0, 16]
     with pytest.raises(RuntimeError, match="ended without its records"):
         asyncio.run(run([0, 9]))
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes below `pid`, from /proc (Linux)."""
+    import os
+
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="reads /proc")
+def test_a_bench_stopped_by_sigterm_stops_its_servers(config_only_model, tmp_path):
+    """`timeout` or a job runner ends a bench with SIGTERM: its executor and scheduler must not
+    outlive it (they would hold the GPU against the next run)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clients.cli", "bench", "throughput", "--model", str(config_only_model),
+         "--load-format", "dummy", "--device", "cpu", "--workload", "alpaca", "--requests", "100000",
+         "--max-num-seqs", "4", "--no-progress", "--warmup", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        servers: set[int] = set()
+        while time.monotonic() < deadline and proc.poll() is None:
+            servers = {p for p in _descendants(proc.pid)
+                       if b"scheduler_svc" in _cmdline(p)}
+            if servers:  # the scheduler starts once the executor serves
+                break
+            time.sleep(0.5)
+        assert servers, "the bench never started its scheduler"
+        time.sleep(2.0)
+        children = _descendants(proc.pid)
+        assert len(children) >= 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in children):
+            time.sleep(0.2)
+        assert not [p for p in children if _alive(p)], "servers outlived the bench"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in children | _descendants(proc.pid):  # what a failed run left behind
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
