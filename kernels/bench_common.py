@@ -1,8 +1,8 @@
 """What the kernel benchmarks (kernels/bench.py, kernels/bench_prefill.py) share: the model shape
 they time, the cache layout, the timers, the device's copy and matmul rates, and the paged-to-contiguous
 K/V copy SDPA reads. The engine's GEMM plan (executor_svc/layers/gemm_plan.py) times its candidates
-with `graph_call_us`, and `bench throughput`'s ideal (clients/bench/device_rates.py) divides by
-`device_rates`."""
+with `graph_call_us` (a wide search screens with `queued_call_us` first), and `bench throughput`'s
+ideal (clients/bench/device_rates.py) divides by `device_rates`."""
 
 import statistics
 
@@ -95,6 +95,64 @@ def graph_call_us(calls, replays: int = 20) -> float:
         times.append(start.elapsed_time(end) * 1e3 / len(calls))
     del graph
     return statistics.median(times)
+
+
+MIN_SLEEP_US, MAX_SLEEP_US = 200.0, 1e6  # queued_call_us's sleep kernel, before a chunk of candidates
+
+
+def queued_call_us(call_sets, chunk: int = 32, sleep_us: float = 2000.0) -> list[float]:
+    """GPU time per call (µs) of each set of calls run back to back, without a CUDA graph per set: a
+    screen of many candidates (the GEMM plan's wide search) at a fraction of `graph_call_us`'s cost,
+    whose capture and instantiation dominate for short kernels. Every set runs once first (compile,
+    descriptors, the allocator); a set that raises then, or later, gets inf. The sets are then queued
+    `chunk` at a time, each between two timing events, behind a sleep kernel long enough for the host
+    to enqueue the whole chunk before the GPU reaches it, so no set's time holds the host's launch
+    cost; a chunk whose enqueue outlasted its sleep is queued again behind a longer one."""
+    import math
+    import time
+
+    results = [math.inf] * len(call_sets)
+    ready = []
+    for i, calls in enumerate(call_sets):
+        try:
+            calls[0]()
+            ready.append(i)
+        except Exception:  # noqa: BLE001 - a candidate that cannot run is not timed
+            continue
+    torch.cuda.synchronize()
+    cycles_per_us = None
+    pos = 0
+    while pos < len(ready):
+        part = ready[pos: pos + chunk]
+        begin_sleep, end_sleep = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in part]
+        cycles = int(sleep_us * (cycles_per_us or 2000.0))  # ~2 GHz until measured
+        begin_sleep.record()
+        torch.cuda._sleep(cycles)
+        end_sleep.record()
+        started = time.perf_counter()
+        failed = set()
+        for (begin, end), i in zip(marks, part, strict=True):
+            begin.record()
+            try:
+                for call in call_sets[i]:
+                    call()
+            except Exception:  # noqa: BLE001
+                failed.add(i)
+            end.record()
+        host_us = (time.perf_counter() - started) * 1e6
+        marks[-1][1].synchronize()
+        slept_us = begin_sleep.elapsed_time(end_sleep) * 1e3
+        cycles_per_us = cycles / max(slept_us, 1.0)
+        if host_us > 0.8 * slept_us and sleep_us < MAX_SLEEP_US:  # the GPU may have waited for the host
+            sleep_us = min(MAX_SLEEP_US, 2.0 * host_us)
+            continue
+        for (begin, end), i in zip(marks, part, strict=True):
+            if i not in failed:
+                results[i] = begin.elapsed_time(end) * 1e3 / len(call_sets[i])
+        sleep_us = max(MIN_SLEEP_US, 1.5 * host_us)  # the next chunk's enqueue takes about as long
+        pos += chunk
+    return results
 
 
 def contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

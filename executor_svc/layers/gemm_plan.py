@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -56,8 +57,8 @@ log = logging.getLogger(__name__)
 PLAN_ENV = "PAGEDSERVE_GEMM_PLAN"
 SEARCH_ENV = "PAGEDSERVE_GEMM_SEARCH"  # "listed" (default) or "wide": which cuBLASLt algorithms are timed
 WIDE_ALGOS = 400  # "wide": the listed algorithms and up to this many of their variants (LtMatmul.variants)
-SCREEN_ABOVE = 16  # more algorithms than this: timed with SCREEN_REPLAYS first, the SCREEN_KEEP best again
-SCREEN_REPLAYS, SCREEN_KEEP = 2, 8
+SCREEN_ABOVE = 16  # more algorithms than this: screened (screen_times_us) first, the SCREEN_KEEP best timed
+SCREEN_KEEP = 8
 BACKENDS = ("skinny", "skinny_split", "cublas", "cublaslt", "cublaslt_algo")
 MARGIN = 0.03  # another candidate must be this much faster than the rule's choice
 REPLAYS = 7
@@ -114,6 +115,14 @@ def graph_time_us(calls: list[Callable[[], object]], replays: int = REPLAYS) -> 
     from kernels.bench_common import graph_call_us
 
     return graph_call_us(calls, replays)
+
+
+def screen_times_us(call_sets: list[list[Callable[[], object]]]) -> list[float]:
+    """Per set of calls, its GPU time per call queued without a graph (kernels.bench_common
+    queued_call_us; inf for a set that fails): the wide search's first pass."""
+    from kernels.bench_common import queued_call_us
+
+    return queued_call_us(call_sets)
 
 
 class GemmPlan:
@@ -223,8 +232,8 @@ class GemmPlan:
     @staticmethod
     def _fastest_algo(group: list[torch.Tensor], run, listed: list[str]) -> tuple[float, str]:
         """(µs, algorithm) of the fastest of the given cuBLASLt algorithms; ValueError if none ran. More
-        than SCREEN_ABOVE (a wide search): each timed with SCREEN_REPLAYS replays first, then the
-        SCREEN_KEEP fastest with REPLAYS."""
+        than SCREEN_ABOVE (a wide search): all screened first (`screen_times_us`: queued, without a
+        graph each), then the SCREEN_KEEP fastest each in its graph with REPLAYS."""
 
         def timed(algos: list[str], replays: int) -> list[tuple[float, str]]:
             results = []
@@ -237,7 +246,9 @@ class GemmPlan:
             return results
 
         if len(listed) > SCREEN_ABOVE:
-            screened = sorted(timed(listed, SCREEN_REPLAYS), key=lambda r: r[0])
+            sets = [[run("cublaslt_algo", w, algo) for w in group] for algo in listed]
+            screened = sorted((us, algo) for us, algo in zip(screen_times_us(sets), listed, strict=True)
+                              if math.isfinite(us))
             listed = [algo for _, algo in screened[:SCREEN_KEEP]]
         results = timed(listed, REPLAYS)
         if not results:

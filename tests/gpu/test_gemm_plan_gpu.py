@@ -65,6 +65,30 @@ def test_graph_time_is_the_gpu_time_of_each_call():
     assert 0 < one < 1e4 and 2.0 < four / one < 4.5  # three products against one, per call
 
 
+def test_the_queued_screen_times_each_set_as_its_graph_does():
+    """queued_call_us (the wide search's screen): short kernels are not timed at the host's launch
+    rate (the sleep kernel keeps the queue ahead), longer sets take longer, a failing set is inf."""
+    from kernels.bench_common import graph_call_us, queued_call_us
+
+    weights = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+    small = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)  # ~10 µs a call: launch-bound eagerly
+    large = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def boom():
+        raise RuntimeError("no such algorithm")
+
+    sets = [[(lambda w=w: small @ w.T) for w in weights], [(lambda w=w: large @ w.T) for w in weights]]
+    sets = (sets + [[boom]]) * 20  # more sets than one chunk
+    queued = queued_call_us(sets)
+    graphed = [graph_call_us(sets[0]), graph_call_us(sets[1])]
+    for i, us in enumerate(queued):
+        if i % 3 == 2:
+            assert us == float("inf")
+        else:
+            assert 0.6 < us / graphed[i % 3] < 1.5, (i, us, graphed)
+    assert min(queued[1::3]) > 2 * max(queued[0::3])
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from executor_svc.models.tiny import make_tiny_model
