@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 
 
@@ -62,7 +64,7 @@ def run_rounds(
     results: dict[str, list[dict]] = {v.name: [] for v in variants}
     for r in range(rounds):
         for variant in variants if r % 2 == 0 else list(reversed(variants)):
-            proc = subprocess.run(command, env={**os.environ, **variant.env}, capture_output=True, text=True)
+            proc = run_forwarding_sigterm(command, {**os.environ, **variant.env})
             if proc.returncode != 0:
                 tail = proc.stderr[-2000:]
                 raise RuntimeError(f"{variant.name}, round {r + 1}: exit {proc.returncode}: {tail}")
@@ -74,6 +76,30 @@ def run_rounds(
                 raise RuntimeError(f"{variant.name}, round {r + 1}: {where}")
             results[variant.name].append(rows)
     return results
+
+
+def run_forwarding_sigterm(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The command's run (output captured). A SIGTERM to this process (`timeout`, a job runner) is
+    passed to the command, which stops what it started (a bench stops its servers), and once it has
+    exited this process exits too (SystemExit 143): killed at once, it would leave the command
+    running, holding the GPU."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    terminated = []
+
+    def forward(signum, frame):
+        terminated.append(signum)
+        proc.send_signal(signal.SIGTERM)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, forward) if main else None
+    try:
+        out, err = proc.communicate()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        raise SystemExit(128 + signal.SIGTERM)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def _field(row: dict, path: str):

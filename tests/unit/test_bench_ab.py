@@ -93,3 +93,34 @@ def test_the_command_line_pairs_a_json_document(tmp_path, capsys):
     assert "b/a 1.100 (1.100-1.100)" in capsys.readouterr().out
     assert ab.main([*flags, "--", *command]) == 1  # without --rows: no row at the top level
     assert "no JSON row with 'label' and 'output_tok_s'" in capsys.readouterr().err
+
+
+def test_a_sigterm_reaches_the_command_and_ends_the_rounds(tmp_path):
+    """`timeout` ending an A/B run: the running command gets the SIGTERM (so a bench stops its
+    servers), ab waits for it, then exits 143 instead of starting the next round."""
+    import signal
+    import subprocess
+    import time
+
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import pathlib, signal, sys, time\n"
+        f"mark = pathlib.Path({str(tmp_path / 'stopped')!r})\n"
+        f"pathlib.Path({str(tmp_path / 'started')!r}).write_text('1')\n"
+        "def stop(signum, frame):\n"
+        "    time.sleep(0.5)  # stopping what it started\n"
+        "    mark.write_text('stopped')\n"
+        "    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "time.sleep(60)\n"
+        "print('{\"batch\": 1, \"graph_forward_gpu_ms\": 1.0}')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "clients.bench.ab", "--variant", "a:", "--variant", "b:",
+                             "--rounds", "3", "--", sys.executable, str(child)])
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / "started").exists()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    assert (tmp_path / "stopped").read_text() == "stopped"  # the command stopped before ab exited
