@@ -67,6 +67,7 @@ from clients.bench.repeat_tokens import (
     same_tokens,
     save_tokens,
 )
+from clients.bench.serving import sigterm_raises
 from clients.cli import serve as launcher
 from clients.cli.supervise import executor_credential, pids_of
 from clients.client import AsyncClient
@@ -132,7 +133,7 @@ def supervised(args: argparse.Namespace, model: str) -> Iterator[Supervision]:
     serve_args = argparse.Namespace(**vars(args))
     serve_args.port = launcher.free_port()
     stop = threading.Event()
-    with executor_credential(serve_args):
+    with executor_credential(serve_args), sigterm_raises():
         thread = threading.Thread(target=launcher.supervise, args=(serve_args, model, stop),
                                   name="pagedserve-supervise")
         servers = Supervision(f"127.0.0.1:{serve_args.port}", thread)

@@ -56,7 +56,7 @@ def _stopped_at_exit(procs: list[subprocess.Popen]):
     """Stops the servers however the bench ends: an error, Ctrl-C, or a SIGTERM (`timeout`, a job
     runner, a pod's stop), which by default would end this process at once and leave its servers
     holding the GPU for the next run."""
-    with _sigterm_raises():
+    with sigterm_raises():
         try:
             yield
         finally:
@@ -68,10 +68,10 @@ class Terminated(SystemExit):
 
 
 @contextlib.contextmanager
-def _sigterm_raises():
+def sigterm_raises():
     """While the servers run, SIGTERM raises `Terminated` in the main thread, so that the `finally`
-    blocks above stop them. (Signal handlers can only be set from the main thread; elsewhere this
-    changes nothing.)"""
+    blocks that stop them run (`servers` here, `bench repeat`'s `supervised`). (Signal handlers can
+    only be set from the main thread; elsewhere this changes nothing.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -434,19 +434,25 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="reads /proc")
-def test_a_bench_stopped_by_sigterm_stops_its_servers(config_only_model, tmp_path):
+@pytest.mark.parametrize("mode", ["throughput", "repeat"])
+def test_a_bench_stopped_by_sigterm_stops_its_servers(mode, config_only_model, tiny_llama_dir):
     """`timeout` or a job runner ends a bench with SIGTERM: its executor and scheduler must not
-    outlive it (they would hold the GPU against the next run)."""
+    outlive it (they would hold the GPU against the next run). `repeat` supervises its servers from
+    a thread, in sessions of their own."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
+    if mode == "throughput":
+        options = ["--model", str(config_only_model), "--load-format", "dummy", "--workload", "alpaca",
+                   "--requests", "100000", "--max-num-seqs", "4", "--warmup", "0"]
+    else:  # runs of 64 requests of 1,500 tokens: long enough on the CPU for the signal to land mid-run
+        options = ["--model", str(tiny_llama_dir), "--num-gpu-blocks", "512", "--requests", "64",
+                   "--max-tokens", "1500"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "clients.cli", "bench", "throughput", "--model", str(config_only_model),
-         "--load-format", "dummy", "--device", "cpu", "--workload", "alpaca", "--requests", "100000",
-         "--max-num-seqs", "4", "--no-progress", "--warmup", "0"],
+        [sys.executable, "-m", "clients.cli", "bench", mode, "--device", "cpu", "--no-progress", *options],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     children: set[int] = set()
