@@ -255,28 +255,18 @@ SKINNY_MAX_ROWS = 64  # at more rows cuBLAS is as fast (docs/benchmarks.md "Deco
 # three stages deep: H100, llama3-8b's gate_up, 96 / 112 / 128 rows 87.8 / 87.7 / 89.2 us against
 # cuBLAS + silu_and_mul's 94.7 / 96.2 / 95.5 (docs/benchmarks.md, round 10); at 80 rows it was slower.
 SKINNY_GATED_WIDE_ROWS = range(96, 129)
-# Plain products of SKINNY_PLAIN_WIDE_ROWS rows (a 128-row token tile, triton_skinny.WIDE_CONFIG) are a
-# candidate of the GEMM plan only (`skinny_usable(wide=True)`): the fixed rule keeps cuBLAS there, and
-# the plan takes the skinny kernel where it measures it faster on this GPU.
-SKINNY_PLAIN_WIDE_ROWS = range(SKINNY_MAX_ROWS + 1, 129)
 SKINNY_GATED_BLOCK_N = 64  # the gated kernel's tile of gate (and of up) rows
 SKINNY_SMEM_MARGIN = 8 * 1024  # shared memory Triton adds to the pipeline's buffers (barriers, epilogue)
 
 
-def skinny_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, split_k: bool = False,
-                  wide: bool = False) -> bool:
+def skinny_usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, split_k: bool = False) -> bool:
     """Whether the layers take skinny_linear (gated: skinny_gate_up_silu) for x [M, K] @ weight [N, K].T:
     a Hopper GPU (sm_9x; other GPUs with TMA keep cuBLAS until it is measured there), bf16 or fp16
     alike, 1 <= M <= SKINNY_MAX_ROWS (gated: or M in SKINNY_GATED_WIDE_ROWS), rows contiguous and
     16-byte aligned (gated: weight stored gate | up, each half whole SKINNY_GATED_BLOCK_N-row tiles),
     and the device's shared memory a block holds the pipeline's buffers. split_k: whether its split-K
-    form (skinny_linear's split_k) takes the product: plain products whose K has two slices. wide:
-    whether it takes a plain product of M in SKINNY_PLAIN_WIDE_ROWS (the GEMM plan's candidate only)."""
+    form (skinny_linear's split_k) takes the product: plain products whose K has two slices."""
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if wide and (gated or split_k):
-        return False
-    if not gated and (x.dim() == 2 and x.shape[0] in SKINNY_PLAIN_WIDE_ROWS) != wide:
         return False
     if torch.cuda.get_device_capability(x.device)[0] != 9:  # Hopper: measured and tested there only
         return False

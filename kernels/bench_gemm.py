@@ -111,9 +111,8 @@ def _lt_wide(lt, listed, x, weights, outs, ref) -> dict:
 
 def bench_gemm(gen: torch.Generator, sweep: bool = False, copy_bytes_per_s: float | None = None,
                matmul_flops_per_s: float | None = None, lt_algos: bool = True) -> list[dict]:
-    """Per projection and row count: cuBLAS, cuBLASLt and ours (up to SKINNY_MAX_ROWS, and at
-    SKINNY_PLAIN_WIDE_ROWS its 128-row token tile); with the device's rates, each row's bound
-    max(weight bytes / copy rate, FLOPs / matmul rate)."""
+    """Per projection and row count: cuBLAS, cuBLASLt and (up to SKINNY_MAX_ROWS) ours; with the
+    device's rates, each row's bound max(weight bytes / copy rate, FLOPs / matmul rate)."""
     results = []
     dev, dtype = "cuda", torch.bfloat16
     for name, (n, k) in SHAPES.items():
@@ -140,9 +139,6 @@ def bench_gemm(gen: torch.Generator, sweep: bool = False, copy_bytes_per_s: floa
                 for cfg in SWEEP_CONFIGS if sweep else ():
                     key = f"{cfg.block_n}x{cfg.block_k}s{cfg.stages}w{cfg.warps}"
                     row[key] = _time(triton_skinny.skinny_linear, x, weights, outs, config=cfg)
-            elif rows in kernels.SKINNY_PLAIN_WIDE_ROWS:  # the 128-row token tile: a GEMM plan candidate
-                row["ours_us"] = _time(triton_skinny.skinny_linear, x, weights, outs)
-                row["rel_err"] = _error(outs[0], ref)
             if name == "gate_up" and (rows in ROWS or rows in kernels.SKINNY_GATED_WIDE_ROWS):
                 acts = [torch.empty(rows, n // 2, device=dev, dtype=dtype) for _ in weights]
                 row["cublas_silu_us"] = _time(_cublas_silu, x, weights, outs)

@@ -35,14 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import (
-    SKINNY_GATED_BLOCK_N,
-    SKINNY_GATED_WIDE_ROWS,
-    SKINNY_MAX_ROWS,
-    SKINNY_PLAIN_WIDE_ROWS,
-    pdl,
-    pdl_launch,
-)
+from kernels import SKINNY_GATED_BLOCK_N, SKINNY_GATED_WIDE_ROWS, SKINNY_MAX_ROWS, pdl, pdl_launch
 
 _WIDE_N = 25_000  # at and above: 128-row weight tiles (enough programs to fill an H100 twice over)
 # With PDL (kernels.pdl), each program first prefetches this many columns of its weight rows into L2,
@@ -72,17 +65,9 @@ def skinny_config(num_rows: int, n: int, k: int, gated: bool = False) -> SkinnyC
     tile) three stages fit the shared memory."""
     if gated:
         return SkinnyConfig(SKINNY_GATED_BLOCK_N, 128, 4 if num_rows <= SKINNY_MAX_ROWS else 3)
-    if num_rows > SKINNY_MAX_ROWS:
-        return WIDE_CONFIG
     if n >= _WIDE_N:
         return SkinnyConfig(128, 128, 4)
     return SkinnyConfig(64, 128, 6)
-
-
-# Plain products of SKINNY_PLAIN_WIDE_ROWS (65-128) rows, the GEMM plan's candidate there: a 128-row
-# token tile over a 64-row weight tile, 4 stages (4 x (128 + 64) x 128 x 2 bytes = 192 KiB of shared
-# memory; 6 would not fit an H100's or H200's 227).
-WIDE_CONFIG = SkinnyConfig(64, 128, 4)
 
 
 # The split-K form the GEMM plan times against the rest (executor_svc/layers/gemm_plan.py): K in two
@@ -234,9 +219,8 @@ def refusal(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, config: 
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: not x [M, K] @ weight [N, K].T"
     rows = x.shape[0]
-    wide_rows = SKINNY_GATED_WIDE_ROWS if gated else SKINNY_PLAIN_WIDE_ROWS
-    if not (1 <= rows <= SKINNY_MAX_ROWS or rows in wide_rows):
-        wide = f" or {wide_rows.start}..{wide_rows.stop - 1} ({'gated' if gated else 'plain'})"
+    if not (1 <= rows <= SKINNY_MAX_ROWS or (gated and rows in SKINNY_GATED_WIDE_ROWS)):
+        wide = f" or {SKINNY_GATED_WIDE_ROWS.start}..{SKINNY_GATED_WIDE_ROWS.stop - 1} (gated)"
         return f"{rows} rows: the skinny GEMM takes 1..{SKINNY_MAX_ROWS}{wide}"
     if x.dtype != weight.dtype or x.device != weight.device:
         return f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) differ"
@@ -262,8 +246,7 @@ def _check(x, weight, gated=False, config=None) -> None:
 
 
 def skinny_linear(x, weight, bias=None, out=None, config: SkinnyConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N], 1 <= M <= SKINNY_MAX_ROWS or M in
-    SKINNY_PLAIN_WIDE_ROWS (WIDE_CONFIG's 128-row token tile)."""
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N], 1 <= M <= SKINNY_MAX_ROWS."""
     _check(x, weight, config=config)
     n = weight.shape[0]
     if out is None:

@@ -7,9 +7,7 @@ takes the product, else cuBLAS) was tuned on an H100; on an H200 it loses in pla
 78.2 skinny against 67.3 cuBLAS; o_proj and down_proj at 96 rows 13.3 / 33.1 cuBLASLt against 15.6 /
 39.1 cuBLAS; qkv at 288 rows 24.5 against 28.1). So for each product the graphs ask for, keyed by
 (weight rows, columns, dtype, gated, rows), the candidates (`candidates`: the rule's choice; the
-skinny kernel's split-K form where it takes the product, `kernels.skinny_usable(split_k=True)`; at
-65-128 rows of a plain product, where the rule is cuBLAS, the skinny kernel's 128-row token tile
-(`kernels.skinny_usable(wide=True)`);
+skinny kernel's split-K form where it takes the product, `kernels.skinny_usable(split_k=True)`;
 cuBLAS; cuBLASLt through `kernels.blas_library`; from ALGO_MIN_ROWS rows "cublaslt_algo", the fastest
 of the first ALGOS algorithms cuBLASLt's heuristic lists for the product, run through
 kernels/cublaslt.py: torch runs only the first, and another was 3-22 % faster for o_proj, down,
@@ -101,13 +99,12 @@ def choose(rule: str, times_us: dict[str, float], margin: float = MARGIN) -> str
     return chosen
 
 
-def candidates(rule: str, split: bool, tuned: bool = False, wide: bool = False) -> tuple[str, ...]:
-    """The backends timed for a product whose fixed rule is `rule`: the skinny kernel where the rule
-    takes it (kernels.skinny_usable) or, with `wide`, its 128-row token tile for a plain product of
-    65-128 rows (kernels.skinny_usable(wide=True)), its split-K form where `split` (the caller's
+def candidates(rule: str, split: bool, tuned: bool = False) -> tuple[str, ...]:
+    """The backends timed for a product whose fixed rule is `rule`: the skinny kernel only where the
+    rule takes it (kernels.skinny_usable), its split-K form where `split` (the caller's
     kernels.skinny_usable(split_k=True)), the libraries, and where `tuned` cuBLASLt's listed
     algorithms (kernels/cublaslt.py), the fastest of which stands for "cublaslt_algo"."""
-    skinny = ("skinny",) if rule == "skinny" or wide else ()
+    skinny = ("skinny",) if rule == "skinny" else ()
     tuned_lt = ("cublaslt_algo",) if tuned else ()
     return skinny + (("skinny_split",) if split else ()) + ("cublas", "cublaslt") + tuned_lt
 
@@ -193,17 +190,16 @@ class GemmPlan:
 
     def backend(self, rows: int, weight: torch.Tensor, gated: bool, rule: str,
                 run: Callable[..., Callable[[], object]], split: bool = False,
-                algos: Callable[[], list[str]] | None = None, wide: bool = False) -> str:
+                algos: Callable[[], list[str]] | None = None) -> str:
         """The backend for this product. `run(backend, w, algo=None)` gives a call that computes the
         product with `backend` over weight w (as the layer does), for timing; `split`: the skinny
-        kernel's split-K form takes the product; `wide`: the skinny kernel's 128-row token tile takes
-        it (a candidate where the rule is cuBLAS); `algos()`: cuBLASLt's listed algorithms for it (None:
+        kernel's split-K form takes the product; `algos()`: cuBLASLt's listed algorithms for it (None:
         "cublaslt_algo" is not offered), timed from ALGO_MIN_ROWS rows. A "cublaslt_algo" choice's
         algorithm is `algo(...)`'s."""
         key = GemmKey.of(rows, weight, gated)
         tuned = algos is not None and rows >= ALGO_MIN_ROWS
         chosen = self.choices.get(key)
-        if chosen is not None and (chosen not in candidates(rule, split, tuned, wide)
+        if chosen is not None and (chosen not in candidates(rule, split, tuned)
                                    or (chosen == "cublaslt_algo" and key not in self.algos)):
             log.warning("GEMM plan: %s cannot take %s here; the fixed rule's %s instead", chosen, key, rule)
             return rule
@@ -214,7 +210,7 @@ class GemmPlan:
         begin = time.perf_counter()
         group = self._weights.get((tuple(weight.shape), weight.dtype, weight.device)) or [weight]
         times = {rule: graph_time_us([run(rule, w) for w in group])}  # the rule's failure is the graphs'
-        for backend in (b for b in candidates(rule, split, tuned, wide) if b != rule):
+        for backend in (b for b in candidates(rule, split, tuned) if b != rule):
             try:
                 if backend == "cublaslt_algo":
                     times[backend], self.algos[key] = self._fastest_algo(group, run, algos())

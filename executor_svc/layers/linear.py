@@ -97,15 +97,12 @@ def _graph_backend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if state is _RULE:
         return rule, None
     split = rule == "skinny" and not gated and kernels.skinny_usable(rows, weight, split_k=True)
-    # from 65 rows the plan may take the skinny kernel's 128-row token tile for a plain product
-    wide = rule == "cublas" and not gated and kernels.skinny_usable(rows, weight, wide=True)
     algos = None if state.lt_version is None else (  # None: no cuBLASLt binding in this process
         lambda: kernels.cublaslt_algos(rows, weight, None if gated else bias, ALGOS,
                                        WIDE_ALGOS if state.wide else 0))
     backend = state.backend(
         rows.shape[0], weight, gated, rule,
-        lambda backend, w, algo=None: lambda: _product(backend, x, w, bias, gated, algo), split, algos,
-        wide)
+        lambda backend, w, algo=None: lambda: _product(backend, x, w, bias, gated, algo), split, algos)
     return backend, state.algo(rows.shape[0], weight, gated) if backend == "cublaslt_algo" else None
 
 

@@ -1,8 +1,7 @@
 """The decode-batch GEMM (kernels/triton_skinny.py) compiled on the GPU (skipped without CUDA or TMA):
 against torch's float32 product at llama3-8b's projection shapes, bf16 and fp16, with a bias; the gated
 epilogue against silu_and_mul of the projection; inside a CUDA graph replayed on new inputs; and the
-layers' policy on CUDA (skinny only inside graph_gemms, up to SKINNY_MAX_ROWS rows; its 128-row token
-tile at 65-128 rows only where the GEMM plan takes it). The timing against
+layers' policy on CUDA (skinny only inside graph_gemms, up to SKINNY_MAX_ROWS rows). The timing against
 cuBLAS is `python -m kernels.bench --only gemm`.
 """
 
@@ -44,32 +43,6 @@ def test_matches_float32_product(dtype, rows, n, k):
     assert _rel(out, ref) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
     cublas = F.linear(x, w, b)
     assert _rel(out, ref) <= 2 * _rel(cublas, ref) + 1e-3  # no worse than cuBLAS's own rounding
-
-
-@pytest.mark.parametrize("rows", [65, 96, 100, 128])
-@pytest.mark.parametrize("n,k", [*SHAPES, (128256, 4096)])
-def test_the_128_row_token_tile_matches_float32_product(rows, n, k):
-    """Plain products of 65-128 rows (kernels.SKINNY_PLAIN_WIDE_ROWS): only where the GEMM plan asks
-    (`skinny_usable(wide=True)`; the fixed rule keeps cuBLAS), within cuBLAS's own rounding, in a
-    CUDA graph too."""
-    import kernels
-
-    gen = torch.Generator("cuda").manual_seed(rows + n + 2)
-    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
-    assert kernels.skinny_usable(x, w, wide=True) and not kernels.skinny_usable(x, w)
-    assert not kernels.skinny_usable(x, w, wide=True, split_k=True)
-    ref = F.linear(x.float(), w.float(), b.float())
-    out = kernels.skinny_linear(x, w, b)
-    assert _rel(out, ref) < 8e-3
-    assert _rel(out, ref) <= 2 * _rel(F.linear(x, w, b), ref) + 1e-3
-    graph_out = torch.empty_like(out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out.copy_(kernels.skinny_linear(x, w, b))
-    graph.replay()
-    assert torch.equal(graph_out, out)  # no split-K: the same bits in and out of a graph
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 64])

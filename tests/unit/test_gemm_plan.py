@@ -105,25 +105,6 @@ def test_a_file_naming_the_skinny_kernel_where_it_cannot_run_gets_the_rule(fake_
     assert timed == []  # neither measured
 
 
-def test_the_skinny_kernels_wide_tile_is_a_candidate_where_the_rule_is_cublas(fake_timer):
-    """From 65 to 128 rows the rule is cuBLAS; the skinny kernel's 128-row token tile is timed there
-    (linear passes `wide`) and taken past the margin, and a file's "skinny" there is kept only while
-    the kernel takes the product."""
-    timed, table = fake_timer
-    table.update(skinny=9.0, cublas=10.0, cublaslt=10.0)
-    w = torch.empty(8, 8)
-    plan = GemmPlan()
-    assert plan.backend(96, w, False, "cublas", _run, wide=True) == "skinny"
-    assert [b for b, _ in timed] == ["cublas", "skinny", "cublaslt"]
-    table["skinny"] = 9.8  # within the margin of cuBLAS: the rule stays
-    assert plan.backend(112, w, False, "cublas", _run, wide=True) == "cublas"
-    assert gemm_plan.candidates("cublas", False, wide=True) == ("skinny", "cublas", "cublaslt")
-    assert gemm_plan.candidates("cublas", False) == ("cublas", "cublaslt")
-    loaded = GemmPlan({GemmKey.of(96, w, False): "skinny"}, measure=False)
-    assert loaded.backend(96, w, False, "cublas", _run, wide=True) == "skinny"
-    assert loaded.backend(96, w, False, "cublas", _run) == "cublas"  # the kernel cannot take it here
-
-
 def test_what_is_never_measured(fake_timer, monkeypatch):
     timed, table = fake_timer
     table.update(cublas=10.0, cublaslt=1.0)

@@ -131,7 +131,7 @@ WIDE = kernels.SKINNY_GATED_WIDE_ROWS
 @pytest.mark.parametrize("rows", [WIDE.start, WIDE.stop - 1])
 def test_gate_up_silu_takes_the_wide_rows(rows):
     """The gated kernel also takes SKINNY_GATED_WIDE_ROWS (a 128-row token tile; the engine's default
-    config three stages deep); not just below the range, nor above it."""
+    config three stages deep); the plain one does not, nor the gated one just below the range."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 136, generator=gen)
     w = torch.randn(2 * 64, 136, generator=gen) * 0.1
@@ -139,33 +139,11 @@ def test_gate_up_silu_takes_the_wide_rows(rows):
     assert _rel(out, reference.silu_and_mul(F.linear(x, w))) < 1e-5
     assert skinny_config(rows, 14336, 4096, gated=True).stages == 3
     assert skinny_config(kernels.SKINNY_MAX_ROWS, 14336, 4096, gated=True).stages == 4
-    assert triton_skinny.refusal(torch.randn(129, 136), w) is not None  # nor the plain one above 128
+    assert triton_skinny.refusal(x, w) is not None  # not the plain kernel
     below = torch.randn(kernels.SKINNY_GATED_WIDE_ROWS.start - 1, 136)
     assert "rows" in triton_skinny.refusal(below, w, gated=True)
     above = torch.randn(kernels.SKINNY_GATED_WIDE_ROWS.stop, 136)
     assert "rows" in triton_skinny.refusal(above, w, gated=True)
-
-
-PLAIN_WIDE = kernels.SKINNY_PLAIN_WIDE_ROWS
-
-
-@pytest.mark.parametrize("rows", [PLAIN_WIDE.start, 100, PLAIN_WIDE.stop - 1])
-def test_plain_kernel_takes_65_to_128_rows_with_a_128_row_token_tile(rows):
-    """SKINNY_PLAIN_WIDE_ROWS (the GEMM plan's candidate there): the token tile 128 rows, rows past M
-    masked; the engine's config WIDE_CONFIG, four stages (192 KiB of shared memory, the H100's and
-    H200's 227 KiB hold it with the margin)."""
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 136, generator=gen)
-    w = torch.randn(72, 136, generator=gen)
-    b = torch.randn(72, generator=gen)
-    out = triton_skinny.skinny_linear(x, w, b, config=SMALL)
-    assert out.shape == (rows, 72)
-    assert torch.allclose(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    assert skinny_config(rows, 6144, 4096) == triton_skinny.WIDE_CONFIG
-    assert skinny_config(rows, 128256, 4096) == triton_skinny.WIDE_CONFIG
-    need = triton_skinny.shared_memory_bytes(rows, 6144, 4096)
-    assert need == 4 * (128 + 64) * 128 * 2 and need + kernels.SKINNY_SMEM_MARGIN <= 227 * 1024
-    assert skinny_config(kernels.SKINNY_MAX_ROWS, 6144, 4096).stages == 6  # 1-64 rows unchanged
 
 
 def test_refusals_name_the_problem():
@@ -173,7 +151,7 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="not x"):
         triton_skinny.skinny_linear(x, torch.randn(32, 48))
     with pytest.raises(ValueError, match="rows"):
-        triton_skinny.skinny_linear(torch.randn(kernels.SKINNY_PLAIN_WIDE_ROWS.stop, 64), w)
+        triton_skinny.skinny_linear(torch.randn(kernels.SKINNY_MAX_ROWS + 1, 64), w)
     with pytest.raises(ValueError, match="rows"):
         triton_skinny.skinny_linear(torch.randn(0, 64), w)
     with pytest.raises(ValueError, match="differ"):
