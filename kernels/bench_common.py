@@ -4,7 +4,9 @@ K/V copy SDPA reads. The engine's GEMM plan (executor_svc/layers/gemm_plan.py) t
 with `graph_call_us` (a wide search screens with `queued_call_us` first), and `bench throughput`'s
 ideal (clients/bench/device_rates.py) divides by `device_rates`."""
 
+import math
 import statistics
+import time
 
 import torch
 import triton.testing
@@ -108,9 +110,6 @@ def queued_call_us(call_sets, chunk: int = 32, sleep_us: float = 2000.0) -> list
     `chunk` at a time, each between two timing events, behind a sleep kernel long enough for the host
     to enqueue the whole chunk before the GPU reaches it, so no set's time holds the host's launch
     cost; a chunk whose enqueue outlasted its sleep is queued again behind a longer one."""
-    import math
-    import time
-
     results = [math.inf] * len(call_sets)
     ready = []
     for i, calls in enumerate(call_sets):
