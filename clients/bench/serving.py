@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 from clients.bench.load import Decoding, auto_processes, run_load
 from clients.bench.report import gpu_idle, read_step_trace, summarize
@@ -56,7 +57,7 @@ def _stopped_at_exit(procs: list[subprocess.Popen]):
     """Stops the servers however the bench ends: an error, Ctrl-C, or a SIGTERM (`timeout`, a job
     runner, a pod's stop), which by default would end this process at once and leave its servers
     holding the GPU for the next run."""
-    with sigterm_raises():
+    with sigterm_raises(lambda: launcher.stop_all(procs)):
         try:
             yield
         finally:
@@ -68,16 +69,20 @@ class Terminated(SystemExit):
 
 
 @contextlib.contextmanager
-def sigterm_raises():
+def sigterm_raises(first: Callable[[], object] | None = None):
     """While the servers run, SIGTERM raises `Terminated` in the main thread, so that the `finally`
-    blocks that stop them run (`servers` here, `bench repeat`'s `supervised`). (Signal handlers can
-    only be set from the main thread; elsewhere this changes nothing.)"""
+    blocks that stop them run (`servers` here, `bench repeat`'s `supervised`); `first` runs before
+    (stopping the servers at once: unwinding a load run of many requests cancels each one's task, which
+    can take a minute on a busy host). (Signal handlers can only be set from the main thread;
+    elsewhere this changes nothing.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def raise_terminated(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the servers' stop short
+        if first is not None:
+            first()
         raise Terminated(128 + signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, raise_terminated)

@@ -273,6 +273,9 @@ def frontend_command(args: argparse.Namespace, engine_target: str, model_dir: st
 LISTENING = re.compile(r" listening on \S+:(\d+)")  # the line a server prints once it serves
 
 
+EXITED_DURING_STARTUP = "a pagedserve process exited during startup (see its log above)"
+
+
 def start_listening(cmd: list[str], timeout_s: float) -> tuple[subprocess.Popen, int]:
     """Starts a server process (its stdout passed through to this process's file descriptor 1, as if
     inherited) and returns it with the port it prints it listens on: the one it picked when asked
@@ -290,12 +293,16 @@ def start_listening(cmd: list[str], timeout_s: float) -> tuple[subprocess.Popen,
 
     threading.Thread(target=pass_through, daemon=True).start()
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return proc, ports.get(timeout=0.2)
-        except queue.Empty:
-            if proc.poll() is not None:
-                raise RuntimeError("a pagedserve process exited during startup (see its log above)") from None
+    try:
+        while time.monotonic() < deadline:
+            try:
+                return proc, ports.get(timeout=0.2)
+            except queue.Empty:
+                if proc.poll() is not None:
+                    raise RuntimeError(EXITED_DURING_STARTUP) from None
+    except BaseException:  # interrupted (Ctrl-C, a bench's SIGTERM): the caller never gets the process
+        stop_all([proc], grace_s=5.0)
+        raise
     stop_all([proc], grace_s=5.0)
     raise TimeoutError(f"{cmd[2]} did not report listening within {timeout_s:.0f} s")
 
@@ -366,7 +373,7 @@ def wait_serving(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a pagedserve process exited during startup (see its log above)")
+            raise RuntimeError(EXITED_DURING_STARTUP)
         if health_status(target, timeout_s=1.0, credentials=credentials, tls_name=tls_name) == "SERVING":
             return
         time.sleep(0.2)

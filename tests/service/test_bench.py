@@ -434,11 +434,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="reads /proc")
-@pytest.mark.parametrize("mode", ["throughput", "repeat"])
-def test_a_bench_stopped_by_sigterm_stops_its_servers(mode, config_only_model, tiny_llama_dir):
+@pytest.mark.parametrize("mode,delay_s", [("throughput", 0.0), ("throughput", 3.0), ("repeat", 2.0)])
+def test_a_bench_stopped_by_sigterm_stops_its_servers(mode, delay_s, config_only_model, tiny_llama_dir):
     """`timeout` or a job runner ends a bench with SIGTERM: its executor and scheduler must not
-    outlive it (they would hold the GPU against the next run). `repeat` supervises its servers from
-    a thread, in sessions of their own."""
+    outlive it (they would hold the GPU against the next run) — whether the signal lands while the
+    scheduler starts (0 s) or mid-run, where the bench stops its servers before unwinding the load
+    run's thousands of request tasks. `repeat` supervises its servers from a thread, in sessions of
+    their own."""
     import os
     import signal
     import subprocess
@@ -447,7 +449,7 @@ def test_a_bench_stopped_by_sigterm_stops_its_servers(mode, config_only_model, t
 
     if mode == "throughput":
         options = ["--model", str(config_only_model), "--load-format", "dummy", "--workload", "alpaca",
-                   "--requests", "100000", "--max-num-seqs", "4", "--warmup", "0"]
+                   "--requests", "5000", "--max-num-seqs", "4", "--warmup", "0"]
     else:  # runs of 64 requests of 1,500 tokens: long enough on the CPU for the signal to land mid-run
         options = ["--model", str(tiny_llama_dir), "--num-gpu-blocks", "512", "--requests", "64",
                    "--max-tokens", "1500"]
@@ -460,21 +462,25 @@ def test_a_bench_stopped_by_sigterm_stops_its_servers(mode, config_only_model, t
         deadline = time.monotonic() + 120
         servers: set[int] = set()
         while time.monotonic() < deadline and proc.poll() is None:
-            servers = {p for p in _descendants(proc.pid)
-                       if b"scheduler_svc" in _cmdline(p)}
+            servers = {p for p in _descendants(proc.pid) if b"scheduler_svc" in _cmdline(p)}
             if servers:  # the scheduler starts once the executor serves
                 break
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert servers, "the bench never started its scheduler"
-        time.sleep(2.0)
+        time.sleep(delay_s)
         children = _descendants(proc.pid)
-        assert len(children) >= 2
+        servers = {p for p in children if b"_svc.server" in _cmdline(p)}
+        assert len(servers) >= 2
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 40  # each server's grace is 10 s
+        while time.monotonic() < deadline and any(_alive(p) for p in servers):
+            time.sleep(0.2)
+        assert not [p for p in servers if _alive(p)], "servers outlived the SIGTERM"
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(_alive(p) for p in children):
             time.sleep(0.2)
-        assert not [p for p in children if _alive(p)], "servers outlived the bench"
+        assert not [p for p in children if _alive(p)], "processes outlived the bench"
     finally:
         if proc.poll() is None:
             proc.kill()
