@@ -62,6 +62,7 @@ SCREEN_KEEP = 8
 BACKENDS = ("skinny", "skinny_split", "cublas", "cublaslt", "cublaslt_algo")
 MARGIN = 0.03  # another candidate must be this much faster than the rule's choice
 REPLAYS = 7
+PROGRESS_S = 15.0  # while a wide search measures, a progress line at most this often (it takes minutes)
 MAX_LAYERS = 8  # weights of one shape in a timing graph (more than any GPU's L2 holds of the large ones)
 MAX_ROWS = 512  # larger products (prompt chunks) keep the rule: not measured (less temporary memory)
 # cuBLASLt's listed algorithms ("cublaslt_algo") are timed from this many rows: below, the skinny kernel
@@ -147,6 +148,7 @@ class GemmPlan:
         self.device_name = device_name
         self.save_to = save_to
         self._weights: dict[tuple, list[torch.Tensor]] = {}
+        self._progress_at = time.monotonic()
 
     # ---- start-up ----
 
@@ -176,6 +178,11 @@ class GemmPlan:
         else:
             plan = cls(device_name=name, save_to=Path(value), lt_version=version)
         plan.wide = search == "wide"
+        if plan.wide and plan.measure and not plan.choices:  # a fresh measurement, not a file's
+            log.info("GEMM plan: the wide search times up to %d cuBLASLt algorithms a product from %d rows: "
+                     "minutes at start-up (~140 s for llama3-8b on an H200)%s", WIDE_ALGOS, ALGO_MIN_ROWS,
+                     f"; saved to {plan.save_to}" if plan.save_to else
+                     ", every start: save it once with PAGEDSERVE_GEMM_PLAN=/path/plan.json")
         return plan
 
     def register(self, weights: Iterable[torch.Tensor]) -> None:
@@ -221,6 +228,10 @@ class GemmPlan:
                             type(exc).__name__, exc)
         self.measure_s += time.perf_counter() - begin
         self.times_us[key], self.rules[key] = times, rule
+        if self.wide and time.monotonic() - self._progress_at >= PROGRESS_S:
+            self._progress_at = time.monotonic()
+            log.info("GEMM plan (the wide search): products measured so far %d, in %.0f s", len(self.rules),
+                     self.measure_s)
         self.choices[key] = choose(rule, times)
         if self.choices[key] != "cublaslt_algo":
             self.algos.pop(key, None)

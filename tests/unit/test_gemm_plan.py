@@ -195,6 +195,29 @@ def test_a_wide_search_screens_its_algorithms_then_times_the_best_again(fake_tim
     assert sorted(algo_timings) == sorted(f"cublaslt_algo:{i:02x}" for i in (30, 31, 0, 1, 2, 3, 4, 5))
 
 
+def test_a_wide_search_says_it_takes_minutes_and_how_far_it_is(fake_timer, monkeypatch, tmp_path, caplog):
+    timed, table = fake_timer
+    table.update(cublas=10.0, cublaslt=10.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "gpu")
+    monkeypatch.setenv(gemm_plan.SEARCH_ENV, "wide")
+    monkeypatch.setenv(gemm_plan.PLAN_ENV, str(tmp_path / "plan.json"))
+    with caplog.at_level("INFO", logger=gemm_plan.log.name):
+        plan = GemmPlan.from_env(torch.device("cpu"))
+    assert "the wide search times up to 400 cuBLASLt algorithms" in caplog.text
+    assert f"saved to {tmp_path / 'plan.json'}" in caplog.text
+    monkeypatch.setattr(gemm_plan, "PROGRESS_S", 0.0)
+    caplog.clear()
+    with caplog.at_level("INFO", logger=gemm_plan.log.name):
+        for rows in (1, 2):
+            plan.backend(rows, torch.empty(8, 8), False, "cublas", _run)
+    assert "products measured so far 1, in" in caplog.text and "products measured so far 2, in" in caplog.text
+    listed = GemmPlan()  # the listed search says nothing while it measures (seconds)
+    caplog.clear()
+    with caplog.at_level("INFO", logger=gemm_plan.log.name):
+        listed.backend(3, torch.empty(8, 8), False, "cublas", _run)
+    assert "so far" not in caplog.text
+
+
 def test_the_search_environment(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv(gemm_plan.PLAN_ENV, "measure")
