@@ -133,9 +133,15 @@ def supervised(args: argparse.Namespace, model: str) -> Iterator[Supervision]:
     serve_args = argparse.Namespace(**vars(args))
     serve_args.port = launcher.free_port()
     stop = threading.Event()
-    with executor_credential(serve_args), sigterm_raises():
-        thread = threading.Thread(target=launcher.supervise, args=(serve_args, model, stop),
-                                  name="pagedserve-supervise")
+    thread = threading.Thread(target=launcher.supervise, args=(serve_args, model, stop),
+                              name="pagedserve-supervise")
+
+    def stop_servers() -> None:  # on SIGTERM, before the run in progress unwinds
+        stop.set()
+        if thread.ident is not None:
+            thread.join()
+
+    with executor_credential(serve_args), sigterm_raises(stop_servers):
         servers = Supervision(f"127.0.0.1:{serve_args.port}", thread)
         watcher = threading.Thread(target=_watch_rank0, args=(servers, stop), name="rank0-watch", daemon=True)
         thread.start()
@@ -144,8 +150,7 @@ def supervised(args: argparse.Namespace, model: str) -> Iterator[Supervision]:
             _wait_serving(servers, args.startup_timeout)
             yield servers
         finally:
-            stop.set()
-            thread.join()
+            stop_servers()
             watcher.join()
 
 
