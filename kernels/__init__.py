@@ -33,6 +33,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_and_cache",
+    "rotary_cache_attention",
     "rotary_embedding",
     "silu_and_mul",
     "skinny_gate_up_silu",
@@ -171,6 +172,27 @@ def paged_attention(
             prefill_tile_starts=prefill_tile_starts,
         )
     return reference.paged_attention(*args, k_scale, v_scale)
+
+
+def rotary_cache_attention(
+    positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
+    block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
+    sliding_window: int = 0, logit_softcap: float = 0.0, deterministic: bool = False,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> torch.Tensor:
+    """rotary_and_cache, then paged_attention over the rotated query (the bits of the two one after
+    the other); on CUDA a decode step (max_query_len 1, not deterministic) runs it as one launch
+    (kernels/triton_attention.py rotary_cache_attention; PAGEDSERVE_FUSED_ROTARY=0: two)."""
+    args = (
+        positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
+        block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale, sliding_window,
+        logit_softcap,
+    )
+    if query.is_cuda:
+        return _cuda_module("triton_attention").rotary_cache_attention(
+            *args, deterministic=deterministic, k_scale=k_scale, v_scale=v_scale
+        )
+    return reference.rotary_cache_attention(*args, k_scale, v_scale)
 
 
 def copy_blocks(kv_cache, block_mapping) -> None:

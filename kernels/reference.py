@@ -238,6 +238,38 @@ def rotary_and_cache(
     return query_out
 
 
+def rotary_cache_attention(
+    positions: torch.Tensor,  # [T] int64
+    query: torch.Tensor,  # [T, H, D], unrotated
+    key: torch.Tensor,  # [T, KV, D], unrotated
+    value: torch.Tensor,  # [T, KV, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    slot_mapping: torch.Tensor,  # [T] int64, < 0 = skip
+    cos_cache: torch.Tensor,  # [P, D / 2] float32
+    sin_cache: torch.Tensor,  # [P, D / 2] float32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """rotary_and_cache, then paged_attention over the rotated query -> [T, H, D]."""
+    query = rotary_and_cache(
+        positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
+        k_scale, v_scale,
+    )
+    return paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
+        scale, sliding_window, logit_softcap, k_scale, v_scale,
+    )
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2 I] (gate | up) -> silu(gate) * up [T, I]."""
     gate, up = x.chunk(2, dim=-1)

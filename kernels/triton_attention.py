@@ -106,6 +106,7 @@ alone, in a batch, as a row of a prefill chunk or of a recompute gets the same b
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +115,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import pdl, pdl_launch
-from kernels.reference import check_scales
+from kernels.reference import check_scales, is_fp8
+from kernels.triton_cache import as_cached
+from kernels.triton_layers import rotated
 
 F16_MAX = tl.constexpr(65504.0)
 _NO_PARTITION = 1 << 30
@@ -473,12 +476,15 @@ def _paged_attention_kernel(
     scale_log2, num_seqs, num_search_steps, partition_size, num_heads, num_splits, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, window, softcap_log2, v_scale,
+    positions_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, key_ptr, value_ptr, stride_cos,
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, k_inv_scale, v_inv_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr,
     IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DETERMINISTIC: tl.constexpr, SCALE_V: tl.constexpr,
     Q_F16: tl.constexpr, SKIP_DECODE: tl.constexpr,
     BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
+    ROTARY: tl.constexpr = False, RN: tl.constexpr = False, FP8_CACHE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     if PDL:  # kernels.pdl: before any load (the query, the step's tables) and every early return
@@ -514,10 +520,23 @@ def _paged_attention_kernel(
     dims = tl.arange(0, D_PAD)
     dim_valid = dims < head_dim
     q_mask = row_valid[:, None] & dim_valid[None, :]
-    q = tl.load(
-        query_ptr + row_global[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + dims[None, :],
-        mask=q_mask, other=0.0,
-    )  # [BLOCK_M, D_PAD]
+    q_rows = query_ptr + row_global[:, None] * stride_q_tok + row_head[:, None] * stride_q_head
+    if ROTARY:  # a decode launch from unrotated q, k, v (rotary_cache_attention): rotate the query here
+        half = head_dim // 2
+        first_half = dims < half
+        turned = tl.where(first_half, dims + half, dims - half)  # [D_PAD] the other half's element
+        pos = tl.load(positions_ptr + q_begin).to(tl.int64)
+        dtype = query_ptr.dtype.element_ty
+        cos = tl.load(cos_ptr + pos * stride_cos + tl.where(first_half, dims, dims - half), mask=dim_valid,
+                      other=0.0).to(dtype).to(tl.float32)  # [D_PAD] cos of element d % half
+        sin = tl.load(sin_ptr + pos * stride_cos + tl.where(first_half, dims, dims - half), mask=dim_valid,
+                      other=0.0).to(dtype).to(tl.float32)
+        x = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        x_turned = tl.load(q_rows + turned[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        x_turned = tl.where(first_half[None, :], -x_turned, x_turned)  # [-x2, x1]
+        q = rotated(x, x_turned, cos[None, :], sin[None, :], dtype, RN)  # [BLOCK_M, D_PAD]
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_M, D_PAD]
     if Q_F16:  # bf16 query over an FP8 cache: the dots in f16 (module docstring)
         q = tl.minimum(tl.maximum(q.to(tl.float32), -F16_MAX), F16_MAX).to(tl.float16)
 
@@ -543,6 +562,29 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head.to(tl.int64) * stride_c_head
+    if ROTARY:
+        # The program whose partition holds the token's own position rotates its KV head's key and
+        # writes it and the value into the cache at the token's slot, then reads them back there with
+        # the rest of its context: the barrier makes the block's stores visible to all its threads (one
+        # writer per (sequence, KV head); no other program reads that slot). A padding token (slot < 0)
+        # writes nothing, as in rotary_and_cache.
+        own_pos = seq_len - 1
+        slot = tl.load(slot_mapping_ptr + q_begin).to(tl.int64)
+        if (slot >= 0) & (kv_lo <= own_pos) & (own_pos < kv_hi):
+            token = q_begin.to(tl.int64)
+            k_row = key_ptr + token * stride_k_tok + kv_head.to(tl.int64) * stride_k_head
+            k = tl.load(k_row + dims, mask=dim_valid, other=0.0).to(tl.float32)
+            k_turned = tl.load(k_row + turned, mask=dim_valid, other=0.0).to(tl.float32)
+            k = rotated(k, tl.where(first_half, -k_turned, k_turned), cos, sin, dtype, RN)  # [D_PAD]
+            v = tl.load(value_ptr + token * stride_v_tok + kv_head.to(tl.int64) * stride_v_head + dims,
+                        mask=dim_valid)
+            cache_dtype = key_cache_ptr.dtype.element_ty
+            cached = slot * stride_c_slot + head_offset + dims
+            tl.store(key_cache_ptr + cached, as_cached(k, k_inv_scale, cache_dtype, FP8_CACHE),
+                     mask=dim_valid)
+            tl.store(value_cache_ptr + cached, as_cached(v, v_inv_scale, cache_dtype, FP8_CACHE),
+                     mask=dim_valid)
+        tl.debug_barrier()
     if DETERMINISTIC:  # no split: [kv_lo, kv_hi) is the tile's whole context (or window), all masked
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset,
@@ -650,6 +692,78 @@ def choose_num_splits(
     return max_splits
 
 
+FUSED_ROTARY_ENV = "PAGEDSERVE_FUSED_ROTARY"  # "0": decode steps rotate in a launch of their own
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRotary:
+    """What a decode launch needs to rotate its query and write the step's K/V itself: the tokens'
+    positions [T] and slots [T] (< 0: padding, nothing written), the unrotated key and value [T, KV, D]
+    (views of the QKV projection are fine), the rotary tables [P, D / 2] and the FP8 cache's scales."""
+
+    positions: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def kernel_args(self, query: torch.Tensor, key_cache: torch.Tensor) -> tuple:
+        key, value = self.key, self.value
+        num_tokens, num_heads, head_dim = query.shape
+        shape = (num_tokens, key_cache.shape[2], head_dim)
+        if (key.shape, value.shape) != (shape, shape) or not key.dtype == value.dtype == query.dtype:
+            raise ValueError(f"rotary key and value must be {query.dtype} {shape}, got "
+                             f"{key.dtype} {tuple(key.shape)} and {value.dtype} {tuple(value.shape)}")
+        if key.stride(2) != 1 or value.stride(2) != 1 or head_dim % 2:
+            raise ValueError("rotary needs an even head_dim, contiguous in key and value")
+        if self.cos_cache.stride(-1) != 1 or self.cos_cache.stride() != self.sin_cache.stride():
+            raise ValueError("rotary cos and sin tables must share strides, the last one 1")
+        if self.positions.shape != (num_tokens,) or self.slot_mapping.shape != (num_tokens,):
+            raise ValueError(f"rotary positions and slot_mapping must be [{num_tokens}]")
+        return (
+            self.positions, self.slot_mapping, self.cos_cache, self.sin_cache, key, value,
+            self.cos_cache.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            1.0 / self.k_scale, 1.0 / self.v_scale,
+        )
+
+
+def fused_rotary_enabled() -> bool:
+    return os.environ.get(FUSED_ROTARY_ENV, "1") != "0"
+
+
+def rotary_cache_attention(
+    positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
+    block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
+    sliding_window: int = 0, logit_softcap: float = 0.0, *, deterministic: bool = False,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> torch.Tensor:
+    """triton_layers.rotary_and_cache, then paged_attention over the rotated query: the same bits, in
+    one launch where it is a decode launch (max_query_len 1, not deterministic, PAGEDSERVE_FUSED_ROTARY
+    not "0"): each program rotates its query rows, and the program holding a sequence's own position
+    rotates that token's key and writes K and V into the cache before it reads its context. The step's
+    kernel count falls by one a layer (the rotary + cache launch and the boundary before it). Other
+    launches run the two ops. Token i of a decode launch is the query token of the sequence whose
+    query_start_loc is i; a token of no sequence must have slot < 0 (a CUDA graph's padding)."""
+    check_scales(key_cache.dtype, k_scale, v_scale)
+    attend = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, deterministic=deterministic,
+                  k_scale=k_scale, v_scale=v_scale)
+    if max_query_len != 1 or deterministic or not fused_rotary_enabled():
+        from kernels import triton_layers
+
+        query = triton_layers.rotary_and_cache(
+            positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
+            k_scale, v_scale,
+        )
+        return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                               max_query_len, max_seq_len, scale, **attend)
+    rotary = DecodeRotary(positions, key, value, slot_mapping, cos_cache, sin_cache, k_scale, v_scale)
+    return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                           max_query_len, max_seq_len, scale, rotary=rotary, **attend)
+
+
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
     max_query_len, max_seq_len, scale, sliding_window: int = 0, logit_softcap: float = 0.0, *,
@@ -659,7 +773,7 @@ def paged_attention(
     prefill_tuning: PrefillTuning | None = None,
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None, fresh_tuning: FreshTuning | None = None,
     no_cached_prefix: bool = False, out: torch.Tensor | None = None,
-    prefill_tile_starts: torch.Tensor | None = None,
+    prefill_tile_starts: torch.Tensor | None = None, rotary: DecodeRotary | None = None,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
     the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
@@ -685,7 +799,9 @@ def paged_attention(
     prefix (seq_len == its query length; a caller that is wrong gets rows that ignore the prefix):
     those kernels are compiled without their prefix code.
     out: write into this [T, H, D] tensor instead of a new one. prefill_tile_starts: the Gluon kernel's
-    work list (kernels.prefill_tile_starts(query_start_loc)) when the caller has it."""
+    work list (kernels.prefill_tile_starts(query_start_loc)) when the caller has it. rotary: the query
+    comes unrotated, and the launch rotates it and writes the step's K/V (rotary_cache_attention; a
+    decode launch only)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -808,6 +924,11 @@ def paged_attention(
             BLOCK_ADDR=sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0,
         )
 
+    if rotary is not None and not (is_decode and not skip_decode):
+        raise ValueError("rotary: a decode launch only (max_query_len 1, not deterministic)")
+    rotary_args = rotary.kernel_args(query, key_cache) if rotary is not None else (
+        query, query, query, query, query, query, 0, 0, 0, 0, 0, 1.0, 1.0)
+
     on = pdl(query.device, "attention", num_seqs if is_decode else None)
     f32 = dict(dtype=torch.float32, device=query.device)
     part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32) if split else out
@@ -820,14 +941,15 @@ def paged_attention(
         num_heads, num_splits, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        max(sliding_window, 0), logit_softcap * math.log2(math.e), v_scale,
+        max(sliding_window, 0), logit_softcap * math.log2(math.e), v_scale, *rotary_args,
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, D_PAD=d_pad, IS_DECODE=is_decode, SPLIT=split,
         EVEN_SPLITS=even_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window > 0, SOFTCAP=logit_softcap > 0, DETERMINISTIC=deterministic,
-        SCALE_V=v_scale != 1.0, Q_F16=q_f16, SKIP_DECODE=skip_decode, **tuning, num_warps=num_warps,
-        num_stages=num_stages, **launch,
+        SCALE_V=v_scale != 1.0, Q_F16=q_f16, SKIP_DECODE=skip_decode, **tuning,
+        ROTARY=rotary is not None, RN=query.is_cuda, FP8_CACHE=is_fp8(key_cache.dtype),
+        num_warps=num_warps, num_stages=num_stages, **launch,
         PDL=on, **pdl_launch(on),
     )
     if split:

@@ -97,18 +97,22 @@ def _add(a, b, RN: tl.constexpr):
 
 
 @triton.jit
+def rotated(x, x_turned, cos, sin, dtype: tl.constexpr, RN: tl.constexpr):
+    """x * cos + x_turned * sin in dtype, each product and the sum rounded to dtype as torch rounds
+    them (float32, then dtype): the one rotary arithmetic of every kernel that rotates (both rotary
+    kernels here, and the decode attention launch that rotates its own query and key:
+    kernels/triton_attention.py). x, x_turned ([-x2, x1] for x = [x1, x2], the halves of a head) in
+    float32, cos and sin in float32 already rounded to dtype; RN (compiled kernels) keeps the
+    compiler to that rounding (`_mul`, `_add`)."""
+    a = _mul(x, cos, RN).to(dtype).to(tl.float32)
+    b = _mul(x_turned, sin, RN).to(dtype).to(tl.float32)
+    return _add(a, b, RN).to(dtype)
+
+
+@triton.jit
 def _rotated_halves(x1, x2, cos, sin, dtype: tl.constexpr, RN: tl.constexpr):
-    """(x1, x2) the halves of a head in float32, cos and sin in float32 (already rounded to dtype) ->
-    the halves of x * [cos, cos] + [-x2, x1] * [sin, sin] in dtype, each product and the sum rounded
-    to dtype as torch rounds them (float32, then dtype). The one rotary arithmetic of both rotary
-    kernels; RN (compiled kernels) keeps the compiler to that rounding (`_mul`, `_add`)."""
-    a = _mul(x1, cos, RN).to(dtype).to(tl.float32)
-    b = _mul(-x2, sin, RN).to(dtype).to(tl.float32)
-    out1 = _add(a, b, RN).to(dtype)
-    c = _mul(x2, cos, RN).to(dtype).to(tl.float32)
-    d = _mul(x1, sin, RN).to(dtype).to(tl.float32)
-    out2 = _add(c, d, RN).to(dtype)
-    return out1, out2
+    """(x1, x2) the halves of a head in float32 -> the halves of the rotated head in dtype (`rotated`)."""
+    return rotated(x1, -x2, cos, sin, dtype, RN), rotated(x2, x1, cos, sin, dtype, RN)
 
 
 @triton.jit

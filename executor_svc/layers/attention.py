@@ -67,10 +67,22 @@ class PagedAttention(nn.Module):
 
         With `rotary` (and positions [T]) q and k come unrotated (views of the QKV projection are
         fine): one kernel rotates both and writes the rotated K and V into the cache
-        (kernels.rotary_and_cache, the same bits as rotary then reshape_and_cache). Without it q
-        and k are used as they are (OPT). The rotated K exists only in the cache."""
+        (kernels.rotary_and_cache, the same bits as rotary then reshape_and_cache), and in a decode
+        step the attention launch does that itself (kernels.rotary_cache_attention, the same bits
+        again). Without it q and k are used as they are (OPT). The rotated K exists only in the cache."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         fresh_kv = None
+        if rotary is not None and meta.max_query_len == 1:
+            if positions is None:
+                raise ValueError("rotary attention needs the tokens' positions")
+            # a decode step: on CUDA one launch rotates q and k, writes K and V and attends
+            out = kernels.rotary_cache_attention(
+                positions, q, k, v, key_cache, value_cache, meta.slot_mapping, rotary.cos_cache,
+                rotary.sin_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1,
+                meta.max_seq_len, self.scale, self.sliding_window, self.logit_softcap,
+                deterministic=determinism.deterministic(), k_scale=self.k_scale, v_scale=self.v_scale,
+            )  # [T, H, D]
+            return out.reshape(out.shape[0], self.num_heads * self.head_dim)
         if rotary is None:
             kernels.reshape_and_cache(
                 k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale

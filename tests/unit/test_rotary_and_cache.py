@@ -240,6 +240,11 @@ def test_tiny_model_logits_and_cache_are_bit_identical_fused_and_unfused(
         monkeypatch.setattr(kernels, "rotary_and_cache", triton_layers.rotary_and_cache)
         monkeypatch.setattr(kernels, "rotary_embedding", triton_layers.rotary_embedding)
         monkeypatch.setattr(kernels, "reshape_and_cache", triton_cache.reshape_and_cache)
+        # the decode step's rotary and cache write through the Triton kernel too; its attention stays the
+        # reference (the interpreter's bf16 dots are not the GPU's: the fused Triton launch runs in
+        # tests/unit/test_rotary_cache_attention.py, and compiled in a model in
+        # tests/gpu/test_rotary_and_cache_gpu.py)
+        monkeypatch.setattr(kernels, "rotary_cache_attention", decode_rotary_through_triton)
 
     def run():
         kv_cache = torch.zeros(shape, dtype=cache_dtype)
@@ -251,17 +256,33 @@ def test_tiny_model_logits_and_cache_are_bit_identical_fused_and_unfused(
                 logits.append(model.compute_logits(hidden[rows[:num_rows]]))
         return logits, kv_cache
 
-    calls = []
+    calls, decode_calls = [], []
     monkeypatch.setattr(kernels, "rotary_and_cache", counted(kernels.rotary_and_cache, calls))
+    monkeypatch.setattr(
+        kernels, "rotary_cache_attention", counted(kernels.rotary_cache_attention, decode_calls)
+    )
     fused_logits, fused_cache = run()
-    assert len(calls) == 2 * config.num_layers  # every layer, every step took the fused kernel
+    # every layer took the fused kernels: the prefill step rotary_and_cache, the decode step
+    # rotary_cache_attention (rotary, cache write and attention in one launch on CUDA)
+    assert len(calls) == len(decode_calls) == config.num_layers
     unfused_attention_forward(monkeypatch)
     unfused_logits, unfused_cache = run()
-    assert len(calls) == 2 * config.num_layers  # and the unfused run did not
+    assert len(calls) == len(decode_calls) == config.num_layers  # and the unfused run did not
     for got, want in zip(fused_logits, unfused_logits, strict=True):
         assert_same_bits(got, want)
     assert_same_bits(fused_cache, unfused_cache)
     assert fused_cache.float().abs().amax(dim=(2, 3, 4, 5)).min() > 0  # every layer wrote K and V
+
+
+def decode_rotary_through_triton(
+    positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache, *attend,
+    deterministic=False, k_scale=1.0, v_scale=1.0,
+):
+    query = triton_layers.rotary_and_cache(
+        positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
+        k_scale, v_scale,
+    )
+    return reference.paged_attention(query, key_cache, value_cache, *attend, k_scale, v_scale)
 
 
 def counted(fn, calls: list):
