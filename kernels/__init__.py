@@ -180,9 +180,9 @@ def rotary_cache_attention(
     sliding_window: int = 0, logit_softcap: float = 0.0, deterministic: bool = False,
     k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """rotary_and_cache, then paged_attention over the rotated query; on CUDA a decode step
-    (max_query_len 1, not deterministic) runs it as one launch (kernels/triton_attention.py
-    rotary_cache_attention: the cache's bits, the output within rounding; PAGEDSERVE_FUSED_ROTARY=0: two)."""
+    """rotary_and_cache, then paged_attention over the rotated query (the bits of the two one after
+    the other); on CUDA a decode step (max_query_len 1, not deterministic) runs it as one launch
+    (kernels/triton_attention.py rotary_cache_attention; PAGEDSERVE_FUSED_ROTARY=0: two)."""
     args = (
         positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
         block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale, sliding_window,

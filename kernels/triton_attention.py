@@ -563,31 +563,28 @@ def _paged_attention_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head.to(tl.int64) * stride_c_head
     if ROTARY:
-        # The program whose partition holds the token's own position (one per sequence and KV head)
-        # rotates that token's key and writes it and the value into the cache at the token's slot, and
-        # takes them from registers instead of reading them back: its loop stops before the position
-        # (kv_hi), and the position joins the online softmax after it, as the cache would return it
-        # (an FP8 cache's rounding included). No other program reads the slot this step, so the stores
-        # need no barrier, and the loop's K/V loads need not wait for them. A padding token (slot < 0)
+        # The program whose partition holds the token's own position rotates its KV head's key and
+        # writes it and the value into the cache at the token's slot, then reads them back there with
+        # the rest of its context: the barrier makes the block's stores visible to all its threads (one
+        # writer per (sequence, KV head); no other program reads that slot). A padding token (slot < 0)
         # writes nothing, as in rotary_and_cache.
         own_pos = seq_len - 1
-        own = (kv_lo <= own_pos) & (own_pos < kv_hi)
         slot = tl.load(slot_mapping_ptr + q_begin).to(tl.int64)
-        token = q_begin.to(tl.int64)
-        own_dims = dim_valid & own
-        k_row = key_ptr + token * stride_k_tok + kv_head.to(tl.int64) * stride_k_head
-        k_own = tl.load(k_row + dims, mask=own_dims, other=0.0).to(tl.float32)
-        k_turned = tl.load(k_row + turned, mask=own_dims, other=0.0).to(tl.float32)
-        k_own = rotated(k_own, tl.where(first_half, -k_turned, k_turned), cos, sin, dtype, RN)  # [D_PAD]
-        v_own = tl.load(value_ptr + token * stride_v_tok + kv_head.to(tl.int64) * stride_v_head + dims,
-                        mask=own_dims, other=0.0)  # [D_PAD]
-        cache_dtype = key_cache_ptr.dtype.element_ty
-        k_own = as_cached(k_own, k_inv_scale, cache_dtype, FP8_CACHE)
-        v_own = as_cached(v_own, v_inv_scale, cache_dtype, FP8_CACHE)
-        cached = slot * stride_c_slot + head_offset + dims
-        tl.store(key_cache_ptr + cached, k_own, mask=own_dims & (slot >= 0))
-        tl.store(value_cache_ptr + cached, v_own, mask=own_dims & (slot >= 0))
-        kv_hi = tl.where(own, own_pos, kv_hi)
+        if (slot >= 0) & (kv_lo <= own_pos) & (own_pos < kv_hi):
+            token = q_begin.to(tl.int64)
+            k_row = key_ptr + token * stride_k_tok + kv_head.to(tl.int64) * stride_k_head
+            k = tl.load(k_row + dims, mask=dim_valid, other=0.0).to(tl.float32)
+            k_turned = tl.load(k_row + turned, mask=dim_valid, other=0.0).to(tl.float32)
+            k = rotated(k, tl.where(first_half, -k_turned, k_turned), cos, sin, dtype, RN)  # [D_PAD]
+            v = tl.load(value_ptr + token * stride_v_tok + kv_head.to(tl.int64) * stride_v_head + dims,
+                        mask=dim_valid)
+            cache_dtype = key_cache_ptr.dtype.element_ty
+            cached = slot * stride_c_slot + head_offset + dims
+            tl.store(key_cache_ptr + cached, as_cached(k, k_inv_scale, cache_dtype, FP8_CACHE),
+                     mask=dim_valid)
+            tl.store(value_cache_ptr + cached, as_cached(v, v_inv_scale, cache_dtype, FP8_CACHE),
+                     mask=dim_valid)
+        tl.debug_barrier()
     if DETERMINISTIC:  # no split: [kv_lo, kv_hi) is the tile's whole context (or window), all masked
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset,
@@ -602,20 +599,6 @@ def _paged_attention_kernel(
             FMA_SOFTMAX,
         )
 
-    if ROTARY:  # noqa: SIM102 (a compile-time branch around a run-time one: `own` exists only with it)
-        if own:  # the token's own position, last (docstring of rotary_cache_attention)
-            k_read = k_own.to(q.dtype).to(tl.float32)  # an FP8 cache's values as its tiles are read
-            s_own = tl.sum(q.to(tl.float32) * k_read[None, :], axis=1) * scale_log2  # [BLOCK_M]
-            if SOFTCAP:
-                s_own = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * (s_own / softcap_log2)) + 1.0))
-            m_new = tl.maximum(m_i, s_own)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s_own - m_new)
-            l_i = l_i * alpha + p
-            v_read = v_own.to(q.dtype).to(tl.float32)
-            p_v = p.to(q.dtype).to(tl.float32)  # the weights as the PV dot takes them
-            acc = acc * alpha[:, None] + p_v[:, None] * v_read[None, :]
-            m_i = m_new
     if SCALE_V:  # an FP8 cache holds V / v_scale (the split reduce is linear in acc)
         acc = acc * v_scale
     if SPLIT:
@@ -757,12 +740,10 @@ def rotary_cache_attention(
     sliding_window: int = 0, logit_softcap: float = 0.0, *, deterministic: bool = False,
     k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """triton_layers.rotary_and_cache, then paged_attention over the rotated query, in one launch where
-    it is a decode launch (max_query_len 1, not deterministic, PAGEDSERVE_FUSED_ROTARY not "0"): each
-    program rotates its query rows; the program holding a sequence's own position rotates that token's
-    key, writes K and V into the cache (the bits rotary_and_cache writes) and adds the position to its
-    online softmax from registers after the cached context (the two launches read it back from the
-    cache in the last tile: the output rounds differently, within bf16's last bit or so). The step's
+    """triton_layers.rotary_and_cache, then paged_attention over the rotated query: the same bits, in
+    one launch where it is a decode launch (max_query_len 1, not deterministic, PAGEDSERVE_FUSED_ROTARY
+    not "0"): each program rotates its query rows, and the program holding a sequence's own position
+    rotates that token's key and writes K and V into the cache before it reads its context. The step's
     kernel count falls by one a layer (the rotary + cache launch and the boundary before it). Other
     launches run the two ops. Token i of a decode launch is the query token of the sequence whose
     query_start_loc is i; a token of no sequence must have slot < 0 (a CUDA graph's padding)."""
