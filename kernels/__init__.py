@@ -131,6 +131,38 @@ def pdl(device: torch.device, kernel: str | None = None, num_seqs: int | None = 
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# ---- a decode step's rotary and K/V cache write inside its attention launch (rotary_cache_attention) ----
+
+FUSED_ROTARY_ENV = "PAGEDSERVE_FUSED_ROTARY"  # unset: FUSED_ROTARY_MAX_SEQS; "0": never; "all": always
+# Decode launches of at most this many sequences rotate inside attention. H200, llama3-8b decode graphs
+# at 500 positions, paired processes (docs/benchmarks.md round 24): 16 / 32 / 48 / 64 / 128 sequences
+# 1.3 / 2.0 / 1.5 / 0.2 / 0.4 % shorter fused, 256 sequences 0.5 % longer (the fused launch's programs
+# write their K/V before a block barrier that holds back their first K/V loads; at 256 sequences its
+# eight waves of programs each pay that). 129-255 were not measured and stay two launches.
+FUSED_ROTARY_MAX_SEQS = 128
+
+
+def fused_rotary(num_seqs: int) -> bool:
+    """Whether a decode launch of `num_seqs` sequences (a CUDA graph's bucket: its padded count) rotates
+    its query and writes the step's K/V itself (kernels/triton_attention.py rotary_cache_attention)
+    instead of after a rotary_and_cache launch; PAGEDSERVE_FUSED_ROTARY decides, an unknown value is a
+    ValueError naming the known ones."""
+    mode = os.environ.get(FUSED_ROTARY_ENV, "")
+    if mode == "":
+        return num_seqs <= FUSED_ROTARY_MAX_SEQS
+    if mode in ("0", "all"):
+        return mode == "all"
+    raise ValueError(f"{FUSED_ROTARY_ENV}={mode!r}: expected unset (the rule: fused up to "
+                     f"{FUSED_ROTARY_MAX_SEQS} sequences), '0' (never) or 'all' (every decode launch)")
+
+
+def check_launch_env() -> None:
+    """Refuses (ValueError) a PAGEDSERVE_PDL_OFF or PAGEDSERVE_FUSED_ROTARY it does not know, so an
+    executor says so at its start instead of at its first kernel launch."""
+    check_pdl_env()
+    fused_rotary(1)
+
+
 def pdl_launch(on: bool) -> dict:
     """The launch keyword that goes with a kernel's PDL constexpr `on` (= pdl(device))."""
     return {"launch_pdl": True} if on else {}
@@ -182,7 +214,7 @@ def rotary_cache_attention(
 ) -> torch.Tensor:
     """rotary_and_cache, then paged_attention over the rotated query (the bits of the two one after
     the other); on CUDA a decode step (max_query_len 1, not deterministic) runs it as one launch
-    (kernels/triton_attention.py rotary_cache_attention; PAGEDSERVE_FUSED_ROTARY=0: two)."""
+    (kernels/triton_attention.py rotary_cache_attention) where fused_rotary(num_seqs) says so."""
     args = (
         positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
         block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale, sliding_window,

@@ -84,6 +84,13 @@ with many sequences, where the varlen tile's FP8 decode rows cost more than the 
 (FP8_GQA_SPLIT_DECODE_MIN_PROGRAMS). Not in deterministic mode (a decode row goes through the same
 tile as a prefill row) nor with a forced tile, block_m or split count (benchmark sweeps).
 
+Rotary inside the decode launch (`rotary_cache_attention`, `rotary=` here): the decode launch takes
+the QKV projection's unrotated q, k, v; each program rotates its query rows, and the program whose
+partition holds a sequence's own position writes that token's rotated key and value into the cache,
+then (after a block barrier) reads its context as a plain decode launch does: the bits of
+rotary_and_cache then this kernel, one launch fewer a layer (kernels.fused_rotary says for which
+launches: up to FUSED_ROTARY_MAX_SEQS sequences; docs/benchmarks.md round 24).
+
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
 alone, in a batch, as a row of a prefill chunk or of a recompute gets the same bits. Then:
@@ -106,7 +113,6 @@ alone, in a batch, as a row of a prefill chunk or of a recompute gets the same b
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +120,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import pdl, pdl_launch
+from kernels import fused_rotary, pdl, pdl_launch
 from kernels.reference import check_scales, is_fp8
 from kernels.triton_cache import as_cached
 from kernels.triton_layers import rotated
@@ -692,9 +698,6 @@ def choose_num_splits(
     return max_splits
 
 
-FUSED_ROTARY_ENV = "PAGEDSERVE_FUSED_ROTARY"  # "0": decode steps rotate in a launch of their own
-
-
 @dataclass(frozen=True, slots=True)
 class DecodeRotary:
     """What a decode launch needs to rotate its query and write the step's K/V itself: the tokens'
@@ -730,10 +733,6 @@ class DecodeRotary:
         )
 
 
-def fused_rotary_enabled() -> bool:
-    return os.environ.get(FUSED_ROTARY_ENV, "1") != "0"
-
-
 def rotary_cache_attention(
     positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
     block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
@@ -741,16 +740,20 @@ def rotary_cache_attention(
     k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """triton_layers.rotary_and_cache, then paged_attention over the rotated query: the same bits, in
-    one launch where it is a decode launch (max_query_len 1, not deterministic, PAGEDSERVE_FUSED_ROTARY
-    not "0"): each program rotates its query rows, and the program holding a sequence's own position
-    rotates that token's key and writes K and V into the cache before it reads its context. The step's
-    kernel count falls by one a layer (the rotary + cache launch and the boundary before it). Other
-    launches run the two ops. Token i of a decode launch is the query token of the sequence whose
-    query_start_loc is i; a token of no sequence must have slot < 0 (a CUDA graph's padding)."""
+    one launch where it is a decode launch (max_query_len 1, not deterministic) that kernels.fused_rotary
+    takes (by default up to kernels.FUSED_ROTARY_MAX_SEQS sequences). Each program rotates its query
+    rows; the program whose partition holds a sequence's own position (one per sequence and KV head)
+    rotates that token's key, writes K and V into the cache at the token's slot, and after a block
+    barrier (its stores visible to all its threads) reads its context, that position included, as the
+    two launches do. The step's kernel count falls by one a layer (the rotary + cache launch and the
+    boundary before it). Other launches run the two ops. Token i of a decode launch is the query token
+    of the sequence whose query_start_loc is i; a token of no sequence must have slot < 0 (a CUDA
+    graph's padding), as must no other program read a slot the step writes (the scheduler's blocks:
+    the last block of a sequence is its own, copied on write when shared)."""
     check_scales(key_cache.dtype, k_scale, v_scale)
     attend = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, deterministic=deterministic,
                   k_scale=k_scale, v_scale=v_scale)
-    if max_query_len != 1 or deterministic or not fused_rotary_enabled():
+    if max_query_len != 1 or deterministic or not fused_rotary(seq_lens.shape[0]):
         from kernels import triton_layers
 
         query = triton_layers.rotary_and_cache(

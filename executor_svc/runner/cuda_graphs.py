@@ -91,9 +91,10 @@ MIXED_BUCKETS = tuple(
 
 
 def check_launch_environment() -> None:
-    """The kernels' launch settings from the environment (kernels.check_pdl_env: PAGEDSERVE_PDL_OFF),
-    checked when an executor starts rather than when its graphs are first captured (ValueError)."""
-    kernels.check_pdl_env()
+    """The kernels' launch settings from the environment (kernels.check_launch_env: PAGEDSERVE_PDL_OFF,
+    PAGEDSERVE_FUSED_ROTARY), checked when an executor starts rather than when its graphs are first
+    captured (ValueError)."""
+    kernels.check_launch_env()
 
 
 def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> tuple[int, ...]:

@@ -14,6 +14,8 @@ Bit for bit: equal integer views of every sequence's output row and of both cach
 
 `python -m tests.gpu.test_rotary_cache_attention_gpu` prints the timing table instead: per sequence
 count, 32 calls (a llama3-8b step's layers) in a CUDA graph, fused against the two launches, us per layer.
+Both run the fused launch at every size (PAGEDSERVE_FUSED_ROTARY=all; the engine's rule stops at
+kernels.FUSED_ROTARY_MAX_SEQS).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 E4M3 = torch.float8_e4m3fn
 BLOCK_SIZE, MAX_POSITION = 16, 8192
+
+
+@pytest.fixture(autouse=True)
+def fused_at_every_size(monkeypatch):
+    """The fused launch at every sequence count here (the default rule keeps two launches past
+    kernels.FUSED_ROTARY_MAX_SEQS)."""
+    monkeypatch.setenv("PAGEDSERVE_FUSED_ROTARY", "all")
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -165,8 +174,11 @@ def test_cuda_graph_replays_bit_identical(num_seqs, max_len):
 
 def bench() -> None:
     """Per sequence count (context 500 and 1000): 32 calls in one CUDA graph, us per layer."""
+    import os
+
     from kernels.bench import time_ms, warm_up_gpu
 
+    os.environ["PAGEDSERVE_FUSED_ROTARY"] = "all"  # the fused launch at every size (the rule stops at 128)
     warm_up_gpu()
     layers = 32
     print(f"{torch.cuda.get_device_name()}, bf16, llama3-8b heads; us per layer, "

@@ -232,7 +232,7 @@ def test_launches_that_keep_two_ops(monkeypatch):
     rotary_calls = count_calls(monkeypatch, triton_layers, "rotary_and_cache")
     got = fused(case, deterministic=True)
     assert_same_step(got, unfused(case, deterministic=True), case)
-    monkeypatch.setenv(triton_attention.FUSED_ROTARY_ENV, "0")
+    monkeypatch.setenv(kernels.FUSED_ROTARY_ENV, "0")
     assert_same_step(fused(case), unfused(case), case)
     assert not any(rotates for _, rotates in launches)
     assert len(rotary_calls) == 4  # each fused() and each unfused() above
@@ -243,6 +243,28 @@ def test_launches_that_keep_two_ops(monkeypatch):
             rotary=triton_attention.DecodeRotary(case["positions"], case["key"], case["value"],
                                                  case["slot_mapping"], case["cos_cache"], case["sin_cache"]),
         )
+
+
+def test_the_rule_fuses_small_decode_launches_only(monkeypatch):
+    """kernels.fused_rotary: up to FUSED_ROTARY_MAX_SEQS sequences by default (a graph bucket's padded
+    count), every decode launch with 'all', none with '0'; an unknown value is refused, also by the
+    check an executor runs at its start."""
+    monkeypatch.delenv(kernels.FUSED_ROTARY_ENV, raising=False)
+    limit = kernels.FUSED_ROTARY_MAX_SEQS
+    assert kernels.fused_rotary(1) and kernels.fused_rotary(limit) and not kernels.fused_rotary(limit + 1)
+    monkeypatch.setattr(kernels, "FUSED_ROTARY_MAX_SEQS", 2)
+    launches = record_launches(monkeypatch)
+    case = decode_case([6, 21, 9], 4, 2, 16, 8, torch.float32, torch.float32, seed=2)
+    assert_same_step(fused(case), unfused(case), case)  # 3 sequences > 2: two launches
+    monkeypatch.setenv(kernels.FUSED_ROTARY_ENV, "all")
+    assert_same_step(fused(case), unfused(case), case)
+    assert [rotates for _, rotates in launches] == [False, False, True, False]  # fused, unfused, twice
+    kernels.check_launch_env()
+    monkeypatch.setenv(kernels.FUSED_ROTARY_ENV, "yes")
+    with pytest.raises(ValueError, match="PAGEDSERVE_FUSED_ROTARY='yes': expected unset"):
+        kernels.check_launch_env()
+    with pytest.raises(ValueError, match="'0' \\(never\\) or 'all'"):
+        fused(case)
 
 
 def test_careless_arguments_are_refused():
