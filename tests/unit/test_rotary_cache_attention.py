@@ -89,6 +89,20 @@ def fused(case, impl=triton_attention, max_query_len=1, **kwargs):
     return out, caches
 
 
+def fused_launch(case, k_scale=1.0, v_scale=1.0, **kwargs):
+    """paged_attention's rotating decode launch itself, whatever rotary_cache_attention's rule says."""
+    caches = [c.clone() for c in case["caches"]]
+    rotary = triton_attention.DecodeRotary(
+        case["positions"], case["key"], case["value"], case["slot_mapping"], case["cos_cache"],
+        case["sin_cache"], k_scale, v_scale,
+    )
+    out = triton_attention.paged_attention(
+        case["query"], *caches, case["block_tables"], case["seq_lens"], case["query_start_loc"], 1,
+        case["max_seq_len"], case["scale"], rotary=rotary, k_scale=k_scale, v_scale=v_scale, **kwargs,
+    )
+    return out, caches
+
+
 def unfused(case, sliding_window=0, logit_softcap=0.0, k_scale=1.0, v_scale=1.0, **kwargs):
     """The launches the engine ran before: rotary_and_cache, then paged_attention (Triton)."""
     caches = [c.clone() for c in case["caches"]]
@@ -154,19 +168,8 @@ def test_fused_decode_is_bit_identical_to_rotary_and_cache_then_attention(
                        seed=head_dim + num_heads + (num_splits or 0))
     launches = record_launches(monkeypatch)
     extra = {} if num_splits is None else {"num_splits": num_splits}
-    if num_splits is None:
-        got = fused(case)
-    else:  # a forced split count goes through paged_attention's keyword, as a sweep would force it
-        caches = [c.clone() for c in case["caches"]]
-        rotary = triton_attention.DecodeRotary(
-            case["positions"], case["key"], case["value"], case["slot_mapping"], case["cos_cache"],
-            case["sin_cache"],
-        )
-        out = triton_attention.paged_attention(
-            case["query"], *caches, case["block_tables"], case["seq_lens"], case["query_start_loc"], 1,
-            case["max_seq_len"], case["scale"], rotary=rotary, **extra,
-        )
-        got = (out, caches)
+    # a forced split count goes through paged_attention's keyword, as a sweep would force it
+    got = fused(case) if num_splits is None else fused_launch(case, **extra)
     assert [fused_launch for _, fused_launch in launches] == [True]  # one attention launch, fused
     assert_same_step(got, unfused(case, **extra), case)
     # and it did what the reference does: the cache holds the rotated keys (bf16 within a few ulps: the
@@ -181,10 +184,18 @@ def test_fused_decode_is_bit_identical_to_rotary_and_cache_then_attention(
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (0, 30.0), (20, 5.0)])
-def test_fused_decode_with_a_window_and_a_softcap(window, softcap):
+def test_rotating_launch_with_a_window_and_a_softcap(monkeypatch, window, softcap):
+    """The kernel's rotating decode launch takes a window and a softcap; rotary_cache_attention keeps
+    two launches for them (not yet compiled on a GPU with both: kernels.fused_rotary)."""
     case = decode_case([3, 40, 25], 4, 2, 16, 8, torch.float32, torch.float32, seed=window + int(softcap))
-    got = fused(case, sliding_window=window, logit_softcap=softcap)
-    assert_same_step(got, unfused(case, sliding_window=window, logit_softcap=softcap), case)
+    want = unfused(case, sliding_window=window, logit_softcap=softcap)
+    assert_same_step(fused_launch(case, sliding_window=window, logit_softcap=softcap), want, case)
+    launches = record_launches(monkeypatch)
+    assert_same_step(fused(case, sliding_window=window, logit_softcap=softcap), want, case)
+    assert [rotates for _, rotates in launches] == [False]
+    monkeypatch.setenv(kernels.FUSED_ROTARY_ENV, "all")  # not even with every size fused
+    fused(case, sliding_window=window, logit_softcap=softcap)
+    assert [rotates for _, rotates in launches] == [False, False]
 
 
 @pytest.mark.parametrize(("k_scale", "v_scale"), [(1.0, 1.0), (2.0**-3, 4.0), (0.3, 0.07)])
