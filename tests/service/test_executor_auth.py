@@ -122,6 +122,16 @@ def test_an_executor_refuses_an_unknown_kernel_in_pagedserve_pdl_off(tiny_llama_
     assert "PAGEDSERVE_PDL_OFF: unknown kernel(s) gemm" in done.stderr and "rms_norm" in done.stderr
 
 
+def test_an_executor_refuses_an_unknown_pagedserve_fused_rotary(tiny_llama_dir):
+    import os
+
+    env = {**os.environ, "PAGEDSERVE_FUSED_ROTARY": "on"}
+    done = _executor("--model", str(tiny_llama_dir), "--device", "cpu", "--insecure-no-executor-token",
+                     env=env)
+    assert done.returncode == 2
+    assert "PAGEDSERVE_FUSED_ROTARY='on': expected unset" in done.stderr and "'all'" in done.stderr
+
+
 def test_token_options_resolve_from_file_and_environment(tmp_path, monkeypatch):
     from executor_svc.server.main import ExecutorOptions, MissingCredentialError, with_executor_token
     from executor_svc.worker.config import WorkerConfig
