@@ -176,7 +176,8 @@ def bench() -> None:
     """Per sequence count (context 500 and 1000): 32 calls in one CUDA graph, us per layer."""
     import os
 
-    from kernels.bench import time_ms, warm_up_gpu
+    from kernels.bench import warm_up_gpu
+    from kernels.bench_common import time_graph_ms
 
     os.environ["PAGEDSERVE_FUSED_ROTARY"] = "all"  # the fused launch at every size (the rule stops at 128)
     warm_up_gpu()
@@ -187,14 +188,10 @@ def bench() -> None:
     for max_len in (500, 1000):
         for num_seqs in (8, 16, 32, 64, 128, 256):
             step = DecodeStep(num_seqs, *LLAMA3, torch.bfloat16, max_len).refill(0, all_at_max_len=True)
-            times = []
-            for call in (lambda step=step: step.unfused(caches=step.caches), step.fused):
-                call()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(layers):
-                        call()
-                times.append(1000 * time_ms(graph.replay) / layers)
+            times = [
+                1000 * time_graph_ms(lambda call=call: [call() for _ in range(layers)]) / layers
+                for call in (lambda step=step: step.unfused(caches=step.caches), step.fused)
+            ]
             label = f"{num_seqs} x {max_len}"
             print(f"{label:>12}{times[0]:>14.2f}{times[1]:>10.2f}{times[1] / times[0]:>8.3f}", flush=True)
 
