@@ -93,7 +93,7 @@ class Engine:
         self._check_serving()
         if api not in APIS:
             raise InvalidRequestError("api", f"must be one of {', '.join(APIS)}")
-        self.validator.check_fields(request_id, params.stop)
+        self.validator.check_fields(request_id, params.stop, params.stop_token_ids)
         self.validator.check_prompt(prompt)
         self.admission.admit(client, self.scheduler.stats().num_waiting)
         try:
@@ -345,13 +345,18 @@ class Engine:
         request = self._requests.get(out.request_id)
         if request is None:
             return
+        gone = not out.finished and self.scheduler.get_group(out.request_id) is None
+        # A plan built after this output's step (async scheduling schedules before it streams) may
+        # have dropped the request: its tokens go out, then the stream ends with that error (the
+        # error's own output, at the next result, then finds the request gone)
+        dropped = self.scheduler.dropped_error(out.request_id) if gone and out.error is None else None
         sink = request.token_sink
         sample = out.samples[0] if sink is not None and len(out.samples) == 1 else None
         if (  # a plain request's step: its tokens go out bare (the text is made where they go)
             sink is not None and sample is not None and out.error is None and sample.token_ids
-            and len(sample.logprobs) == len(sample.token_ids)
+            and len(sample.logprobs) == len(sample.token_ids) and dropped is None
         ):
-            finished = out.finished or self.scheduler.get_group(out.request_id) is None
+            finished = out.finished or gone
             reason = sample.finish_reason.value if sample.finish_reason is not None else None
             if finished:
                 self._forget(out.request_id)
@@ -372,7 +377,9 @@ class Engine:
             delta.outputs.append(output)
             if stopped_by_string:
                 self._finish_sequence(out.request_id, sample.sample_index)
-        delta.finished = delta.finished or self.scheduler.get_group(out.request_id) is None
+        # (asked again: a stop string above may have just finished the group's last sequence)
+        gone = self.scheduler.get_group(out.request_id) is None
+        delta.finished = delta.finished or (gone and dropped is None)
         if delta.finished:
             self._forget(out.request_id)
             if delta.error is None:
@@ -380,6 +387,8 @@ class Engine:
         if self.metrics is not None:
             record_output(self.metrics, request, delta, is_beam=bool(out.beams))
         request.deliver(delta)
+        if dropped is not None:
+            self._emit_one(RequestOutput(out.request_id, finished=True, error=dropped), tally)
 
     def _finish_sequence(self, request_id: str, sample_index: int) -> None:
         """A stop string ended this sample: finish its sequence so its blocks are freed now."""

@@ -138,7 +138,9 @@ class HttpApi:
     async def _chat(self, request: Request) -> Response:
         body: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
         exchange = Exchange("chatcmpl", "chat.completion", self.model_name, body, self.text, chat=True)
-        return await self._answer(request, exchange, [chat_request(body, self.text, self.max_context_tokens)])
+        # rendering and tokenizing a long chat on a worker thread: the other streams keep flowing
+        generate = await asyncio.to_thread(chat_request, body, self.text, self.max_context_tokens)
+        return await self._answer(request, exchange, [generate])
 
     async def _answer(self, request: Request, exchange: Exchange, generate_requests: list) -> Response:
         calls: list[LinkCall] = []

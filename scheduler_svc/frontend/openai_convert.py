@@ -9,6 +9,8 @@ from typing import Any
 from protos.pagedserve.v1 import generation_pb2
 from scheduler_svc.frontend.chat import ModelText
 from scheduler_svc.frontend.openai_schema import ChatCompletionRequest, CompletionRequest, _Sampling
+from scheduler_svc.wire.errors import InvalidRequestError
+from scheduler_svc.wire.limits import MAX_PROMPT_CHARS_PER_TOKEN
 
 FINISH_REASONS = {
     generation_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -55,13 +57,26 @@ def completion_requests(body: CompletionRequest) -> list[generation_pb2.Generate
 def chat_request(
     body: ChatCompletionRequest, text: ModelText, max_context_tokens: int
 ) -> generation_pb2.GenerateRequest:
-    """The chat rendered and tokenized here; without a token limit the answer may fill the context
-    (`max_context_tokens`: the model's length, capped by the KV cache)."""
+    """The chat rendered and tokenized here (the caller runs it off the event loop); without a token
+    limit the answer may fill the context (`max_context_tokens`: the model's length, capped by the KV
+    cache). Messages of more characters than that many tokens could ever hold are refused before
+    rendering, as a text prompt is (a 15 MiB message took 24 s to render and tokenize), and so is a
+    chat that renders to no room for an answer, naming `messages` (not the max_tokens it did not send)."""
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    max_chars = max_context_tokens * MAX_PROMPT_CHARS_PER_TOKEN
+    num_chars = sum(len(m["content"]) for m in messages)
+    if num_chars > max_chars:
+        raise InvalidRequestError(
+            "messages", f"{num_chars} characters can never fit the model's {max_context_tokens} tokens "
+                        f"(at most {max_chars} characters)")
     ids = text.render_chat(messages, body.add_generation_prompt)
     max_tokens = body.output_limit()
     if max_tokens is None:
-        max_tokens = max(1, max_context_tokens - len(ids))
+        if len(ids) >= max_context_tokens:
+            raise InvalidRequestError(
+                "messages", f"the chat renders to {len(ids)} tokens, leaving no room for an answer in "
+                            f"the model's {max_context_tokens}")
+        max_tokens = max_context_tokens - len(ids)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return generation_pb2.GenerateRequest(
         token_ids=generation_pb2.TokenIds(ids=ids), sampling=sampling_pb(body, max_tokens, logprobs)

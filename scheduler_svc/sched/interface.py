@@ -76,6 +76,11 @@ class SchedulerInterface(Protocol):
         """The unfinished request of that id, if any."""
         ...
 
+    def dropped_error(self, request_id: str) -> str | None:
+        """Why the request was dropped (it outgrew the KV cache, ...), when a plan built since the
+        last `process_result` dropped it; its output with that error comes with the next result."""
+        ...
+
     def has_unfinished(self) -> bool:
         """Whether some request is queued or running."""
         ...

@@ -158,6 +158,9 @@ class Scheduler:
     def get_group(self, request_id: str) -> SequenceGroup | None:
         return self._groups.get(request_id)
 
+    def dropped_error(self, request_id: str) -> str | None:
+        return next((out.error for out in self.requests.dropped if out.request_id == request_id), None)
+
     def reset_for_recovery(self) -> None:
         """The executors lost their KV and sequence state (a rank failed; they will be Reset):
         every group is preempted by recompute (all GPU and CPU blocks freed; prompt + generated

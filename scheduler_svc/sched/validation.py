@@ -4,8 +4,9 @@ The engine calls the `RequestValidator` once per request, before the scheduler s
 check raises `InvalidRequestError` naming the field (INVALID_ARGUMENT at the gRPC edge) and nothing
 else changes. Two phases, because a text prompt is tokenized in between:
 
-    check_fields(id, stop)   the sizes a client controls: request_id length, stop strings' count
-                          and length (before anything is stored or tokenized)
+    check_fields(id, stop, stop_token_ids)   the sizes a client controls: request_id length, stop
+                          strings' count and length, stop token ids' count (before anything is
+                          stored or tokenized)
     check_prompt(prompt)  the prompt is not empty; a text prompt is not longer than the model could
                           ever hold (max_model_len * max_prompt_chars_per_token characters: checked
                           before tokenizing); its token ids lie in the vocabulary
@@ -27,15 +28,16 @@ from scheduler_svc.kv.kv_manager import AllocStatus, KVCacheManager
 from scheduler_svc.request.sequence import SequenceGroup
 from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.wire.errors import InvalidRequestError
+from scheduler_svc.wire.limits import MAX_PROMPT_CHARS_PER_TOKEN
 
 MAX_N = 16
 MAX_BEAM_WIDTH = 16
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
-# No tokenizer of a supported family has a token longer than this many characters; a text prompt
-# longer than max_model_len times it can never fit the model and is refused before tokenizing.
-MAX_PROMPT_CHARS_PER_TOKEN = 32
+# Stop token ids a request may give: a few end-of-turn ids is the use; without a cap a client sent 7
+# million (13 MiB over HTTP), accepted, and every stream of the server stalled ~1 s while they were read
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +51,11 @@ class RequestLimits:
     max_stop_strings: int = MAX_STOP_STRINGS  # per request
     max_stop_string_chars: int = MAX_STOP_STRING_CHARS  # per stop string
     max_prompt_chars_per_token: int = MAX_PROMPT_CHARS_PER_TOKEN
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS  # per request
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_beam_width", "max_request_id_chars", "max_stop_strings",
-                     "max_stop_string_chars", "max_prompt_chars_per_token"):
+                     "max_stop_string_chars", "max_prompt_chars_per_token", "max_stop_token_ids"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -68,11 +71,16 @@ class RequestValidator:
         self.kv = kv
         self._cache = f"the KV cache ({config.num_gpu_blocks} blocks of {config.block_size} tokens)"
 
-    def check_fields(self, request_id: str, stop: Sequence[str]) -> None:
+    def check_fields(self, request_id: str, stop: Sequence[str], stop_token_ids: Sequence[int] = ()) -> None:
         """The sizes of what the client sent, before the engine stores or tokenizes anything (the
-        servicer also calls it before converting the request: `stop` may then be the protobuf
-        list, whose length costs nothing to read, while converting 20,000 strings costs 18 ms)."""
+        servicer also calls it before converting the request: `stop` and `stop_token_ids` may then be
+        the protobuf lists, whose lengths cost nothing to read, while converting 20,000 strings costs
+        18 ms)."""
         limits = self.limits
+        if len(stop_token_ids) > limits.max_stop_token_ids:
+            raise InvalidRequestError(
+                "stop_token_ids", f"{len(stop_token_ids)} token ids; at most {limits.max_stop_token_ids}"
+            )
         if len(request_id) > limits.max_request_id_chars:
             raise InvalidRequestError(
                 "request_id", f"{len(request_id)} characters; at most {limits.max_request_id_chars}"

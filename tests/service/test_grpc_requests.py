@@ -219,3 +219,24 @@ def test_the_engine_takes_no_steps_when_idle(stack):
         steps = client.stats().num_steps
         time.sleep(0.3)
         assert client.stats().num_steps == steps
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_samples_that_outgrow_the_cache_end_with_aborted_not_a_silent_success(stack, n):
+    """n samples of 400 tokens each need ~25 blocks apiece, more than the 48 blocks the cache holds
+    together, although one alone fits (so the request is accepted). Once nothing is left to preempt
+    the scheduler drops the request; the stream must end with ABORTED naming it, not OK with every
+    output cut short and no finish reason (found by an adversarial run: the drop happened in the plan
+    built ahead, before the step's tokens were streamed, and the error was lost). The server keeps
+    serving and every block comes back."""
+    with Client(stack.target) as client:
+        deltas = []
+        with pytest.raises(grpc.RpcError) as info:
+            for delta in client.stream(list(range(3, 19)), n=n, max_tokens=400, ignore_eos=True, seed=1):
+                deltas.append(delta)
+        assert info.value.code() == grpc.StatusCode.ABORTED
+        assert "outgrew the KV cache" in info.value.details()
+        assert deltas and not any(out.finish_reason for d in deltas for out in d.outputs)
+        assert len(client.generate([5, 6, 7], max_tokens=3, temperature=0.0).outputs[0].token_ids) == 3
+        _, stats = _wait_idle(client)
+        assert stats.num_free_gpu_blocks == 48

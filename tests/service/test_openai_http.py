@@ -153,6 +153,10 @@ BAD_FIELDS = [  # (endpoint, extra fields, the field the 400 names)
     ("chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
     ("chat/completions", {"top_logprobs": 3}, "top_logprobs"),
     ("chat/completions", {"temperature": "hot"}, "temperature"),
+    ("completions", {"stop_token_ids": list(range(300))}, "stop_token_ids"),  # at most 256
+    # more characters than the context (64 blocks of 16 tokens) could hold at 32 a token: refused before
+    # the chat is rendered or tokenized (a 15 MiB message took 24 s of the front-end's loop)
+    ("chat/completions", {"messages": [{"role": "user", "content": "ab " * 11_000}]}, "messages"),
 ]
 
 
@@ -181,6 +185,18 @@ def test_every_bad_field_is_a_400_naming_it_and_the_server_keeps_serving(server,
     assert sdk.completions.create(model=model, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
     chunks = meanwhile.result(timeout=60)
     assert sum(len(c.choices[0].token_ids) for c in chunks if c.choices) == 150
+
+
+def test_a_chat_longer_than_the_context_names_messages_not_max_tokens(server, model):
+    """Without max_tokens the answer may fill the context; a chat that leaves no room for one is the
+    messages' fault (it was reported as max_tokens, which the client never sent)."""
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=f"{server[0]}/v1", headers=headers, timeout=30) as http:
+        reply = http.post("/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "ab " * 1500}]})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "messages" and "no room for an answer" in error["message"], error
 
 
 def test_a_missing_or_wrong_token_is_a_401_and_another_model_a_404(server, model):
