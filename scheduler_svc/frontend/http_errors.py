@@ -51,7 +51,11 @@ def openai_field(field: str) -> str:
 def http_error(exc: BaseException) -> HttpError:
     """The HTTP form of an API error (wire/errors.py), or of a body that failed its schema."""
     if isinstance(exc, pydantic.ValidationError):
-        first = exc.errors(include_url=False)[0]
+        # A union (a prompt: text, texts, token ids, lists of them) fails once per member; the member
+        # that failed on a value (a token id -1, 1.5, 10**10) says more than one of the wrong type
+        # (prompt [-1] was "Input should be a valid string")
+        errors = exc.errors(include_url=False)
+        first = next((e for e in errors if not str(e["type"]).endswith("_type")), errors[0])
         loc = ".".join(str(part) for part in first["loc"] if not _is_type_tag(part))
         message = str(first["msg"]).removeprefix("Value error, ")
         if not loc and (match := FIELD_PREFIX.match(message)):

@@ -154,6 +154,9 @@ BAD_FIELDS = [  # (endpoint, extra fields, the field the 400 names)
     ("chat/completions", {"top_logprobs": 3}, "top_logprobs"),
     ("chat/completions", {"temperature": "hot"}, "temperature"),
     ("completions", {"stop_token_ids": list(range(300))}, "stop_token_ids"),  # at most 256
+    # a token id of the wrong value names it (the union's text member said "a valid string")
+    ("completions", {"prompt": [5, -1]}, "prompt.1"),
+    ("completions", {"prompt": [1.5]}, "prompt.0"),
     # more characters than the context (64 blocks of 16 tokens) could hold at 32 a token: refused before
     # the chat is rendered or tokenized (a 15 MiB message took 24 s of the front-end's loop)
     ("chat/completions", {"messages": [{"role": "user", "content": "ab " * 11_000}]}, "messages"),
