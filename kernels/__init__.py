@@ -136,9 +136,9 @@ def pdl(device: torch.device, kernel: str | None = None, num_seqs: int | None = 
 FUSED_ROTARY_ENV = "PAGEDSERVE_FUSED_ROTARY"  # unset: FUSED_ROTARY_MAX_SEQS; "0": never; "all": always
 # Decode launches of at most this many sequences rotate inside attention. H200, llama3-8b decode graphs
 # at 500 positions, paired processes (docs/benchmarks.md round 24): 16 / 32 / 48 / 64 / 128 sequences
-# 1.3 / 2.0 / 1.5 / 0.2 / 0.4 % shorter fused, 256 sequences 0.5 % longer (the fused launch's programs
-# write their K/V before a block barrier that holds back their first K/V loads; at 256 sequences its
-# eight waves of programs each pay that). 129-255 were not measured and stay two launches.
+# 1.3 / 2.0 / 1.5 / 0.2 / 0.4 % shorter fused, 256 sequences 0.5 % longer (likely, not profiled: the
+# block barrier after a program's K/V stores holds back its first K/V loads, and the ~8 waves of
+# programs at 256 sequences each pay that). 129-255 were not measured and stay two launches.
 FUSED_ROTARY_MAX_SEQS = 128
 
 

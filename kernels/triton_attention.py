@@ -931,7 +931,7 @@ def paged_attention(
             BLOCK_ADDR=sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0,
         )
 
-    if rotary is not None and not (is_decode and not skip_decode):
+    if rotary is not None and not is_decode:
         raise ValueError("rotary: a decode launch only (max_query_len 1, not deterministic)")
     rotary_args = rotary.kernel_args(query, key_cache) if rotary is not None else (
         query, query, query, query, query, query, 0, 0, 0, 0, 0, 1.0, 1.0)

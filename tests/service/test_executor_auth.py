@@ -111,25 +111,19 @@ def test_an_executor_without_a_token_refuses_to_start(tiny_llama_dir, tmp_path, 
     assert done.returncode == 2 and "missing" in done.stderr
 
 
-def test_an_executor_refuses_an_unknown_kernel_in_pagedserve_pdl_off(tiny_llama_dir):
-    """Said at the start, with the known names, not at the first kernel launch."""
+@pytest.mark.parametrize(("variable", "value", "said"), [
+    ("PAGEDSERVE_PDL_OFF", "attention,gemm", ("PAGEDSERVE_PDL_OFF: unknown kernel(s) gemm", "rms_norm")),
+    ("PAGEDSERVE_FUSED_ROTARY", "on", ("PAGEDSERVE_FUSED_ROTARY='on': expected unset", "'all'")),
+])
+def test_an_executor_refuses_an_unknown_launch_setting(tiny_llama_dir, variable, value, said):
+    """Said at the start, with the known values, not at the first kernel launch."""
     import os
 
-    env = {**os.environ, "PAGEDSERVE_PDL_OFF": "attention,gemm"}
+    env = {**os.environ, variable: value}
     done = _executor("--model", str(tiny_llama_dir), "--device", "cpu", "--insecure-no-executor-token",
                      env=env)
     assert done.returncode == 2
-    assert "PAGEDSERVE_PDL_OFF: unknown kernel(s) gemm" in done.stderr and "rms_norm" in done.stderr
-
-
-def test_an_executor_refuses_an_unknown_pagedserve_fused_rotary(tiny_llama_dir):
-    import os
-
-    env = {**os.environ, "PAGEDSERVE_FUSED_ROTARY": "on"}
-    done = _executor("--model", str(tiny_llama_dir), "--device", "cpu", "--insecure-no-executor-token",
-                     env=env)
-    assert done.returncode == 2
-    assert "PAGEDSERVE_FUSED_ROTARY='on': expected unset" in done.stderr and "'all'" in done.stderr
+    assert all(part in done.stderr for part in said), done.stderr
 
 
 def test_token_options_resolve_from_file_and_environment(tmp_path, monkeypatch):

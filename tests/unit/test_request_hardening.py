@@ -65,8 +65,10 @@ def _validator(**limits) -> RequestValidator:
 
 
 def test_request_id_and_stop_strings_are_bounded_naming_the_field():
-    v = _validator(max_request_id_chars=8, max_stop_strings=2, max_stop_string_chars=5)
-    v.check_fields("12345678", ("ab", "abcde"))
+    v = _validator(max_request_id_chars=8, max_stop_strings=2, max_stop_string_chars=5, max_stop_token_ids=3)
+    v.check_fields("12345678", ("ab", "abcde"), (1, 2, 3))
+    with pytest.raises(InvalidRequestError, match="^stop_token_ids: 4 token ids; at most 3$"):
+        v.check_fields("", (), (1, 2, 3, 4))
     with pytest.raises(InvalidRequestError, match="^request_id: 9 characters; at most 8$"):
         v.check_fields("123456789", ())
     with pytest.raises(InvalidRequestError, match="^stop: 3 stop strings; at most 2$"):
