@@ -135,11 +135,12 @@ def pdl(device: torch.device, kernel: str | None = None, num_seqs: int | None = 
 
 FUSED_ROTARY_ENV = "PAGEDSERVE_FUSED_ROTARY"  # unset: FUSED_ROTARY_MAX_SEQS; "0": never; "all": always
 # Decode launches of at most this many sequences rotate inside attention. H200, llama3-8b decode graphs
-# at 500 positions, paired processes (docs/benchmarks.md round 24): 16 / 32 / 48 / 64 / 128 sequences
-# 1.3 / 2.0 / 1.5 / 0.2 / 0.4 % shorter fused, 256 sequences 0.5 % longer (likely, not profiled: the
-# block barrier after a program's K/V stores holds back its first K/V loads, and the ~8 waves of
-# programs at 256 sequences each pay that). 129-255 were not measured and stay two launches.
-FUSED_ROTARY_MAX_SEQS = 128
+# at 500 positions, paired processes: round 24, 16 / 32 / 48 / 64 / 128 sequences 1.3 / 2.0 / 1.5 / 0.2 /
+# 0.4 % shorter fused, 256 0.5 % longer; round 25 (two rounds, medians), 160 / 192 / 224 sequences 0.4 /
+# 0.6 / 0.4 % shorter, 256 even, 384 0.8 % longer (docs/benchmarks.md). Likely, not profiled: the block
+# barrier after a program's K/V stores holds back its first K/V loads, and the ~8 waves of programs at
+# 256 sequences each pay that. 224 is a decode graph bucket (runner/cuda_graphs.py DECODE_BUCKETS).
+FUSED_ROTARY_MAX_SEQS = 224
 
 
 def fused_rotary(num_seqs: int) -> bool:

@@ -89,7 +89,7 @@ the QKV projection's unrotated q, k, v; each program rotates its query rows, and
 partition holds a sequence's own position writes that token's rotated key and value into the cache,
 then (after a block barrier) reads its context as a plain decode launch does: the bits of
 rotary_and_cache then this kernel, one launch fewer a layer (kernels.fused_rotary says for which
-launches: up to FUSED_ROTARY_MAX_SEQS sequences; docs/benchmarks.md round 24).
+launches: up to FUSED_ROTARY_MAX_SEQS sequences; docs/benchmarks.md rounds 24 and 25).
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
