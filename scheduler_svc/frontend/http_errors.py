@@ -42,6 +42,38 @@ def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and (part in TYPE_TAGS or "[" in part)
 
 
+def _telling_error(errors: list[Any]) -> Any:
+    """The error to report. A union (a prompt: text, texts, token ids, lists of them) fails once per
+    member. The member that failed on a value (a token id -1, 10**10) says more than one of the wrong
+    type (prompt [-1] was "Input should be a valid string"). Else the member with the fewest errors,
+    the one that got furthest into the list, the one that wanted the kind of value it got: texts
+    ["a", 2] name item 1 as not a string, token ids [1, "2"] item 1 as not an integer."""
+    by_value = next((e for e in errors if not str(e["type"]).endswith("_type")), None)
+    if by_value is not None:
+        return by_value
+
+    def member(error: Any) -> str:
+        return next((part for part in error["loc"] if _is_type_tag(part)), "")
+
+    counts: dict[str, int] = {}
+    for error in errors:
+        counts[member(error)] = counts.get(member(error), 0) + 1
+    fewest = min(counts.values())
+    return max((e for e in errors if counts[member(e)] == fewest),
+               key=lambda e: ([part for part in e["loc"] if isinstance(part, int)], _expects_kind(e)))
+
+
+def _expects_kind(error: dict[str, Any]) -> bool:
+    """Whether a type error's member wanted the kind of value it got (a number where an integer was
+    wanted: prompt [1.5] is "a valid integer", not "a valid string")."""
+    given = error.get("input")
+    if isinstance(given, bool):
+        return error["type"] == "bool_type"
+    if isinstance(given, int | float):
+        return error["type"] in ("int_type", "float_type")
+    return isinstance(given, str) and error["type"] == "string_type"
+
+
 def openai_field(field: str) -> str:
     """The OpenAI name of a field the scheduler named (its gRPC path): prompt.token_ids -> prompt."""
     field = field.removeprefix("sampling.")
@@ -51,11 +83,8 @@ def openai_field(field: str) -> str:
 def http_error(exc: BaseException) -> HttpError:
     """The HTTP form of an API error (wire/errors.py), or of a body that failed its schema."""
     if isinstance(exc, pydantic.ValidationError):
-        # A union (a prompt: text, texts, token ids, lists of them) fails once per member; the member
-        # that failed on a value (a token id -1, 1.5, 10**10) says more than one of the wrong type
-        # (prompt [-1] was "Input should be a valid string")
         errors = exc.errors(include_url=False)
-        first = next((e for e in errors if not str(e["type"]).endswith("_type")), errors[0])
+        first = _telling_error(errors)
         loc = ".".join(str(part) for part in first["loc"] if not _is_type_tag(part))
         message = str(first["msg"]).removeprefix("Value error, ")
         if not loc and (match := FIELD_PREFIX.match(message)):

@@ -5,6 +5,9 @@ as vLLM names them: `top_k`, `ignore_eos`, `stop_token_ids`, `return_token_ids`,
 penalties, logit_bias, tools, ...) are refused with a 400 naming them unless left at their neutral
 value; fields nobody defines are ignored, as OpenAI's own server does with unknown fields.
 
+Bodies are typed strictly, as OpenAI's schema types them: a string, a boolean or 5.0 where an integer
+goes is a 400 naming the field, not coerced ("max_tokens": "5" and "stream": 1 were accepted, and a
+prompt [1, "2"] became token ids [1, 2]); an integer where a float goes is fine (JSON has one number).
 Every number is bounded here so that nothing out of a 64-bit range reaches protobuf; the server's own
 limits (n, max_tokens against the model, logprobs) are checked where every request is checked
 (scheduler_svc/sched/validation.py), and reach the client as the same 400 naming the field.
@@ -26,7 +29,7 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Request):
@@ -41,7 +44,7 @@ class _Sampling(_Request):
     temperature: float | None = None
     top_p: float | None = None
     top_k: Count | None = None  # extension
-    n: Count = 1
+    n: Annotated[int, Field(ge=1, le=2**31 - 1)] = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension
     seed: Seed | None = None

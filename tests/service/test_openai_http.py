@@ -157,6 +157,10 @@ BAD_FIELDS = [  # (endpoint, extra fields, the field the 400 names)
     # a token id of the wrong value names it (the union's text member said "a valid string")
     ("completions", {"prompt": [5, -1]}, "prompt.1"),
     ("completions", {"prompt": [1.5]}, "prompt.0"),
+    # typed strictly: these were coerced (to 5, to true, to token ids [1, 2])
+    ("completions", {"max_tokens": "5"}, "max_tokens"),
+    ("completions", {"stream": 1}, "stream"),
+    ("completions", {"prompt": [1, "2"]}, "prompt.1"),
     # more characters than the context (64 blocks of 16 tokens) could hold at 32 a token: refused before
     # the chat is rendered or tokenized (a 15 MiB message took 24 s of the front-end's loop)
     ("chat/completions", {"messages": [{"role": "user", "content": "ab " * 11_000}]}, "messages"),
