@@ -149,9 +149,10 @@ class HttpApi:
             for generate_request in generate_requests:
                 calls.append(LinkCall(self.link, generate_request, client=client))
             if exchange.body.stream:
-                # the first response of each call before the headers: a refused request is a 400, not a stream
-                firsts = await _first_responses(calls)
-                return SSEResponse(sse_events(exchange, calls, firsts), on_close=[lambda: _close(calls)])
+                # each call queued by the scheduler before the headers: a refused request is a 400, not
+                # a stream; the headers then go out at once, not at the first token (seconds of queueing)
+                await asyncio.gather(*(call.accepted() for call in calls))
+                return SSEResponse(sse_events(exchange, calls), on_close=[lambda: _close(calls)])
             return JSONResponse(await _unless_disconnected(request, collect(exchange, calls)))
         except BaseException:
             _close(calls)
@@ -179,10 +180,6 @@ def http_client(request: Request) -> str:
     connection is one client). Without it every HTTP client of a front-end would be one client."""
     peer = request.client
     return f"http:{peer.host}:{peer.port}" if peer is not None else ""
-
-
-async def _first_responses(calls: list[LinkCall]) -> list:
-    return list(await asyncio.gather(*(call.next() for call in calls)))
 
 
 def _close(calls: list[LinkCall]) -> None:

@@ -145,27 +145,23 @@ async def collect(exchange: Exchange, calls: list[LinkCall]) -> dict[str, Any]:
     return exchange.body_dict()
 
 
-async def _merged(calls: list[LinkCall], firsts: list) -> AsyncIterator[tuple[int, Any]]:
+async def _merged(calls: list[LinkCall]) -> AsyncIterator[tuple[int, Any]]:
     """(prompt index, response) of every call, in arrival order; raises the first call's error."""
     if len(calls) == 1:
-        response = firsts[0]
-        while response is not None:
+        while (response := await calls[0].next()) is not None:
             yield 0, response
-            response = await calls[0].next()
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, call: LinkCall, response: Any) -> None:
+    async def pump(index: int, call: LinkCall) -> None:
         try:
-            while response is not None:
+            while (response := await call.next()) is not None:
                 queue.put_nowait((index, response))
-                response = await call.next()
         except Exception as exc:  # noqa: BLE001 - handed to the reader
             queue.put_nowait((index, exc))
         queue.put_nowait((index, None))
 
-    pumps = [asyncio.ensure_future(pump(i, call, first))
-             for i, (call, first) in enumerate(zip(calls, firsts, strict=True))]
+    pumps = [asyncio.ensure_future(pump(i, call)) for i, call in enumerate(calls)]
     try:
         running = len(calls)
         while running:
@@ -181,9 +177,10 @@ async def _merged(calls: list[LinkCall], firsts: list) -> AsyncIterator[tuple[in
             task.cancel()
 
 
-async def sse_events(exchange: Exchange, calls: list[LinkCall], firsts: list) -> AsyncIterator[bytes]:
+async def sse_events(exchange: Exchange, calls: list[LinkCall]) -> AsyncIterator[bytes]:
+    """The stream's events, from calls the scheduler has accepted (LinkCall.accepted)."""
     try:
-        async for index, response in _merged(calls, firsts):
+        async for index, response in _merged(calls):
             chunk = exchange.chunk(index, response)
             if chunk is not None:
                 yield _sse(chunk)

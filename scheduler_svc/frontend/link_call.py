@@ -3,6 +3,10 @@ HTTP API (labelled api="openai" in the scheduler's metrics) make and read it: th
 of one stream, then the end; the scheduler's status for the stream raised as the API error it names
 (RelayedError: INVALID_ARGUMENT with the field, UNAVAILABLE while draining, ...).
 
+A stream's first event says the scheduler queued the request (`accepted` or `text_by_frontend`, with
+its request id): `accepted()` returns then, or raises the refusal, so that a caller answers its
+client's headers before the first token; `next()` skips it.
+
 A reader that falls behind gets what is waiting in one response: `next()` folds the stream's queued
 responses together (wire/convert.py append_response). A stream is one message per engine step while
 its reader keeps up, and fewer, larger ones while the process relaying it is busy, so a front-end
@@ -42,6 +46,11 @@ class StreamLink(Protocol):
 _NOTHING = object()  # no event held back
 
 
+def _is_acceptance(event: Any) -> bool:
+    """The event that says the scheduler queued the request (not a message for the client)."""
+    return event is not None and (event.accepted or event.text_by_frontend)
+
+
 class LinkCall:
     """`await call.next()` until it returns None; `close()` always (it aborts an unfinished request).
     Every response carries the stream's request id (the scheduler sends it in the first only)."""
@@ -53,7 +62,26 @@ class LinkCall:
         self.done = False
         self._closed = False
         self._request_id = ""
+        self._accepted = False
         self._held: Any = _NOTHING  # an event that ends the stream with an error, read while folding
+
+    async def accepted(self) -> None:
+        """Returns once the scheduler has queued the request, or its stream has begun or ended
+        without saying so (a scheduler without `accepted` events); raises its refusal (the API error,
+        as next() would)."""
+        if self._accepted or self._held is not _NOTHING or self.done:
+            return
+        event = await self._queue.get()
+        if _is_acceptance(event):
+            self._accept(event)
+        elif event is None or (event.end and event.code):
+            self._response(event)  # raises
+        else:
+            self._held = event  # a response: next() returns it
+
+    def _accept(self, event: Any) -> None:
+        self._accepted = True
+        self._request_id = self._request_id or event.response.request_id
 
     async def next(self) -> generation_pb2.GenerateResponse | None:
         if self._held is not _NOTHING:
@@ -62,10 +90,16 @@ class LinkCall:
             return None
         else:
             event = await self._queue.get()
+            while _is_acceptance(event):
+                self._accept(event)
+                event = await self._queue.get()
         response = self._response(event)
         queue = self._queue
         while not self.done and not queue.empty():  # what else has come meanwhile, as one message
             event = queue.get_nowait()
+            if _is_acceptance(event):
+                self._accept(event)
+                continue
             if event is None or (event.end and event.code):  # an error: raised after what came before
                 self._held = event
                 self.done = True  # (the stream is over: closing it now cancels nothing)

@@ -130,6 +130,7 @@ class EngineLink:
                 if event.text_by_frontend:
                     if event.stream_id in streams:  # (not a stream its client left meanwhile)
                         lane.announce(event)
+                        streams[event.stream_id].put_nowait(event)  # its call reads it as accepted
                     continue
                 if event.stream_id in lane:
                     lane.complete(event)
@@ -209,6 +210,8 @@ class FrontendServicer(generation_pb2_grpc.GenerationServicer):
         check_decoded(request)
         call = LinkCall(self._link, request, client=context.peer(), api=DEFAULT_API)
         try:
+            await call.accepted()  # a refusal is the call's status; else the headers go out now
+            await context.send_initial_metadata(())
             while (response := await call.next()) is not None:
                 yield clock.stamp(response)
         finally:

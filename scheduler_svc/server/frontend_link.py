@@ -6,8 +6,10 @@ Generate call would (same validation, same errors), but its deltas are not writt
 stream one by one: they are collected, and everything the engine produced since the last write goes
 out as one `StreamBatch`. At hundreds of concurrent requests that is one gRPC message per engine
 step instead of one per request per step, the largest cost of the scheduler process (docs/benchmarks.md,
-"Scheduler step overhead"). A batch is cut below the link's message limit; a stream's request id
-goes out once, in its first event. If the link breaks, every request it opened is aborted.
+"Scheduler step overhead"). A batch is cut below the link's message limit. A stream's first event
+says that its request was queued (`accepted`, or `text_by_frontend` below), with its request id,
+which no later event repeats: the front-end answers an HTTP stream's headers then, not at the first
+token, which may be seconds of queueing later. If the link breaks, every request it opened is aborted.
 
 The token lane: a front-end that holds the scheduler's tokenizer (the `Tokenizer` call) opens its
 streams with `make_text`. A plain request (RequestState.is_plain: one output, no stop strings, no
@@ -100,7 +102,6 @@ class _Link:
         self._full: deque[frontend_pb2.StreamBatch] = deque()  # cut batches, oldest first
         self._batch = frontend_pb2.StreamBatch()
         self._batch_bytes = 0
-        self._unnamed: set[int] = set()  # open streams whose request id is not sent yet
         self._rows = _Rows()  # the token lane's rows of the batch being built
         self._ready = asyncio.Event()
 
@@ -189,8 +190,12 @@ class _Link:
             event.response.prompt_tokens = stream.prompt_len
             event.prompt_tail_ids.extend(stream.prompt_tail_ids)
             self._ready.set()
-        else:
-            self._unnamed.add(stream_id)
+        else:  # queued: the front-end may answer its client's headers now
+            self._make_room(64 + 4 * len(stream.request_id))
+            event = self._batch.events.add(stream_id=stream_id, accepted=True)
+            event.response.request_id = stream.request_id
+            event.response.prompt_tokens = stream.prompt_len
+            self._ready.set()
 
     def _cancel(self, stream_id: int) -> None:
         opening = self._opening.pop(stream_id, None)
@@ -203,18 +208,14 @@ class _Link:
     def _on_delta(self, stream_id: int, delta: RequestDelta) -> None:
         if delta.error is not None:
             stream = self._streams.pop(stream_id, None)
-            self._unnamed.discard(stream_id)
             error = (ServiceUnavailableError if delta.unavailable else RequestFailedError)(delta.error)
             self._end(stream_id, *error_status(error), stream.api if stream is not None else DEFAULT_API)
             return
-        first = stream_id in self._unnamed  # the request id goes out once, in the stream's first event
         if stream_id in self._rows.streams:  # its rows must reach the front-end before this event
             self._full.append(self._take_batch())
-        self._make_room(approx_delta_bytes(delta) + (len(delta.request_id) * 4 if first else 0))
+        self._make_room(approx_delta_bytes(delta))
         event = self._batch.events.add(stream_id=stream_id, end=delta.finished)
-        request_delta_to_pb(delta, event.response, with_request_id=first)
-        if first:
-            self._unnamed.discard(stream_id)
+        request_delta_to_pb(delta, event.response, with_request_id=False)  # (in the accepted event)
         if delta.finished:
             self._streams.pop(stream_id, None)
         self._ready.set()

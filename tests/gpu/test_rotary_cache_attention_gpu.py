@@ -179,7 +179,7 @@ def bench() -> None:
     from kernels.bench import warm_up_gpu
     from kernels.bench_common import time_graph_ms
 
-    os.environ["PAGEDSERVE_FUSED_ROTARY"] = "all"  # the fused launch at every size (the rule stops at FUSED_ROTARY_MAX_SEQS)
+    os.environ["PAGEDSERVE_FUSED_ROTARY"] = "all"  # every size fused (the rule: FUSED_ROTARY_MAX_SEQS)
     warm_up_gpu()
     layers = 32
     print(f"{torch.cuda.get_device_name()}, bf16, llama3-8b heads; us per layer, "

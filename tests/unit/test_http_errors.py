@@ -46,5 +46,6 @@ def test_json_numbers_where_floats_go_and_good_bodies_pass():
         b' "logprobs": true, "top_logprobs": 2, "max_completion_tokens": 3, "tool_choice": "auto"}')
     assert chat.output_limit() == 3 and chat.messages[0].text() == "x"
     with pytest.raises(pydantic.ValidationError) as caught:
-        ChatCompletionRequest.model_validate_json(b'{"model": "m", "messages": [{"role": "user", "content": 5}]}')
+        ChatCompletionRequest.model_validate_json(
+            b'{"model": "m", "messages": [{"role": "user", "content": 5}]}')
     assert http_error(caught.value).param == "messages.0.content"

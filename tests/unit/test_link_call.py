@@ -284,3 +284,60 @@ def test_the_api_servers_first_token_clock(monkeypatch):
     ended = generation_pb2.GenerateResponse(finished=True)
     ended.metrics.e2e_latency_s = 1.0
     assert silent.stamp(ended).metrics.api_time_to_first_token_s == 0.0
+
+
+def _accepted_event(request_id="r7", text_by_frontend=False):
+    event = frontend_pb2.StreamEvent(stream_id=3, accepted=not text_by_frontend,
+                                     text_by_frontend=text_by_frontend)
+    event.response.request_id, event.response.prompt_tokens = request_id, 4
+    return event
+
+
+@pytest.mark.parametrize("text_by_frontend", [False, True])
+def test_accepted_returns_when_the_request_is_queued_before_any_token(text_by_frontend):
+    """The stream's first event (accepted, or the token lane's announcement) says the request is
+    queued: accepted() returns with no token in, and next() skips that event, naming its request id."""
+    async def go():
+        link = FakeLink()
+        call = LinkCall(link, generation_pb2.GenerateRequest())
+        link.queue.put_nowait(_accepted_event(text_by_frontend=text_by_frontend))
+        await asyncio.wait_for(call.accepted(), 1)
+        assert link.queue.empty() and not call.done
+        waiting = asyncio.ensure_future(call.next())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # no token yet: the acceptance is not a message for the client
+        link.queue.put_nowait(_event(_response([_delta(0, [5], "a", count=1)], finished=True), end=True))
+        first = await asyncio.wait_for(waiting, 1)
+        assert first.request_id == "r7" and list(first.outputs[0].token_ids) == [5]
+        assert await call.next() is None
+
+    asyncio.run(go())
+
+
+def test_accepted_raises_a_refusal_and_passes_a_stream_that_never_says_accepted():
+    async def go():
+        link = FakeLink()
+        call = LinkCall(link, generation_pb2.GenerateRequest())
+        link.queue.put_nowait(_event(end=True, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                     message="n: must be in [1, 16], got 99"))
+        with pytest.raises(RelayedError, match="n: must be in"):
+            await call.accepted()
+        assert call.done and await call.next() is None
+        # a scheduler that sends no acceptance: its first response stands for it, and is not lost
+        link = FakeLink()
+        call = LinkCall(link, generation_pb2.GenerateRequest())
+        link.queue.put_nowait(_event(_response([_delta(0, [6], "b", count=1)], request_id="r8")))
+        link.queue.put_nowait(_accepted_event("late"))  # (none comes later; skipped if one does)
+        link.queue.put_nowait(_event(_response([_delta(0, [7], "c", count=2)], finished=True), end=True))
+        await call.accepted()
+        got, exc = await _read_all(call)
+        assert exc is None and [list(r.outputs[0].token_ids) for r in got] == [[6, 7]]
+        assert got[0].request_id == "r8"
+        # a link that breaks before the acceptance
+        link = FakeLink()
+        call = LinkCall(link, generation_pb2.GenerateRequest())
+        link.queue.put_nowait(None)
+        with pytest.raises(ServiceUnavailableError):
+            await call.accepted()
+
+    asyncio.run(go())

@@ -42,6 +42,7 @@ class ScriptedLink:
         self.clients: list[str] = []  # and the client
         self.open_streams: set[int] = set()
         self.cancelled: list[int] = []
+        self.queues: list[asyncio.Queue] = []  # each stream's, to add events to later
 
     def open(self, request, client="", api="openai"):
         if not self.up:
@@ -54,6 +55,7 @@ class ScriptedLink:
         for event in self.script(request):
             queue.put_nowait(event)
         self.open_streams.add(stream_id)
+        self.queues.append(queue)
         return stream_id, queue
 
     def close(self, stream_id, cancel):
@@ -141,6 +143,55 @@ def test_several_prompts_stream_as_one_with_their_own_indices_and_usage():
     assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
     assert list(link.requests[-1].token_ids.ids) == [3]
     assert link.apis == ["openai"] * 4  # the scheduler's metrics label each prompt's request api="openai"
+
+
+def _accepted(request):
+    event = frontend_pb2.StreamEvent(accepted=True)
+    event.response.request_id, event.response.prompt_tokens = "r1", 3
+    return [event]
+
+
+def test_a_stream_answers_its_headers_once_queued_before_its_first_token():
+    """A stream's 200 and headers go out when the scheduler has queued its request (its acceptance
+    event), not at the first token, which may come after seconds in the queue; the tokens then follow
+    on the open stream."""
+    async def go():
+        api, link = make_api(_accepted)
+        body = json.dumps({**COMPLETION, "prompt": ["p", "q"], "stream": True}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("t", 80),
+                 "headers": [(b"host", b"t"), (b"content-type", b"application/json")]}
+        requests = [{"type": "http.request", "body": body, "more_body": False}]
+        never = asyncio.Event()
+
+        async def receive():
+            if requests:
+                return requests.pop()
+            await never.wait()  # the client stays
+            return {"type": "http.disconnect"}
+
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        answer = asyncio.ensure_future(api.app(scope, receive, send))
+        for _ in range(200):
+            if sent:
+                break
+            await asyncio.sleep(0.01)
+        assert sent and sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200, sent
+        assert not any(m.get("body") for m in sent[1:])  # no token has come
+        assert len(link.queues) == 2 and not answer.done()
+        for queue, word in zip(link.queues, "pq", strict=True):
+            queue.put_nowait(frontend_pb2.StreamEvent(response=_response(word, True), end=True))
+        await asyncio.wait_for(answer, 5)
+        text = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+        assert '"text":"p"' in text.replace(" ", "") and '"text":"q"' in text.replace(" ", "")
+        assert text.rstrip().endswith("[DONE]")
+
+    asyncio.run(go())
 
 
 def test_unknown_fields_are_ignored_and_unsupported_ones_refused():

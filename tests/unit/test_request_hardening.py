@@ -130,6 +130,7 @@ class _FakeStream:
 
     def __init__(self, request_id: str):
         self.request_id = request_id
+        self.prompt_len = 3
         self.sink = None
         self.aborted = False
 
@@ -178,7 +179,11 @@ def test_batches_are_cut_below_the_limit_and_name_each_request_once():
     assert len(batches) > 1
     assert all(b.ByteSize() <= 4000 for b in batches)
     events = [e for b in batches for e in b.events]
-    assert len(events) == 120
+    assert len(events) == 40 + 120  # each stream's acceptance, then its three deltas
     named = [(e.stream_id, e.response.request_id) for e in events if e.response.request_id]
     assert sorted(named) == [(i, f"r{i}") for i in range(40)]  # the first event of each stream only
+    first = {}
+    for e in events:
+        first.setdefault(e.stream_id, e)
+    assert all(e.accepted and not e.response.outputs for e in first.values())  # queued, no tokens yet
     assert isinstance(batches[0], frontend_pb2.StreamBatch)

@@ -187,6 +187,7 @@ def test_the_front_end_routes_events_before_rows_and_skips_streams_it_left():
     batch.tokens.CopyFrom(_columns(rows))
     link._route(batch)
     assert 2 not in link.lane and len(link.lane) == 0  # 1 ended, 2 never announced
-    got = [queue.get_nowait() for _ in range(queue.qsize())]
+    announced, *got = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert announced.text_by_frontend and announced.response.request_id == "r1"  # its call: accepted
     assert [list(e.response.outputs[0].token_ids) for e in got] == [[7], [9]]
     assert [e.end for e in got] == [False, True] and got[1].response.outputs[0].completion_tokens == 2

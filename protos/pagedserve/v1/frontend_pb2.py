@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pagedserve.v1 import generation_pb2 as protos_dot_pagedserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pagedserve/v1/frontend.proto\x12\rpagedserve.v1\x1a%protos/pagedserve/v1/generation.proto\"\x12\n\x10TokenizerRequest\"0\n\x11TokenizerResponse\x12\x1b\n\x13tokenizer_json_zlib\x18\x01 \x01(\x0c\"\x80\x01\n\nOpenStream\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12/\n\x07request\x18\x02 \x01(\x0b\x32\x1e.pagedserve.v1.GenerateRequest\x12\x0e\n\x06\x63lient\x18\x03 \x01(\t\x12\x0b\n\x03\x61pi\x18\x04 \x01(\t\x12\x11\n\tmake_text\x18\x05 \x01(\x08\"R\n\x0bLinkRequest\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.pagedserve.v1.OpenStreamH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\x04H\x00\x42\x06\n\x04kind\"\xb2\x01\n\x0bStreamEvent\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1f.pagedserve.v1.GenerateResponse\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x18\n\x10text_by_frontend\x18\x06 \x01(\x08\x12\x17\n\x0fprompt_tail_ids\x18\x07 \x03(\x03\"\xaa\x01\n\x0cTokenColumns\x12\x12\n\nstream_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x16\n\x0e\x66inish_reasons\x18\x04 \x03(\x05\x12\x10\n\x08\x66inished\x18\x05 \x03(\x08\x12\x37\n\x10\x66inished_metrics\x18\x06 \x03(\x0b\x32\x1d.pagedserve.v1.RequestMetrics\"f\n\x0bStreamBatch\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.StreamEvent\x12+\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.TokenColumns2\xa5\x01\n\x0c\x46rontendLink\x12\x45\n\x07Streams\x12\x1a.pagedserve.v1.LinkRequest\x1a\x1a.pagedserve.v1.StreamBatch(\x01\x30\x01\x12N\n\tTokenizer\x12\x1f.pagedserve.v1.TokenizerRequest\x1a .pagedserve.v1.TokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pagedserve/v1/frontend.proto\x12\rpagedserve.v1\x1a%protos/pagedserve/v1/generation.proto\"\x12\n\x10TokenizerRequest\"0\n\x11TokenizerResponse\x12\x1b\n\x13tokenizer_json_zlib\x18\x01 \x01(\x0c\"\x80\x01\n\nOpenStream\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12/\n\x07request\x18\x02 \x01(\x0b\x32\x1e.pagedserve.v1.GenerateRequest\x12\x0e\n\x06\x63lient\x18\x03 \x01(\t\x12\x0b\n\x03\x61pi\x18\x04 \x01(\t\x12\x11\n\tmake_text\x18\x05 \x01(\x08\"R\n\x0bLinkRequest\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.pagedserve.v1.OpenStreamH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\x04H\x00\x42\x06\n\x04kind\"\xc4\x01\n\x0bStreamEvent\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1f.pagedserve.v1.GenerateResponse\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x18\n\x10text_by_frontend\x18\x06 \x01(\x08\x12\x17\n\x0fprompt_tail_ids\x18\x07 \x03(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x08 \x01(\x08\"\xaa\x01\n\x0cTokenColumns\x12\x12\n\nstream_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x16\n\x0e\x66inish_reasons\x18\x04 \x03(\x05\x12\x10\n\x08\x66inished\x18\x05 \x03(\x08\x12\x37\n\x10\x66inished_metrics\x18\x06 \x03(\x0b\x32\x1d.pagedserve.v1.RequestMetrics\"f\n\x0bStreamBatch\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.StreamEvent\x12+\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.TokenColumns2\xa5\x01\n\x0c\x46rontendLink\x12\x45\n\x07Streams\x12\x1a.pagedserve.v1.LinkRequest\x1a\x1a.pagedserve.v1.StreamBatch(\x01\x30\x01\x12N\n\tTokenizer\x12\x1f.pagedserve.v1.TokenizerRequest\x1a .pagedserve.v1.TokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,11 +41,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LINKREQUEST']._serialized_start=294
   _globals['_LINKREQUEST']._serialized_end=376
   _globals['_STREAMEVENT']._serialized_start=379
-  _globals['_STREAMEVENT']._serialized_end=557
-  _globals['_TOKENCOLUMNS']._serialized_start=560
-  _globals['_TOKENCOLUMNS']._serialized_end=730
-  _globals['_STREAMBATCH']._serialized_start=732
-  _globals['_STREAMBATCH']._serialized_end=834
-  _globals['_FRONTENDLINK']._serialized_start=837
-  _globals['_FRONTENDLINK']._serialized_end=1002
+  _globals['_STREAMEVENT']._serialized_end=575
+  _globals['_TOKENCOLUMNS']._serialized_start=578
+  _globals['_TOKENCOLUMNS']._serialized_end=748
+  _globals['_STREAMBATCH']._serialized_start=750
+  _globals['_STREAMBATCH']._serialized_end=852
+  _globals['_FRONTENDLINK']._serialized_start=855
+  _globals['_FRONTENDLINK']._serialized_end=1020
 # @@protoc_insertion_point(module_scope)

@@ -40,7 +40,7 @@ class LinkRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
 
 class StreamEvent(_message.Message):
-    __slots__ = ("stream_id", "response", "end", "code", "message", "text_by_frontend", "prompt_tail_ids")
+    __slots__ = ("stream_id", "response", "end", "code", "message", "text_by_frontend", "prompt_tail_ids", "accepted")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class StreamEvent(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TEXT_BY_FRONTEND_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TAIL_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     response: _generation_pb2.GenerateResponse
     end: bool
@@ -55,7 +56,8 @@ class StreamEvent(_message.Message):
     message: str
     text_by_frontend: bool
     prompt_tail_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[_generation_pb2.GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., text_by_frontend: _Optional[bool] = ..., prompt_tail_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    accepted: bool
+    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[_generation_pb2.GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., text_by_frontend: _Optional[bool] = ..., prompt_tail_ids: _Optional[_Iterable[int]] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
 class TokenColumns(_message.Message):
     __slots__ = ("stream_ids", "token_ids", "logprobs", "finish_reasons", "finished", "finished_metrics")
