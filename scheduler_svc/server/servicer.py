@@ -107,6 +107,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         stream = await add_request_from_pb(self._engine, request, client_of(context))
         finished = False
         try:
+            await context.send_initial_metadata(())  # queued: the headers now, not at the first token
             while not finished:
                 delta = await stream.next_delta()
                 finished = delta.finished

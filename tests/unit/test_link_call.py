@@ -192,6 +192,10 @@ class _Request:
 class _Context:
     def __init__(self):
         self.aborted: tuple | None = None
+        self.headers_sent = False
+
+    async def send_initial_metadata(self, metadata):
+        self.headers_sent = True
 
     def invocation_metadata(self):
         return ()
@@ -235,7 +239,9 @@ def test_the_schedulers_own_stream_folds_queued_deltas_too(monkeypatch):
             out = OutputDelta(0, [10 + step], f"t{step}", finish_reason="length" if step == 3 else None)
             out.num_output_tokens = step + 1
             request.queue.put_nowait(RequestDelta("d1", 3, [out], finished=step == 3))
-        got = await _drain(servicer, _Context())
+        context = _Context()
+        got = await _drain(servicer, context)
+        assert context.headers_sent  # once queued (the headers go out before the first token)
         assert len(got) == 1 and got[0].finished and got[0].request_id == "d1"
         assert list(got[0].outputs[0].token_ids) == [10, 11, 12, 13] and got[0].outputs[0].text == "t0t1t2t3"
         assert got[0].outputs[0].completion_tokens == 4
