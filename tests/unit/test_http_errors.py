@@ -15,7 +15,9 @@ CASES = [  # (extra fields of a completion, the param named, words of the messag
     ({"prompt": ["a", "b", 3.5]}, "prompt.2", "valid string"),  # the member with the fewest errors
     ({"prompt": [1.5]}, "prompt.0", "valid integer"),  # a number where a token id goes
     ({"prompt": [[1], [2, "x"]]}, "prompt.1.1", "valid integer"),
-    ({"prompt": {"a": 1}}, "prompt", "valid string"),
+    ({"prompt": {"a": 1}}, "prompt", "a text, a list of texts, a list of token ids or a list of token-id"),
+    ({"prompt": 5}, "prompt", "a list of token ids"),
+    ({"prompt": [True]}, "prompt.0", "valid integer"),
     ({"max_tokens": "5"}, "max_tokens", "valid integer"),  # no coercion of a string
     ({"max_tokens": True}, "max_tokens", "valid integer"),  # nor of a boolean
     ({"max_tokens": 5.0}, "max_tokens", "valid integer"),
