@@ -30,7 +30,7 @@ import pydantic
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -47,7 +47,7 @@ from scheduler_svc.frontend.openai_schema import (
     ModelList,
 )
 from scheduler_svc.wire.chat_template import ChatTemplate
-from scheduler_svc.wire.errors import ApiError
+from scheduler_svc.wire.errors import ApiError, ResourceExhaustedError
 
 MAX_BODY_BYTES = 16 << 20
 _log = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ class HttpApi:
                     streaming = True
             except HttpError as err:
                 response = error_response(err)
+            except ClientDisconnect:  # gone mid-body: no one to answer, nothing of the server's failed
+                response = error_response(HttpError(499, "the client closed the connection"))
             except (ApiError, pydantic.ValidationError) as exc:
                 response = error_response(http_error(exc))
             except Exception as exc:  # noqa: BLE001 - one request's failure stops nothing else
@@ -120,10 +122,15 @@ class HttpApi:
         declared = request.headers.get("content-length", "0")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise HttpError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise HttpError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        body = schema.model_validate_json(raw)
+        # read as it comes, up to the limit: a chunked body declares no length (one of 400 MiB was
+        # held whole, the process at 869 MiB, before its 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise HttpError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+        body = schema.model_validate_json(b"".join(chunks))
         model = getattr(body, "model", None)
         if model not in self.model_names:
             raise HttpError(404, f"the model {model!r} does not exist (this server serves "
@@ -140,14 +147,24 @@ class HttpApi:
         exchange = Exchange("chatcmpl", "chat.completion", self.model_name, body, self.text, chat=True)
         # rendering and tokenizing a long chat on a worker thread: the other streams keep flowing
         generate = await asyncio.to_thread(chat_request, body, self.text, self.max_context_tokens)
-        return await self._answer(request, exchange, [generate])
+        try:
+            return await self._answer(request, exchange, [generate])
+        except ApiError as exc:  # the scheduler judged the rendered chat's tokens: its prompt is messages
+            err = http_error(exc)
+            if err.param != "prompt":
+                raise
+            raise HttpError(err.status, f"messages: {err.message.removeprefix('prompt: ')} (the chat as "
+                                        "its template renders it)", "messages") from None
 
     async def _answer(self, request: Request, exchange: Exchange, generate_requests: list) -> Response:
         calls: list[LinkCall] = []
         client = http_client(request)
         try:
             for generate_request in generate_requests:
-                calls.append(LinkCall(self.link, generate_request, client=client))
+                try:
+                    calls.append(LinkCall(self.link, generate_request, client=client))
+                except ResourceExhaustedError as exc:  # over the link's message size: not "retry later"
+                    raise HttpError(413, str(exc)) from None
             if exchange.body.stream:
                 # each call queued by the scheduler before the headers: a refused request is a 400, not
                 # a stream; the headers then go out at once, not at the first token (seconds of queueing)

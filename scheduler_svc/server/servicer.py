@@ -84,7 +84,8 @@ async def add_request_from_pb(
     """Queues a GenerateRequest for `client` (its creator: admission limits, Abort scoping) that came
     through `api`; the engine validates both; raises the API's errors (wire/errors.py)."""
     engine.validator.check_fields(  # before converting them
-        request.request_id, request.sampling.stop, request.sampling.stop_token_ids
+        request.request_id, request.sampling.stop, request.sampling.stop_token_ids,
+        len(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" else 0,
     )
     params = sampling_params_from_pb(request.sampling, engine.limits.default_sampling)
     return await engine.add_request(prompt_from_pb(request), params, request.request_id, client, api)

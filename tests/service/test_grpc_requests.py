@@ -46,7 +46,7 @@ INVALID = [
     ([5, 512], {}, "prompt.token_ids"),
     ([-1, 5], {}, "prompt.token_ids"),
     ([5, 6], {"max_tokens": 2047}, "max_tokens"),  # 2 + 2047 > max_model_len 2048
-    ([7] * 800, {"max_tokens": 1}, "prompt"),  # 50 blocks: never fits in 48
+    ([7] * 800, {"max_tokens": 1}, "prompt.token_ids"),  # 50 blocks: never fits in 48 (by length alone)
     ([7] * 500, {"max_tokens": 400}, "max_tokens"),  # 57 blocks with its outputs: never fits
     ([5, 6], {"temperature": -0.5}, "temperature"),
     ([5, 6], {"top_p": 0.0}, "top_p"),

@@ -330,3 +330,81 @@ def test_each_http_connection_is_its_own_client_for_the_admission_limit():
     assert asyncio.run(go(4001)).status_code == 200
     assert asyncio.run(go(4002)).status_code == 200
     assert link.clients == ["http:10.1.2.3:4001"] * 2 + ["http:10.1.2.3:4002"] * 2
+
+
+def _drive(api: HttpApi, chunks: list[bytes], then_disconnect: bool = False, path: str = "/v1/completions"):
+    """The app answering one POST whose body comes in `chunks` (no content-length: chunked), then
+    the client staying or going away; returns (messages sent, receive calls made)."""
+    async def go():
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "root_path": "", "client": ("127.0.0.1", 5001), "server": ("t", 80),
+                 "headers": [(b"host", b"t"), (b"content-type", b"application/json"),
+                             (b"transfer-encoding", b"chunked")]}
+        pending = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+        pending.append({"type": "http.disconnect"} if then_disconnect else
+                       {"type": "http.request", "body": b"", "more_body": False})
+        received, sent = [0], []
+
+        async def receive():
+            received[0] += 1
+            if pending:
+                return pending.pop(0)
+            await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append(message)
+
+        await asyncio.wait_for(api.app(scope, receive, send), 10)
+        return sent, received[0]
+
+    return asyncio.run(go())
+
+
+def test_a_chunked_body_is_refused_once_past_the_limit_not_after_it_is_all_read():
+    """A body without a content-length (chunked) is read up to the limit: a 400 MiB one was held
+    whole (the front-end at 869 MiB) before its 413."""
+    from scheduler_svc.frontend.http_app import MAX_BODY_BYTES
+
+    api, link = make_api()
+    mib = b"x" * (1 << 20)
+    sent, received = _drive(api, [mib] * 400)
+    assert sent[0]["status"] == 413 and received <= MAX_BODY_BYTES // len(mib) + 1
+    assert b"larger than" in sent[1]["body"] and not link.requests
+    ok, _ = _drive(api, [json.dumps(COMPLETION).encode()])  # a small chunked body is read whole
+    assert ok[0]["status"] == 200
+
+
+def test_a_client_gone_mid_body_is_a_499_not_a_server_error(caplog):
+    api, link = make_api()
+    sent, _ = _drive(api, [b'{"model": "m", "pro'], then_disconnect=True)
+    assert sent[0]["status"] == 499 and not link.requests
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no traceback logged
+
+
+def test_a_request_over_the_links_message_size_is_a_413_not_a_429():
+    from scheduler_svc.wire.errors import ResourceExhaustedError
+
+    api, link = make_api()
+
+    def too_big(request, client="", api="openai"):
+        raise ResourceExhaustedError("the request is 16777223 bytes with its link envelope; at most "
+                                     "16777216 (--max-request-bytes)")
+
+    link.open = too_big
+    reply = call(api, "POST", "/v1/completions", COMPLETION)
+    assert reply.status_code == 413 and "link envelope" in reply.json()["error"]["message"]
+
+
+def test_a_rendered_chat_the_scheduler_finds_too_long_names_messages_not_prompt(tiny_llama_dir):
+    refused = [frontend_pb2.StreamEvent(end=True, code=3, message="prompt: 30014 tokens can never fit in "
+                                                                  "the KV cache (64 blocks of 16 tokens)")]
+    api, _ = make_api(lambda request: refused)
+    api.text = ModelText(ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"),
+                         str(tiny_llama_dir))
+    for stream in (False, True):
+        reply = call(api, "POST", "/v1/chat/completions",
+                     {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream})
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == "messages", error
+        assert error["message"].startswith("messages: 30014 tokens can never fit"), error

@@ -42,6 +42,8 @@ def _validator(policy: str = "paged") -> tuple[RequestValidator, Scheduler]:
         ([], "prompt: must not be empty"),
         ([5, 100], "prompt.token_ids: token id 100 is outside the vocabulary [0, 100)"),
         ([-1, 5], "prompt.token_ids: token id -1 is outside the vocabulary [0, 100)"),
+        # longer than the cache (32 tokens) holds: refused before its ids are checked one by one
+        ([200] * 33, f"prompt.token_ids: 33 tokens can never fit (max_model_len 40, {CACHE})"),
     ],
 )
 def test_a_bad_prompt_is_refused_naming_the_field(prompt, message):
@@ -73,6 +75,15 @@ def test_a_bad_request_is_refused_naming_the_field(prompt_len, params, field, re
     assert (err.value.field, err.value.reason, str(err.value)) == (field, reason, f"{field}: {reason}")
     assert err.value.code == "INVALID_ARGUMENT"
     assert not sched.has_unfinished()
+
+
+def test_a_token_id_prompt_too_long_for_the_server_is_refused_by_its_length_alone():
+    """The servicer passes the protobuf list's length before converting it (15 million ids took the
+    engine's loop 2.5 s to convert and check before this): refused naming prompt.token_ids."""
+    validator, _ = _validator()
+    validator.check_fields("r", (), (), num_prompt_ids=32)  # a whole cache's worth may be asked
+    with pytest.raises(InvalidRequestError, match=r"^prompt.token_ids: 15000000 tokens can never fit"):
+        validator.check_fields("r", (), (), num_prompt_ids=15_000_000)
 
 
 def test_a_good_request_passes_and_the_scheduler_takes_it():
