@@ -50,6 +50,7 @@ from scheduler_svc.wire.chat_template import ChatTemplate
 from scheduler_svc.wire.errors import ApiError, ResourceExhaustedError
 
 MAX_BODY_BYTES = 16 << 20
+CUT_OFF_FLUSH_S = 1.0  # for the streams ended at the drain's end to send their error event and [DONE]
 _log = logging.getLogger(__name__)
 # The front-end's own series (the scheduler's request metrics count what reaches it, as api="openai").
 REQUESTS = Counter("pagedserve_http_requests", "HTTP API requests answered, by endpoint and status",
@@ -69,6 +70,7 @@ class HttpApi:
         self.is_serving = is_serving
         self.draining = False
         self.num_in_flight = 0
+        self._calls: set[LinkCall] = set()  # every call of an exchange in flight (cut_off ends them)
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/v1/completions", self._endpoint("completions", self._completions), methods=["POST"]),
@@ -165,18 +167,32 @@ class HttpApi:
                     calls.append(LinkCall(self.link, generate_request, client=client))
                 except ResourceExhaustedError as exc:  # over the link's message size: not "retry later"
                     raise HttpError(413, str(exc)) from None
+                self._calls.add(calls[-1])
             if exchange.body.stream:
                 # each call queued by the scheduler before the headers: a refused request is a 400, not
                 # a stream; the headers then go out at once, not at the first token (seconds of queueing)
                 await asyncio.gather(*(call.accepted() for call in calls))
-                return SSEResponse(sse_events(exchange, calls), on_close=[lambda: _close(calls)])
+                return SSEResponse(sse_events(exchange, calls), on_close=[lambda: self._close(calls)])
             return JSONResponse(await _unless_disconnected(request, collect(exchange, calls)))
         except BaseException:
-            _close(calls)
+            self._close(calls)
             raise
         finally:
             if not exchange.body.stream:
-                _close(calls)
+                self._close(calls)
+
+    def _close(self, calls: list[LinkCall]) -> None:
+        for call in calls:
+            call.close()
+            self._calls.discard(call)
+
+    def cut_off(self, reason: str) -> int:
+        """Ends every call in flight with UNAVAILABLE saying `reason` (their requests cancelled): a
+        stream then sends an error event and [DONE], a whole answer is a 503. Returns how many."""
+        calls, self._calls = list(self._calls), set()
+        for call in calls:
+            call.cut(reason)
+        return len(calls)
 
     async def _models(self, request: Request) -> Response:
         card = ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_context_tokens)
@@ -197,11 +213,6 @@ def http_client(request: Request) -> str:
     connection is one client). Without it every HTTP client of a front-end would be one client."""
     peer = request.client
     return f"http:{peer.host}:{peer.port}" if peer is not None else ""
-
-
-def _close(calls: list[LinkCall]) -> None:
-    for call in calls:
-        call.close()
 
 
 async def _unless_disconnected(request: Request, work) -> Any:
@@ -274,6 +285,13 @@ class HttpService:
         deadline = time.monotonic() + grace_s
         while self.api.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.api.num_in_flight:  # past the grace period: each client told so, not its connection cut
+            num = self.api.cut_off("the server stopped before this request finished (its drain grace "
+                                   "period ended); retry elsewhere")
+            _log.info("drain grace period over: %d requests in flight ended with UNAVAILABLE", num)
+            flushed = time.monotonic() + CUT_OFF_FLUSH_S
+            while self.api.num_in_flight and time.monotonic() < flushed:
+                await asyncio.sleep(0.02)
         self.server.should_exit = True
         self.server.force_exit = True  # what is left past the grace period is cut off
         await self.task

@@ -63,6 +63,7 @@ class LinkCall:
         self._closed = False
         self._request_id = ""
         self._accepted = False
+        self._cut_reason = ""
         self._held: Any = _NOTHING  # an event that ends the stream with an error, read while folding
 
     async def accepted(self) -> None:
@@ -115,12 +116,19 @@ class LinkCall:
     def _response(self, event: Any) -> generation_pb2.GenerateResponse:
         if event is None:
             self.done = True
-            raise ServiceUnavailableError("the link to the scheduler broke")
+            raise ServiceUnavailableError(self._cut_reason or "the link to the scheduler broke")
         if event.end:
             self.done = True
             if event.code:  # the scheduler's status for this stream, passed on
                 raise RelayedError(STATUS_BY_VALUE[event.code].name, event.message)
         return event.response
+
+    def cut(self, reason: str) -> None:
+        """Ends an unfinished call from this side: the request is cancelled, and what reads it next
+        gets UNAVAILABLE saying `reason` (a front-end whose drain grace period ended)."""
+        if not self.done:
+            self._cut_reason = reason
+        self.close()
 
     def close(self) -> None:
         """Idempotent; an unfinished request is cancelled, and a `next()` still waiting raises."""

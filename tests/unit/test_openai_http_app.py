@@ -408,3 +408,30 @@ def test_a_rendered_chat_the_scheduler_finds_too_long_names_messages_not_prompt(
         error = reply.json()["error"]
         assert reply.status_code == 400 and error["param"] == "messages", error
         assert error["message"].startswith("messages: 30014 tokens can never fit"), error
+
+
+def test_calls_still_in_flight_when_the_drain_ends_are_told_so_not_cut():
+    """Past the drain's grace period (HttpService.stop) every call in flight ends with UNAVAILABLE
+    naming why: a stream with an error event and [DONE] (its connection was cut, no event), a whole
+    answer with a 503 JSON (a plain-text 500 before); their requests are cancelled."""
+    async def go():
+        api, link = make_api(_accepted)
+        stream = httpx.AsyncClient(transport=httpx.ASGITransport(app=api.app), base_url="http://t")
+        async with stream as client:
+            streamed = asyncio.ensure_future(
+                client.post("/v1/completions", json={**COMPLETION, "stream": True}))
+            whole = asyncio.ensure_future(client.post("/v1/completions", json=COMPLETION))
+            for _ in range(200):
+                if len(link.queues) == 2 and len(api._calls) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # both accepted, no token: waiting in the scheduler's queue
+            assert api.cut_off("the server stopped (test)") == 2
+            s, w = await asyncio.wait_for(streamed, 5), await asyncio.wait_for(whole, 5)
+        assert s.status_code == 200
+        error = events(s)[-1]["error"]
+        assert error["type"] == "service_unavailable" and "the server stopped (test)" in error["message"]
+        assert w.status_code == 503 and "the server stopped (test)" in w.json()["error"]["message"]
+        assert sorted(link.cancelled) == [0, 1] and not api._calls
+
+    asyncio.run(go())
