@@ -62,8 +62,10 @@ class HttpApi:
     token; `draining` (set on SIGTERM) makes every API call a 503."""
 
     def __init__(self, link: StreamLink, model_name: str, max_context_tokens: int, text: ModelText,
-                 auth_token: str | None = None, is_serving: Callable[[], bool] = lambda: True):
+                 auth_token: str | None = None, is_serving: Callable[[], bool] = lambda: True,
+                 max_requests_per_client: int | None = None):
         self.link, self.model_name, self.text = link, model_name, text
+        self.max_requests_per_client = max_requests_per_client  # the scheduler's (GetModelInfo)
         self.max_context_tokens = max_context_tokens
         self.model_names = {model_name, model_name.rstrip("/").rsplit("/", 1)[-1]}
         self._auth = f"Bearer {auth_token}".encode() if auth_token else None
@@ -141,6 +143,10 @@ class HttpApi:
 
     async def _completions(self, request: Request) -> Response:
         body: CompletionRequest = await self._body(request, CompletionRequest)
+        most = self.max_requests_per_client
+        if most is not None and len(body.prompts()) > most:  # each prompt is a request: never admitted
+            raise HttpError(400, f"prompt: {len(body.prompts())} prompts; this server takes at most {most} "
+                                 "requests of one client at once (--max-requests-per-client)", "prompt")
         exchange = Exchange("cmpl", "text_completion", self.model_name, body, self.text, chat=False)
         return await self._answer(request, exchange, completion_requests(body))
 
@@ -318,7 +324,8 @@ async def start_http_api(
     reported = ChatTemplate(info.chat_template, info.bos_token, info.eos_token)
     text = ModelText.with_override(reported, model_dir, chat_template_file)
     api = HttpApi(link, info.model_name, max_context_tokens, text, auth_token,
-                  lambda: link.connected.is_set() and link.scheduler_serving)
+                  lambda: link.connected.is_set() and link.scheduler_serving,
+                  max_requests_per_client=info.max_requests_per_client or None)
     server, bound, task = await start_http_server(api, host, port, tls_cert_file, tls_key_file, reuse_port)
     scheme = "https" if tls_cert_file else "http"
     print(f"pagedserve OpenAI-compatible HTTP API: {scheme}://{host}:{bound}/v1", flush=True)

@@ -229,6 +229,7 @@ def model_info_pb(engine: Engine) -> generation_pb2.GetModelInfoResponse:
         chat_template=limits.chat_template.source,
         bos_token=limits.chat_template.bos_token,
         eos_token=limits.chat_template.eos_token,
+        max_requests_per_client=engine.admission.limits.max_requests_per_client,
     )
 
 

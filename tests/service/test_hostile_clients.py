@@ -207,6 +207,9 @@ def test_one_client_over_its_admission_limit_gets_resource_exhausted_and_others_
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert details.startswith(f"this client has {PER_CLIENT} requests in flight (limit {PER_CLIENT} ")
     assert served[-1].finished and served[-1].outputs[0].completion_tokens == 2
+    with _own_connection(stack.target) as channel:
+        info = generation_pb2_grpc.GenerationStub(channel).GetModelInfo(generation_pb2.GetModelInfoRequest())
+    assert info.max_requests_per_client == PER_CLIENT  # (the HTTP API refuses more prompts than that)
     _idle(stack)
 
 

@@ -435,3 +435,15 @@ def test_calls_still_in_flight_when_the_drain_ends_are_told_so_not_cut():
         assert sorted(link.cancelled) == [0, 1] and not api._calls
 
     asyncio.run(go())
+
+
+def test_more_prompts_than_a_client_may_have_in_flight_is_a_400_not_a_429():
+    """Each prompt is a request: a completion of more prompts than --max-requests-per-client (the
+    scheduler's GetModelInfo) could never be admitted, and a 429 said to retry."""
+    api, link = make_api()
+    api.max_requests_per_client = 2
+    reply = call(api, "POST", "/v1/completions", {**COMPLETION, "prompt": ["a", "b", "c"]})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "prompt" and "at most 2" in error["message"]
+    assert not link.requests
+    assert call(api, "POST", "/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}).status_code == 200

@@ -129,7 +129,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "num_gpu_blocks", "num_cpu_blocks", "vocab_size", "eos_token_ids", "max_n", "max_beam_width", "world_size", "preemption_mode", "enable_prefix_caching", "chat_template", "bos_token", "eos_token")
+    __slots__ = ("model_name", "max_model_len", "block_size", "num_gpu_blocks", "num_cpu_blocks", "vocab_size", "eos_token_ids", "max_n", "max_beam_width", "world_size", "preemption_mode", "enable_prefix_caching", "chat_template", "bos_token", "eos_token", "max_requests_per_client")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class GetModelInfoResponse(_message.Message):
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_PER_CLIENT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -160,7 +161,8 @@ class GetModelInfoResponse(_message.Message):
     chat_template: str
     bos_token: str
     eos_token: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_n: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., world_size: _Optional[int] = ..., preemption_mode: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ...) -> None: ...
+    max_requests_per_client: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_n: _Optional[int] = ..., max_beam_width: _Optional[int] = ..., world_size: _Optional[int] = ..., preemption_mode: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., max_requests_per_client: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
