@@ -9,7 +9,7 @@ from typing import Any
 import pydantic
 from starlette.responses import JSONResponse
 
-from scheduler_svc.wire.errors import ApiError
+from scheduler_svc.wire.errors import OUTGREW, ApiError
 
 HTTP_STATUS = {  # a gRPC status the scheduler answered -> the HTTP status of its error
     "INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401,
@@ -90,6 +90,9 @@ def http_error(exc: BaseException) -> HttpError:
         if not loc and (match := FIELD_PREFIX.match(message)):
             loc = match[1]
         return HttpError(400, f"{loc}: {message.removeprefix(f'{loc}: ')}" if loc else message, loc or None)
+    if isinstance(exc, ApiError) and exc.code == "ABORTED" and str(exc).startswith(OUTGREW):
+        # the client's n / max_tokens against this server's cache: a 400 (a 500 the SDKs retry twice)
+        return HttpError(400, f"n: {exc}", "n")
     if isinstance(exc, ApiError):
         status = HTTP_STATUS.get(exc.code, 500)
         field = exc.field or ((m := FIELD_PREFIX.match(str(exc))) and m[1]) or ""

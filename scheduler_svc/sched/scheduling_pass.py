@@ -10,6 +10,7 @@ from scheduler_svc.request.sequence import Sequence, SequenceGroup, SequenceStat
 from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.plan_builder import PlanBuilder
 from scheduler_svc.sched.request_table import RequestTable, arrival_order
+from scheduler_svc.wire.errors import OUTGREW_KV_CACHE
 
 # A backlog of prompt tokens lifts max_prefill_tokens_while_decoding to 1/this of it a step (at t = 0 of
 # an offline batch the cap then costs a few steps' worth of prefill pace instead of 6 % of the run's
@@ -94,7 +95,7 @@ class SchedulingPass:
             group = batch[num_served]  # needs a block and none is free
             victim = self._pick_victim(group)
             if victim is None and requests.running == [group]:
-                requests.drop_unservable(group, "the request outgrew the KV cache")
+                requests.drop_unservable(group, OUTGREW_KV_CACHE)
             else:
                 self._preempt(victim or group)
             groups = [g for g in groups[num_served:] if _is_running(g)]
@@ -211,7 +212,7 @@ class SchedulingPass:
             victim = self._pick_victim(group)
             if victim is None and self.requests.running == [group]:
                 # Alone in the cache and still short of blocks: it can never make progress.
-                self.requests.drop_unservable(group, "the request outgrew the KV cache")
+                self.requests.drop_unservable(group, OUTGREW_KV_CACHE)
                 return
             self._preempt(victim or group)
             if victim is None:
@@ -253,7 +254,7 @@ class SchedulingPass:
             if not self.kv.can_swap_in(group):
                 if not requests.running and not self.scheduled:
                     requests.swapped.pop(0)
-                    requests.drop_unservable(group, "the request outgrew the KV cache")
+                    requests.drop_unservable(group, OUTGREW_KV_CACHE)
                     continue
                 return
             self.plans.swap_in(self.kv.swap_in(group))

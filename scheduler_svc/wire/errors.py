@@ -38,6 +38,14 @@ class InvalidRequestError(ApiError, ValueError):
         super().__init__(reason, field=field)
 
 
+# Why the scheduler drops a request whose sequences together came to need more of the KV cache than
+# there is (n samples or beam candidates of a long output): ABORTED over gRPC; the HTTP API answers it
+# as a 400 naming n (the client's to change, not a server fault to retry).
+OUTGREW = "the request outgrew the KV cache"
+OUTGREW_KV_CACHE = (f"{OUTGREW}: its sequences together need more blocks than the cache has; ask for "
+                    "fewer samples (n, beam_width) or fewer tokens (max_tokens)")
+
+
 class RequestFailedError(ApiError, RuntimeError):
     """The server dropped an accepted request (e.g. it outgrew the KV cache, or the server stops)."""
 

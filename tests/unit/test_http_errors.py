@@ -51,3 +51,13 @@ def test_json_numbers_where_floats_go_and_good_bodies_pass():
         ChatCompletionRequest.model_validate_json(
             b'{"model": "m", "messages": [{"role": "user", "content": 5}]}')
     assert http_error(caught.value).param == "messages.0.content"
+
+
+def test_a_request_that_outgrew_the_kv_cache_is_a_400_naming_n_other_aborts_a_500():
+    """n samples that together outgrew the cache: the client's to change (a 500 was retried twice by
+    the SDKs); another ABORTED (processing raised) stays a server error."""
+    from scheduler_svc.wire.errors import OUTGREW_KV_CACHE, RelayedError
+
+    err = http_error(RelayedError("ABORTED", OUTGREW_KV_CACHE))
+    assert err.status == 400 and err.param == "n" and "fewer samples" in err.message
+    assert http_error(RelayedError("ABORTED", "processing the request raised KeyError")).status == 500
