@@ -488,7 +488,9 @@ def restart(what: str, start, budget: RestartBudget, stop: threading.Event) -> b
 
 def print_serving(args: argparse.Namespace, model: str, public: str, targets: list[str]) -> None:
     print(f"pagedserve is serving {model} on {public} (gRPC: pagedserve.v1.Generation)", flush=True)
-    if args.metrics_port is not None:
+    if args.metrics_port == 0:  # the scheduler picked the port: its own line above names it
+        print("metrics: the scheduler's /metrics, at the address its line above names", flush=True)
+    elif args.metrics_port is not None:
         print(f"metrics: http://localhost:{args.metrics_port}/metrics", flush=True)
     else:
         print("metrics: off (--metrics-port P serves Prometheus /metrics)", flush=True)

@@ -195,7 +195,8 @@ async def build_engine(opts: ServeOptions) -> Engine:
         from scheduler_svc.engine.metrics import SchedulerMetrics
 
         metrics = SchedulerMetrics(limits.model_name)
-        metrics.serve(opts.metrics_port, addr=opts.host)
+        bound = metrics.serve(opts.metrics_port, addr=opts.host)  # (port 0: the one picked)
+        print(f"pagedserve scheduler metrics: http://{opts.host}:{bound}/metrics", flush=True)
     recovery = RecoveryOptions(recovery_timeout_s=opts.recovery_timeout_s)
     scheduler = Scheduler(config, make_kv_manager(config, opts.kv_policy))
     request_limits = RequestLimits(

@@ -109,6 +109,8 @@ def test_serve_starts_both_processes_with_the_tiny_random_model_and_stops_on_sig
             info = client.model_info()
         assert (info.num_gpu_blocks, info.num_cpu_blocks, info.preemption_mode) == (64, 16, "swap")
         assert f"metrics: http://localhost:{metrics_port}/metrics" in proc.output()
+        scheduler_says = proc.output().split("pagedserve scheduler metrics: ")[1].split()[0]
+        assert scheduler_says.endswith(f":{metrics_port}/metrics")  # the bound port (--metrics-port 0 too)
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
             scraped = reply.read().decode()
         assert 'pagedserve_gpu_blocks_capacity{model_name="tiny-llama"} 64.0' in scraped
