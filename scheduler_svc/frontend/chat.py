@@ -11,6 +11,8 @@ names the tokens of logprobs ("token_id:N" without one).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +33,7 @@ class ModelText:
         )
         self.template = template
         self._token_text: dict[int, str] = {}
+        self._byte_level: bool | None = None  # the tokenizer's pieces are byte-level BPE (found once)
 
     @classmethod
     def with_override(
@@ -67,3 +70,54 @@ class ModelText:
                 text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_text[token_id] = text
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (OpenAI's logprobs `bytes`, from which a client rebuilds a character
+        that several tokens split): a byte-level BPE piece read back through its byte alphabet, a
+        byte-fallback piece <0xNN> as its byte, else the token's text (every byte token decoded
+        alone read as U+FFFD, [239, 191, 189])."""
+        text = self.token_text(token_id)
+        if self.tokenizer is None:
+            return text.encode()
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return text.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            with contextlib.suppress(ValueError):
+                return bytes([int(piece[3:5], 16)])
+        if self._byte_level is None:
+            self._byte_level = _decodes_byte_level(self.tokenizer)
+        if self._byte_level and all(ch in _BYTE_OF_CHAR for ch in piece):
+            return bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+        return text.encode()
+
+    def token_label(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or where that is not the token's bytes (a part of a
+        character: U+FFFD) "bytes:" and the bytes escaped, as OpenAI writes them, so that two such
+        tokens never share a name (completions' top_logprobs is keyed by it)."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text
+        raw = self.token_bytes(token_id)
+        if raw == text.encode():
+            return text
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """The printable stand-in of each byte in a byte-level BPE vocabulary (GPT-2's scheme): the
+    printable Latin-1 bytes stand for themselves, the other 68 for the characters from U+0100 on,
+    in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_alphabet()
+
+
+def _decodes_byte_level(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer's decoder is (or holds) ByteLevel: its pieces are byte strings."""
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders") or [decoder]
+    return any(isinstance(part, dict) and part.get("type") == "ByteLevel" for part in parts)

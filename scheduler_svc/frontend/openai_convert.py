@@ -108,8 +108,8 @@ def _tops(lp: generation_pb2.Logprobs) -> list[list[tuple[int, float]]]:
 def chat_logprobs(out: generation_pb2.OutputDelta, text: ModelText) -> list[dict[str, Any]]:
     """OpenAI chat logprobs entries of one delta's tokens."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        token = text.token_text(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {"token": text.token_label(token_id), "logprob": logprob,
+                "bytes": list(text.token_bytes(token_id))}
 
     tops = _tops(out.logprobs)
     return [
@@ -121,16 +121,15 @@ def chat_logprobs(out: generation_pb2.OutputDelta, text: ModelText) -> list[dict
 
 def completion_logprobs(out: generation_pb2.OutputDelta, text: ModelText, choice: Choice) -> dict[str, Any]:
     """OpenAI completions logprobs (parallel lists) of one delta's tokens; advances the text offset."""
-    tokens = [text.token_text(t) for t in out.token_ids]
     offsets = []
-    for token in tokens:
+    for token_id in out.token_ids:  # (in the characters of the text, as the tokens decode)
         offsets.append(choice.text_offset)
-        choice.text_offset += len(token)
+        choice.text_offset += len(text.token_text(token_id))
     tops = _tops(out.logprobs)
     return {
-        "tokens": tokens,
+        "tokens": [text.token_label(t) for t in out.token_ids],
         "token_logprobs": list(out.logprobs.token_logprobs),
-        "top_logprobs": [{text.token_text(t): lp for t, lp in top} for top in tops],
+        "top_logprobs": [{text.token_label(t): lp for t, lp in top} for top in tops],
         "text_offset": offsets,
     }
 

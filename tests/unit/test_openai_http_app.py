@@ -447,3 +447,30 @@ def test_more_prompts_than_a_client_may_have_in_flight_is_a_400_not_a_429():
     assert reply.status_code == 400 and error["param"] == "prompt" and "at most 2" in error["message"]
     assert not link.requests
     assert call(api, "POST", "/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}).status_code == 200
+
+
+def test_logprobs_give_byte_tokens_their_own_bytes_and_names(tiny_llama_dir):
+    """A token that is part of a character decodes alone to U+FFFD: OpenAI's `bytes` must be its own
+    bytes (they were U+FFFD's, [239, 191, 189]), and its name "bytes:\\xNN", so that completions'
+    top_logprobs (keyed by name) keeps every such alternative (they overwrote each other)."""
+    from scheduler_svc.frontend.openai_convert import Choice, chat_logprobs, completion_logprobs
+
+    text = ModelText(ChatTemplate(""), str(tiny_llama_dir))
+    tok = text.tokenizer
+    lead, tail = tok.token_to_id("Ã"), tok.token_to_id("©")  # the byte-level pieces of 0xC3 and 0xA9
+    assert None not in (lead, tail) and text.token_text(lead) == text.token_text(tail) == "\ufffd"
+    assert (text.token_bytes(lead) + text.token_bytes(tail)).decode() == "é"
+    assert (text.token_label(lead), text.token_label(tail)) == ("bytes:\\xc3", "bytes:\\xa9")
+    space, a = tok.token_to_id("Ġ"), tok.token_to_id("a")
+    assert text.token_bytes(space) == b" " and (text.token_label(a), text.token_bytes(a)) == ("a", b"a")
+    out = generation_pb2.OutputDelta(token_ids=[lead])
+    out.logprobs.token_logprobs.append(-0.5)
+    out.logprobs.num_top.append(3)
+    out.logprobs.top_token_ids.extend([lead, tail, a])
+    out.logprobs.top_logprobs.extend([-0.5, -1.0, -2.0])
+    entry = chat_logprobs(out, text)[0]
+    assert entry["bytes"] == [0xC3] and entry["token"] == "bytes:\\xc3"
+    assert [t["bytes"] for t in entry["top_logprobs"]] == [[0xC3], [0xA9], [ord("a")]]
+    cmpl = completion_logprobs(out, text, Choice(0))
+    assert cmpl["top_logprobs"] == [{"bytes:\\xc3": -0.5, "bytes:\\xa9": -1.0, "a": -2.0}]
+    assert cmpl["tokens"] == ["bytes:\\xc3"] and cmpl["text_offset"] == [0]
