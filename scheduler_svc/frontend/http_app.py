@@ -35,8 +35,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from protos.pagedserve.v1 import generation_pb2
+from scheduler_svc.frontend import http_guard
 from scheduler_svc.frontend.chat import ModelText
 from scheduler_svc.frontend.http_errors import HttpError, error_response, http_error
+from scheduler_svc.frontend.http_guard import http_protocol
 from scheduler_svc.frontend.http_stream import Exchange, SSEResponse, collect, sse_events
 from scheduler_svc.frontend.link_call import LinkCall, StreamLink
 from scheduler_svc.frontend.openai_convert import chat_request, completion_requests
@@ -106,6 +108,8 @@ class HttpApi:
             finally:
                 if not streaming:
                     self.num_in_flight -= 1
+            if response.status_code in (408, 413, 499):  # the body was not read to its end: not reusable
+                response.headers["connection"] = "close"
             REQUESTS.labels(self.model_name, "openai", name, str(response.status_code)).inc()
             return response
 
@@ -129,7 +133,16 @@ class HttpApi:
         # read as it comes, up to the limit: a chunked body declares no length (one of 400 MiB was
         # held whole, the process at 869 MiB, before its 413)
         chunks, size = [], 0
-        async for chunk in request.stream():
+        stream = request.stream()
+        while True:
+            try:  # a body that stalls holds its connection: http_guard.py
+                async with asyncio.timeout(http_guard.BODY_IDLE_TIMEOUT_S):
+                    chunk = await anext(stream)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise HttpError(408, f"the request body stalled (no byte for "
+                                     f"{http_guard.BODY_IDLE_TIMEOUT_S:g} s)") from None
             size += len(chunk)
             if size > MAX_BODY_BYTES:
                 raise HttpError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
@@ -257,7 +270,7 @@ async def start_http_server(
     (other front-ends of the scheduler listen on the same port)."""
     config = uvicorn.Config(api.app, host=host, port=port, lifespan="off", log_level="warning",
                             access_log=False, ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file,
-                            backlog=4096, timeout_keep_alive=60)
+                            backlog=4096, timeout_keep_alive=60, http=http_protocol())
     server = _Server(config)
     sockets = None
     if reuse_port:

@@ -17,7 +17,8 @@ HTTP_STATUS = {  # a gRPC status the scheduler answered -> the HTTP status of it
     "DEADLINE_EXCEEDED": 504,
 }
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+               408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               499: "invalid_request_error", 503: "service_unavailable"}
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 

@@ -474,3 +474,49 @@ def test_logprobs_give_byte_tokens_their_own_bytes_and_names(tiny_llama_dir):
     cmpl = completion_logprobs(out, text, Choice(0))
     assert cmpl["top_logprobs"] == [{"bytes:\\xc3": -0.5, "bytes:\\xa9": -1.0, "a": -2.0}]
     assert cmpl["tokens"] == ["bytes:\\xc3"] and cmpl["text_offset"] == [0]
+
+
+def test_connections_that_never_finish_a_request_are_closed_not_held(monkeypatch):
+    """Slowloris: a connection that sends nothing, or half its headers, is closed past the header
+    limit (one adversarial run held 21,000 until the front-end ran out of file descriptors); a body
+    that stalls gets a 408; a prompt client is served all along (http_guard.py)."""
+    import socket
+
+    from scheduler_svc.frontend import http_guard
+    from scheduler_svc.frontend.http_app import start_http_server
+
+    monkeypatch.setattr(http_guard, "HEADER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http_guard, "BODY_IDLE_TIMEOUT_S", 0.5)
+
+    def closed_within(sock: socket.socket, seconds: float) -> bytes:
+        sock.settimeout(seconds)
+        got = b""
+        while chunk := sock.recv(4096):  # b"" once the server closes
+            got += chunk
+        return got
+
+    async def go():
+        api, _ = make_api()
+        server, port, task = await start_http_server(api, "127.0.0.1", 0)
+        try:
+            silent = socket.create_connection(("127.0.0.1", port))
+            half = socket.create_connection(("127.0.0.1", port))
+            half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+            stalled = socket.create_connection(("127.0.0.1", port))
+            stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 100\r\n\r\n{\"model\": ")
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                ok = await client.post("/v1/completions", json=COMPLETION)  # served meanwhile
+            silent_got, half_got, stalled_got = await asyncio.gather(*(
+                asyncio.to_thread(closed_within, s, 5.0) for s in (silent, half, stalled)))
+            for s in (silent, half, stalled):
+                s.close()
+            return ok, silent_got, half_got, stalled_got
+        finally:
+            server.should_exit = True
+            await task
+
+    ok, silent_got, half_got, stalled_got = asyncio.run(go())
+    assert ok.status_code == 200
+    assert silent_got == b"" and half_got == b""  # closed (a recv timeout would have raised)
+    assert stalled_got.startswith(b"HTTP/1.1 408") and b"stalled" in stalled_got
