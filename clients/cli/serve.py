@@ -236,7 +236,8 @@ def executor_command(
         WorkerConfig, args, exclude=LAUNCHER_SETS["executor"], model_dir=model, device=args.device,
         step_trace_path=step_trace_path or args.step_trace_path,
     )
-    metrics_port = None if args.executor_metrics_port is None else args.executor_metrics_port + rank
+    base = args.executor_metrics_port  # rank r on base + r; 0: every rank picks its own (and prints it)
+    metrics_port = None if base is None else (base + rank if base else 0)
     executor = ExecutorOptions(
         worker=worker, port=port, metrics_port=metrics_port, max_message_bytes=args.max_message_bytes,
         rank=rank, world_size=args.tensor_parallel_size,
@@ -494,7 +495,9 @@ def print_serving(args: argparse.Namespace, model: str, public: str, targets: li
         print(f"metrics: http://localhost:{args.metrics_port}/metrics", flush=True)
     else:
         print("metrics: off (--metrics-port P serves Prometheus /metrics)", flush=True)
-    if args.executor_metrics_port is not None:
+    if args.executor_metrics_port == 0:
+        print("executor metrics: each executor's /metrics, at the address its line above names", flush=True)
+    elif args.executor_metrics_port is not None:
         ranks = range(args.tensor_parallel_size)
         urls = ", ".join(f"http://localhost:{args.executor_metrics_port + r}/metrics" for r in ranks)
         print(f"executor metrics: {urls}", flush=True)

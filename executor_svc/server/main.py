@@ -147,7 +147,8 @@ async def serve(args: ExecutorOptions) -> int:
         from executor_svc.server.metrics import ExecutorMetrics
 
         metrics = ExecutorMetrics(worker, worker.describe().model_name)
-        metrics.serve(args.metrics_port, addr=args.host)
+        bound = metrics.serve(args.metrics_port, addr=args.host)  # (port 0: the one picked)
+        print(f"pagedserve executor metrics: http://{args.host}:{bound}/metrics", flush=True)
     server, port = await start_executor_server(
         worker, args.host, args.port, on_fatal, metrics, args.max_message_bytes, args.executor_token,
         on_cache_ready=freeze_startup_heap,  # the model, its cache and graphs: out of the collector's way

@@ -4,6 +4,7 @@ separate processes, stopped by SIGTERM)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -128,11 +129,18 @@ def test_serve_starts_both_processes_with_the_tiny_random_model_and_stops_on_sig
 def test_serve_with_two_tensor_parallel_ranks_gives_the_same_tokens(tiny_llama_dir, stack, tmp_path):
     proc, public = serve(
         ["--model", str(tiny_llama_dir), "--device", "cpu", "--tensor-parallel-size", "2",
-         "--num-gpu-blocks", "64"], tmp_path / "serve.log",
+         "--num-gpu-blocks", "64", "--executor-metrics-port", "0", "--metrics-port", "0"],
+        tmp_path / "serve.log",
     )
     try:
         executors = proc.wait_for(EXECUTORS, timeout_s=150)[1]
         assert len(executors.split(", ")) == 2
+        # port 0: each process picks its own metrics port and prints it (rank 1 was given port 0 + 1)
+        urls = re.findall(r"pagedserve (?:executor|scheduler) metrics: (http://\S+)", proc.output())
+        assert len(urls) == 3 and len(set(urls)) == 3, urls
+        for url in urls:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                assert b"pagedserve_" in reply.read()
         prompts = [[5, 6, 7, 8], list(range(20, 61))]
         with Client(public) as client:
             assert client.model_info().world_size == 2
