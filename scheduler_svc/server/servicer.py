@@ -12,7 +12,7 @@ import grpc
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.engine.engine import Engine, RequestStream
 from scheduler_svc.engine.outputs import OutputDelta, RequestDelta, RequestMetrics
-from scheduler_svc.wire.client_identity import DEFAULT_API, client_of
+from scheduler_svc.wire.client_identity import DEFAULT_API, client_of, peer_of
 from scheduler_svc.wire.convert import FirstTokenClock, append_response, maps_errors, sampling_params_from_pb
 from scheduler_svc.wire.errors import InvalidRequestError
 from scheduler_svc.wire.request_decoding import check_decoded
@@ -105,7 +105,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         clock = FirstTokenClock()
         check_decoded(request)
-        stream = await add_request_from_pb(self._engine, request, client_of(context))
+        stream = await add_request_from_pb(self._engine, request, peer_of(context))  # (not metadata's)
         finished = False
         try:
             await context.send_initial_metadata(())  # queued: the headers now, not at the first token

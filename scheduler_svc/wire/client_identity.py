@@ -1,8 +1,12 @@
 """Who a call comes from, as the scheduler's servicers name a request's creator (admission limits
 per client, Abort scoping): the call's peer address (`ipv4:HOST:PORT`: one gRPC connection), or,
 for a call the API front-end relays, the front-end's own client as it names it in the metadata
-`CLIENT_KEY` (prefixed `relayed:`, so a direct peer is never impersonated). Whoever holds the API
-token may set that metadata: behind a front-end, expose only the front-end's port.
+`CLIENT_KEY` (prefixed `relayed:`, so a direct peer is never impersonated). Only Abort reads that
+metadata (the front-end relays its clients' Aborts; it relays their Generate calls over its link,
+which names the client itself): a Generate call on the scheduler's port is its peer's, whatever
+metadata it sends (distinct CLIENT_KEY values on one connection escaped --max-requests-per-client).
+Whoever holds the API token may still set it on an Abort: behind a front-end, expose only the
+front-end's port.
 
 Which API a request came through (its metrics' `api` label) is one of `APIS`: "grpc" for the
 Generation API, direct or relayed, and "openai" for the front-end's HTTP API (the link's
@@ -19,8 +23,14 @@ OPENAI_API = "openai"
 APIS = (DEFAULT_API, OPENAI_API)
 
 
+def peer_of(context: Any) -> str:
+    """The identity of a call's own connection (a grpc.aio.ServicerContext's peer)."""
+    return str(context.peer())
+
+
 def client_of(context: Any) -> str:
-    """The creator identity of the call `context` (a grpc.aio.ServicerContext) serves."""
+    """The creator identity an Abort call `context` (a grpc.aio.ServicerContext) names: the
+    front-end's client it relays, else its peer."""
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_KEY:
             return RELAYED_PREFIX + str(value)

@@ -213,6 +213,25 @@ def test_one_client_over_its_admission_limit_gets_resource_exhausted_and_others_
     _idle(stack)
 
 
+def test_spoofed_client_metadata_does_not_escape_the_per_client_limit(stack):
+    """A Generate call on the scheduler's own port is its connection's, whatever `pagedserve-client`
+    metadata it sends: one connection naming a new client per call got every call in."""
+    from scheduler_svc.wire.client_identity import CLIENT_KEY
+
+    with _own_connection(stack.target) as channel:
+        generate = generation_pb2_grpc.GenerationStub(channel).Generate
+        request = build_request([3, 4, 5], max_tokens=400, ignore_eos=True)
+        calls = [generate(request, metadata=((CLIENT_KEY, f"someone-{i}"),)) for i in range(PER_CLIENT)]
+        for call in calls:
+            next(call)  # each one streaming
+        over = generate(build_request([3, 4, 5], max_tokens=2), metadata=((CLIENT_KEY, "yet-another"),))
+        code, details = _code(lambda: list(over))
+        for call in calls:
+            call.cancel()
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    _idle(stack)
+
+
 def test_only_the_client_that_created_a_request_may_abort_it(stack):
     with Client(stack.target) as owner, _own_connection(stack.target) as stranger:
         stream = owner.stream([5, 6, 7], max_tokens=300, ignore_eos=True, request_id="private")
