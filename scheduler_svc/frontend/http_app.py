@@ -38,7 +38,6 @@ from protos.pagedserve.v1 import generation_pb2
 from scheduler_svc.frontend import http_guard
 from scheduler_svc.frontend.chat import ModelText
 from scheduler_svc.frontend.http_errors import HttpError, error_response, http_error
-from scheduler_svc.frontend.http_guard import http_protocol
 from scheduler_svc.frontend.http_stream import Exchange, SSEResponse, collect, sse_events
 from scheduler_svc.frontend.link_call import LinkCall, StreamLink
 from scheduler_svc.frontend.openai_convert import chat_request, completion_requests
@@ -270,7 +269,7 @@ async def start_http_server(
     (other front-ends of the scheduler listen on the same port)."""
     config = uvicorn.Config(api.app, host=host, port=port, lifespan="off", log_level="warning",
                             access_log=False, ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file,
-                            backlog=4096, timeout_keep_alive=60, http=http_protocol())
+                            backlog=4096, timeout_keep_alive=60, http=http_guard.http_protocol())
     server = _Server(config)
     sockets = None
     if reuse_port:

@@ -44,11 +44,10 @@ def _is_type_tag(part: object) -> bool:
 
 
 def _telling_error(errors: list[Any]) -> Any:
-    """The error to report. A union (a prompt: text, texts, token ids, lists of them) fails once per
-    member. The member that failed on a value (a token id -1, 10**10) says more than one of the wrong
-    type (prompt [-1] was "Input should be a valid string"). Else the member with the fewest errors,
-    the one that got furthest into the list, the one that wanted the kind of value it got: texts
-    ["a", 2] name item 1 as not a string, token ids [1, "2"] item 1 as not an integer."""
+    """The error to report. A union (`stop`: a text or texts; a message's `content`) fails once per
+    member. A failure on a value says more than one of the wrong type; else the member with the
+    fewest errors, and of those the error furthest into the list: stop ["a", 1] names item 1 as not
+    a string. (A prompt's form is picked by its first item: openai_schema.py, one member's errors.)"""
     by_value = next((e for e in errors if not str(e["type"]).endswith("_type")), None)
     if by_value is not None:
         return by_value
@@ -61,18 +60,7 @@ def _telling_error(errors: list[Any]) -> Any:
         counts[member(error)] = counts.get(member(error), 0) + 1
     fewest = min(counts.values())
     return max((e for e in errors if counts[member(e)] == fewest),
-               key=lambda e: ([part for part in e["loc"] if isinstance(part, int)], _expects_kind(e)))
-
-
-def _expects_kind(error: dict[str, Any]) -> bool:
-    """Whether a type error's member wanted the kind of value it got (a number where an integer was
-    wanted: prompt [1.5] is "a valid integer", not "a valid string")."""
-    given = error.get("input")
-    if isinstance(given, bool):
-        return error["type"] == "bool_type"
-    if isinstance(given, int | float):
-        return error["type"] in ("int_type", "float_type")
-    return isinstance(given, str) and error["type"] == "string_type"
+               key=lambda e: [part for part in e["loc"] if isinstance(part, int)])
 
 
 def openai_field(field: str) -> str:

@@ -184,18 +184,20 @@ class _Link:
             lambda token_ids, logprobs, reason, end, metrics: self._on_tokens(
                 stream_id, token_ids, logprobs, reason, end, metrics)
         ):
-            self._make_room(64 + 4 * len(stream.request_id))
-            event = self._batch.events.add(stream_id=stream_id, text_by_frontend=True)
-            event.response.request_id = stream.request_id
-            event.response.prompt_tokens = stream.prompt_len
-            event.prompt_tail_ids.extend(stream.prompt_tail_ids)
-            self._ready.set()
-        else:  # queued: the front-end may answer its client's headers now
-            self._make_room(64 + 4 * len(stream.request_id))
-            event = self._batch.events.add(stream_id=stream_id, accepted=True)
-            event.response.request_id = stream.request_id
-            event.response.prompt_tokens = stream.prompt_len
-            self._ready.set()
+            self._accepted(stream_id, stream, text_by_frontend=True).prompt_tail_ids.extend(
+                stream.prompt_tail_ids)
+        else:
+            self._accepted(stream_id, stream, accepted=True)
+
+    def _accepted(self, stream_id: int, stream: RequestStream, **kind: bool) -> frontend_pb2.StreamEvent:
+        """The stream's first event: its request is queued (the front-end may answer its client's
+        headers now), with its request id and prompt length."""
+        self._make_room(64 + 4 * len(stream.request_id))
+        event = self._batch.events.add(stream_id=stream_id, **kind)
+        event.response.request_id = stream.request_id
+        event.response.prompt_tokens = stream.prompt_len
+        self._ready.set()
+        return event
 
     def _cancel(self, stream_id: int) -> None:
         opening = self._opening.pop(stream_id, None)
