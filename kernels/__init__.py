@@ -157,11 +157,32 @@ def fused_rotary(num_seqs: int) -> bool:
                      f"{FUSED_ROTARY_MAX_SEQS} sequences), '0' (never) or 'all' (every decode launch)")
 
 
+# ---- decode attention in chunks balanced over the step's lengths (triton_attention.balanced_chunks) ----
+
+BALANCED_DECODE_ENV = "PAGEDSERVE_BALANCED_DECODE"  # unset: the rule; "0": never; "all": every decode launch
+
+
+def balanced_decode(split: bool) -> bool:
+    """Whether a decode launch over a cache of the query's dtype (no window) runs balanced chunks
+    (kernels/triton_attention.py, "Balanced decode") instead of one program a sequence and KV head
+    (`split` False: the grid fills the GPU) or each context split evenly (`split` True).
+    PAGEDSERVE_BALANCED_DECODE decides, an unknown value is a ValueError naming the known ones. The
+    rule: the launches that would not split."""
+    mode = os.environ.get(BALANCED_DECODE_ENV, "")
+    if mode == "":
+        return not split
+    if mode in ("0", "all"):
+        return mode == "all"
+    raise ValueError(f"{BALANCED_DECODE_ENV}={mode!r}: expected unset (the rule: the launches that would "
+                     f"not split), '0' (never) or 'all' (every decode launch)")
+
+
 def check_launch_env() -> None:
-    """Refuses (ValueError) a PAGEDSERVE_PDL_OFF or PAGEDSERVE_FUSED_ROTARY it does not know, so an
-    executor says so at its start instead of at its first kernel launch."""
+    """Refuses (ValueError) a PAGEDSERVE_PDL_OFF, PAGEDSERVE_FUSED_ROTARY or PAGEDSERVE_BALANCED_DECODE it
+    does not know, so an executor says so at its start instead of at its first kernel launch."""
     check_pdl_env()
     fused_rotary(1)
+    balanced_decode(False)
 
 
 def pdl_launch(on: bool) -> dict:

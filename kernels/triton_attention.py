@@ -120,7 +120,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import fused_rotary, pdl, pdl_launch
+from kernels import balanced_decode, fused_rotary, pdl, pdl_launch
 from kernels.reference import check_scales, is_fp8
 from kernels.triton_cache import as_cached
 from kernels.triton_layers import rotated
@@ -128,6 +128,7 @@ from kernels.triton_layers import rotated
 F16_MAX = tl.constexpr(65504.0)
 _NO_PARTITION = 1 << 30
 _MIN_PARTITION = 256  # context positions; smaller partitions cost more in the reduce than they win
+REDUCE_CHUNK_BLOCK = 16  # a balanced launch's reduce combines this many chunks of a sequence at a time
 
 
 def _is_pow2(n) -> bool:
@@ -275,6 +276,42 @@ def _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, BLO
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
     return lo
+
+
+@triton.jit
+def _balanced_partition(lens, num_kv_heads, balance_programs, min_partition, GRAIN: tl.constexpr):
+    """balanced_chunks' partition size from the step's lengths [SEQ_PAD] (0 past num_seqs)."""
+    total = tl.sum(lens, axis=0).to(tl.int64)
+    share = tl.cdiv(total * num_kv_heads, balance_programs)  # positions a program if all were even
+    return tl.maximum(tl.cdiv(share, GRAIN) * GRAIN, min_partition).to(tl.int32)
+
+
+@triton.jit
+def _balanced_plan(seq_lens_ptr, num_seqs, num_kv_heads, balance_programs, min_partition,
+                   SEQ_PAD: tl.constexpr, GRAIN: tl.constexpr):
+    """(partition size, each sequence's chunk count [SEQ_PAD], their running sum [SEQ_PAD]); the same
+    arithmetic in every program of a launch and of its reduce."""
+    index = tl.arange(0, SEQ_PAD)
+    valid = index < num_seqs
+    lens = tl.load(seq_lens_ptr + index, mask=valid, other=0)
+    part = _balanced_partition(lens, num_kv_heads, balance_programs, min_partition, GRAIN)
+    chunks = tl.where(valid, tl.maximum(tl.cdiv(lens, part), 1), 0)
+    return part, chunks, tl.cumsum(chunks, axis=0)
+
+
+@triton.jit
+def _balanced_chunk(seq_lens_ptr, num_seqs, work, num_kv_heads, balance_programs, min_partition,
+                    SEQ_PAD: tl.constexpr, GRAIN: tl.constexpr):
+    """(sequence, its chunk, its chunk count, partition size) of program row `work` of a balanced decode
+    launch; sequence num_seqs for a row past the step's chunks."""
+    part, chunks, ends = _balanced_plan(seq_lens_ptr, num_seqs, num_kv_heads, balance_programs,
+                                        min_partition, SEQ_PAD, GRAIN)
+    index = tl.arange(0, SEQ_PAD)
+    seq = tl.sum((ends <= work).to(tl.int32), axis=0)  # sequences whose chunks all come before `work`
+    mine = index == seq
+    count = tl.sum(tl.where(mine, chunks, 0), axis=0)
+    first = tl.sum(tl.where(mine, ends, 0), axis=0) - count
+    return seq, work - first, count, part
 
 
 @triton.jit
@@ -482,6 +519,7 @@ def _paged_attention_kernel(
     scale_log2, num_seqs, num_search_steps, partition_size, num_heads, num_splits, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, window, softcap_log2, v_scale,
+    balance_programs, min_partition,
     positions_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, key_ptr, value_ptr, stride_cos,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, k_inv_scale, v_inv_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -491,7 +529,8 @@ def _paged_attention_kernel(
     Q_F16: tl.constexpr, SKIP_DECODE: tl.constexpr,
     BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
     ROTARY: tl.constexpr = False, RN: tl.constexpr = False, FP8_CACHE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, BALANCED: tl.constexpr = False, SEQ_PAD: tl.constexpr = 1,
+    GRAIN: tl.constexpr = 1,
 ):
     if PDL:  # kernels.pdl: before any load (the query, the step's tables) and every early return
         gdc_wait()
@@ -499,7 +538,15 @@ def _paged_attention_kernel(
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if IS_DECODE:
+    if BALANCED:  # a decode launch's program is one chunk of one sequence (balanced_chunks)
+        seq, split, num_chunks, part = _balanced_chunk(
+            seq_lens_ptr, num_seqs, tile_id, tl.num_programs(1), balance_programs, min_partition, SEQ_PAD,
+            GRAIN,
+        )
+        if seq >= num_seqs:  # a surplus program of the grid's bound
+            return
+        q_tile_start = tile_id * 0
+    elif IS_DECODE:
         seq = tile_id
         q_tile_start = tile_id * 0
     else:
@@ -548,7 +595,9 @@ def _paged_attention_kernel(
 
     kv_end = context_start + tl.minimum(q_tile_start + BLOCK_Q, q_len)
     first_row_pos = context_start + q_tile_start
-    if EVEN_SPLITS:  # the tile's context in num_splits even partitions of whole K/V tiles
+    if BALANCED:  # chunks of `part` positions (the last one shorter), from balanced_chunks
+        pass
+    elif EVEN_SPLITS:  # the tile's context in num_splits even partitions of whole K/V tiles
         part = tl.maximum(tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N), 2) * BLOCK_N
     else:  # a fixed size; no split: _NO_PARTITION
         part = partition_size
@@ -607,7 +656,19 @@ def _paged_attention_kernel(
 
     if SCALE_V:  # an FP8 cache holds V / v_scale (the split reduce is linear in acc)
         acc = acc * v_scale
-    if SPLIT:
+    if BALANCED:  # a sequence of one chunk writes its rows; the others' chunks go to _reduce_chunks_kernel
+        if num_chunks == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(
+                out_ptr + row_global[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
+                + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask,
+            )
+        else:
+            part_row = tile_id * num_heads + row_head  # [BLOCK_M]: the chunk's own rows
+            tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
+            tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
+            tl.store(part_acc_ptr + part_row[:, None] * D_PAD + dims[None, :], acc, mask=row_valid[:, None])
+    elif SPLIT:
         part_row = (row_global * num_heads + row_head) * num_splits + split  # [BLOCK_M]
         tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
         tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
@@ -647,6 +708,70 @@ def _reduce_splits_kernel(
         out_ptr + token * stride_o_tok + head * stride_o_head + dims,
         out.to(out_ptr.dtype.element_ty), mask=dims < head_dim,
     )
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _reduce_chunks_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_seqs, num_heads, num_kv_heads, balance_programs, min_partition, head_dim, stride_o_tok,
+    stride_o_head, SEQ_PAD: tl.constexpr, GRAIN: tl.constexpr, C_BLOCK: tl.constexpr, D_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """A balanced decode launch's reduce: sequence program_id(0)'s chunks of head program_id(1), combined
+    C_BLOCK at a time (online); a sequence of one chunk was written by its program."""
+    if PDL:  # kernels.pdl
+        gdc_wait()
+        gdc_launch_dependents()
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    part, chunks, ends = _balanced_plan(seq_lens_ptr, num_seqs, num_kv_heads, balance_programs,
+                                        min_partition, SEQ_PAD, GRAIN)
+    mine = tl.arange(0, SEQ_PAD) == seq
+    count = tl.sum(tl.where(mine, chunks, 0), axis=0)
+    if count > 1:
+        first = tl.sum(tl.where(mine, ends, 0), axis=0) - count
+        dims = tl.arange(0, D_PAD)
+        m = tl.full([1], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([1], dtype=tl.float32)
+        acc = tl.zeros([D_PAD], dtype=tl.float32)
+        for base in range(0, count, C_BLOCK):
+            chunk = base + tl.arange(0, C_BLOCK)
+            valid = chunk < count
+            row = (first + chunk).to(tl.int64) * num_heads + head  # [C_BLOCK]
+            chunk_max = tl.load(part_max_ptr + row, mask=valid, other=float("-inf"))
+            chunk_sum = tl.load(part_sum_ptr + row, mask=valid, other=0.0)
+            chunk_acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + dims[None, :], mask=valid[:, None],
+                                other=0.0)  # [C_BLOCK, D_PAD]
+            m_new = tl.maximum(m, tl.max(chunk_max, axis=0))  # finite: a chunk holds the row's position 0
+            weight = tl.exp2(chunk_max - m_new)  # [C_BLOCK]
+            alpha = tl.exp2(m - m_new)
+            total = total * alpha + tl.sum(chunk_sum * weight, axis=0)
+            acc = acc * alpha + tl.sum(chunk_acc * weight[:, None], axis=0)
+            m = m_new
+        token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+        out = acc / total
+        tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims,
+                 out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
+def balanced_chunks(
+    seq_lens: list[int], num_kv_heads: int, balance_programs: int, min_partition: int = _MIN_PARTITION,
+    grain: int = UNSPLIT_DECODE_TILE[0],
+) -> tuple[int, list[int]]:
+    """The plan of a balanced decode launch (the kernel's arithmetic, for tests and benchmarks): the
+    partition size, the step's positions times its KV heads shared by `balance_programs` programs
+    (rounded up to whole `grain`-position tiles, at least `min_partition`), and each sequence's chunk
+    count (at least one). The chunks number at most len(seq_lens) + balance_programs // num_kv_heads,
+    whatever the lengths: the grid's bound (balanced_grid_rows)."""
+    share = -(-sum(seq_lens) * num_kv_heads // balance_programs)
+    part = max(-(-share // grain) * grain, min_partition)
+    return part, [max(-(-n // part), 1) for n in seq_lens]
+
+
+def balanced_grid_rows(num_seqs: int, num_kv_heads: int, balance_programs: int) -> int:
+    """Program rows (axis 0) of a balanced decode launch: its chunks' bound, fixed by shapes (a CUDA
+    graph's launch); rows past a step's chunks exit at once."""
+    return num_seqs + balance_programs // num_kv_heads
 
 
 def split_slots(device: torch.device) -> int:
@@ -781,6 +906,7 @@ def paged_attention(
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None, fresh_tuning: FreshTuning | None = None,
     no_cached_prefix: bool = False, out: torch.Tensor | None = None,
     prefill_tile_starts: torch.Tensor | None = None, rotary: DecodeRotary | None = None,
+    balance_programs: int | None = None,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
     the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
@@ -808,7 +934,9 @@ def paged_attention(
     out: write into this [T, H, D] tensor instead of a new one. prefill_tile_starts: the Gluon kernel's
     work list (kernels.prefill_tile_starts(query_start_loc)) when the caller has it. rotary: the query
     comes unrotated, and the launch rotates it and writes the step's K/V (rotary_cache_attention; a
-    decode launch only)."""
+    decode launch only). balance_programs: a decode launch over a cache of the query's dtype runs
+    balanced (balanced_chunks) for that many programs' shares (benchmark sweeps; by default
+    kernels.balanced_decode decides, for split_slots programs)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -905,6 +1033,15 @@ def paged_attention(
     elif num_splits > 1:  # forced: partitions of a fixed size, as a sweep over split counts needs
         partition_size = triton.cdiv(max_seq_len, num_splits)
         num_splits = triton.cdiv(max_seq_len, partition_size)
+    # A decode launch over a cache of the query's dtype, no window: balanced chunks where the rule (or
+    # the caller) says so (balanced_chunks; module docstring, "Balanced decode")
+    balanced = (is_decode and tile is None and key_cache.element_size() > 1 and sliding_window <= 0 and (
+        balance_programs is not None or (not forced and balanced_decode(num_splits > 1))))
+    if balanced:
+        num_splits, even_splits, partition_size = 1, False, _NO_PARTITION
+        balance_programs = balance_programs or split_slots(query.device)
+        if balance_programs < 1:
+            raise ValueError(f"balance_programs must be >= 1, got {balance_programs}")
     split = num_splits > 1
     # an unsplit decode launch over a cache of the query's dtype: UNSPLIT_DECODE_TILE through _attend_bulk
     bulk_decode = fp8_decode or (is_decode and not split and tile is None and key_cache.element_size() > 1)
@@ -930,6 +1067,7 @@ def paged_attention(
             BULK_N=block_n, FMA_SOFTMAX=True,
             BLOCK_ADDR=sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0,
         )
+    grain = math.lcm(block_n, block_size)  # a balanced chunk starts at whole K/V tiles and blocks
 
     if rotary is not None and not is_decode:
         raise ValueError("rotary: a decode launch only (max_query_len 1, not deterministic)")
@@ -938,9 +1076,16 @@ def paged_attention(
 
     on = pdl(query.device, "attention", num_seqs if is_decode else None)
     f32 = dict(dtype=torch.float32, device=query.device)
-    part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32) if split else out
-    part_max = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
-    part_sum = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
+    if balanced:
+        num_tiles = balanced_grid_rows(num_seqs, num_kv_heads, balance_programs)
+        part_acc = torch.empty(num_tiles, num_heads, d_pad, **f32)
+        part_max = torch.empty(num_tiles, num_heads, **f32)
+        part_sum = torch.empty(num_tiles, num_heads, **f32)
+    else:
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32) if split else out
+        part_max = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
+        part_sum = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
+    seq_pad = triton.next_power_of_2(num_seqs) if balanced else 1
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         out, part_acc, part_max, part_sum,
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -948,7 +1093,8 @@ def paged_attention(
         num_heads, num_splits, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        max(sliding_window, 0), logit_softcap * math.log2(math.e), v_scale, *rotary_args,
+        max(sliding_window, 0), logit_softcap * math.log2(math.e), v_scale, balance_programs or 1,
+        _MIN_PARTITION, *rotary_args,
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, D_PAD=d_pad, IS_DECODE=is_decode, SPLIT=split,
         EVEN_SPLITS=even_splits,
@@ -957,8 +1103,16 @@ def paged_attention(
         SCALE_V=v_scale != 1.0, Q_F16=q_f16, SKIP_DECODE=skip_decode, **tuning,
         ROTARY=rotary is not None, RN=query.is_cuda, FP8_CACHE=is_fp8(key_cache.dtype),
         num_warps=num_warps, num_stages=num_stages, **launch,
-        PDL=on, **pdl_launch(on),
+        PDL=on, **pdl_launch(on), BALANCED=balanced, SEQ_PAD=seq_pad, GRAIN=grain if balanced else 1,
     )
+    if balanced:
+        on_reduce = pdl(query.device, "reduce")
+        _reduce_chunks_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_max, part_sum, seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads,
+            balance_programs, _MIN_PARTITION, head_dim, out.stride(0), out.stride(1), SEQ_PAD=seq_pad,
+            GRAIN=grain, C_BLOCK=REDUCE_CHUNK_BLOCK, D_PAD=d_pad, num_warps=4,
+            PDL=on_reduce, **pdl_launch(on_reduce),
+        )
     if split:
         on_reduce = pdl(query.device, "reduce")
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -18,6 +18,7 @@ if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu runs the compiled kernels", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
 
+import kernels  # noqa: E402
 from kernels import reference, triton_attention, triton_cache, triton_layers  # noqa: E402
 from kernels.testing import make_paged_case, random_block_pairs, relative_error  # noqa: E402
 from tests.helpers.triton_interpreter import patch_interpreter_for_numpy  # noqa: E402
@@ -395,3 +396,107 @@ def test_paged_attention_logit_softcap_matches_reference(seed, name, window, sof
     assert err < 1e-5, f"seed {seed}: relative error {err}"
     if softcap < 10:
         assert relative_error(reference.paged_attention(*case.args(), window), ref) > 1e-3
+
+
+BALANCED_LENGTHS = [5, 300, 40, 1000, 17, 1, 600, 256]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
+                         [(8, 2, 32, 16), (4, 4, 24, 8), (8, 1, 32, 64)])
+@pytest.mark.parametrize("balance_programs", [1, 5, 16, 64])
+def test_balanced_decode_matches_reference(seed, num_heads, num_kv_heads, head_dim, block_size,
+                                           balance_programs):
+    """Chunks of whole K/V tiles and blocks (block size 64: 64-position grains), one or several a
+    sequence; a head_dim below its power of two; a context of one position."""
+    case = make_paged_case(BALANCED_LENGTHS, [1] * 8, num_heads, num_kv_heads, head_dim, block_size,
+                           torch.float32, "cpu", seed)
+    ref = reference.paged_attention(*case.args())
+    out = triton_attention.paged_attention(*case.args(), balance_programs=balance_programs)
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+
+
+def test_balanced_decode_chunks_are_the_plans(monkeypatch):
+    """With the reduce made a no-op, the rows of the sequences balanced_chunks gives one chunk are
+    right and those of several are not: the kernel splits where the host-side plan says, and the
+    reduce is what combines them."""
+    case = make_paged_case(BALANCED_LENGTHS, [1] * 8, 8, 2, 32, 16, torch.float32, "cpu", 1)
+    ref = reference.paged_attention(*case.args())
+    part, chunks = triton_attention.balanced_chunks(BALANCED_LENGTHS, 2, 16)
+    assert (part, chunks) == (288, [1, 2, 1, 4, 1, 1, 3, 1])
+
+    class NoReduce:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(triton_attention, "_reduce_chunks_kernel", NoReduce())
+    out = triton_attention.paged_attention(
+        *case.args(), balance_programs=16, out=torch.full_like(case.query, float("nan")))
+    for seq, count in enumerate(chunks):
+        rows_match = torch.allclose(out[seq], ref[seq], atol=1e-5, rtol=1e-5)
+        assert rows_match == (count == 1), (seq, count)
+
+
+def test_balanced_decode_with_graph_padding():
+    """A decode graph's padding: sequences of length 0 and query length 0 after the real ones, a
+    max_seq_len far above every context; their programs exit, the real rows match the reference."""
+    case = make_paged_case(BALANCED_LENGTHS, [1] * 8, 8, 2, 32, 16, torch.float32, "cpu", 2)
+    ref = reference.paged_attention(*case.args())
+    pad = 5
+    seq_lens = torch.cat([case.seq_lens, torch.zeros(pad, dtype=torch.int32)])
+    starts = torch.cat([case.query_start_loc, torch.full((pad,), 8, dtype=torch.int32)])
+    tables = torch.cat([case.block_tables, case.block_tables[:pad]])
+    query = torch.cat([case.query, torch.randn(pad, *case.query.shape[1:])])
+    out = triton_attention.paged_attention(query, case.key_cache, case.value_cache, tables, seq_lens, starts,
+                                           1, 8192, case.scale, balance_programs=16)
+    assert relative_error(out[:8], ref) < 1e-5
+
+
+def test_balanced_chunks_stay_within_the_grid():
+    """However uneven the lengths, a step's chunks fit the grid's rows (num_seqs + programs // KV
+    heads), each sequence has at least one, and the chunks cover its context."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        num_seqs = rng.randint(1, 300)
+        kv_heads = rng.choice([1, 2, 8, 40])
+        programs = rng.randint(1, 600)
+        lens = [rng.choice([0, 1, rng.randint(1, 100), rng.randint(1, 20000)]) for _ in range(num_seqs)]
+        part, chunks = triton_attention.balanced_chunks(lens, kv_heads, programs)
+        assert part >= triton_attention._MIN_PARTITION and part % 32 == 0
+        assert sum(chunks) <= triton_attention.balanced_grid_rows(num_seqs, kv_heads, programs)
+        assert all(c >= 1 and c * part >= n > (c - 1) * part or (n == 0 and c == 1)
+                   for c, n in zip(chunks, lens, strict=True))
+
+
+def test_balanced_decode_rule(monkeypatch):
+    """By default a decode launch that would not split runs balanced and one that would split keeps
+    its even split; PAGEDSERVE_BALANCED_DECODE=0 turns it off, =all balances both; a forced split
+    count, a window, an FP8 cache and deterministic mode never run balanced; an unknown value is refused."""
+    seen = record_attention_launches(monkeypatch, lambda grid, kw: (kw["BALANCED"], grid[2]))
+    big = make_paged_case(BALANCED_LENGTHS, [1] * 8, 8, 2, 32, 16, torch.float32, "cpu", 3)  # 16 programs
+    small = dataclasses.replace(make_paged_case([600, 150], [1, 1], 8, 1, 32, 16, torch.float32, "cpu", 4),
+                                max_seq_len=4096)  # 2 programs, 8 slots on a CPU: split
+    e4m3 = torch.float8_e4m3fn
+    fp8 = dataclasses.replace(big, key_cache=big.key_cache.to(e4m3), value_cache=big.value_cache.to(e4m3))
+
+    def launches(env, case, *args, kernel_only=None, **kwargs):
+        if env is None:
+            monkeypatch.delenv(kernels.BALANCED_DECODE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(kernels.BALANCED_DECODE_ENV, env)
+        seen.clear()
+        out = triton_attention.paged_attention(*case.args(), *args, **kwargs, **(kernel_only or {}))
+        assert relative_error(out, reference.paged_attention(*case.args(), *args, **kwargs)) < 1e-5
+        return seen[0]
+
+    assert launches(None, big) == (True, 1)
+    assert launches(None, small)[0] is False
+    assert launches("0", big) == (False, 1)
+    assert launches("all", small) == (True, 1)
+    assert launches(None, big, kernel_only=dict(num_splits=1))[0] is False
+    assert launches(None, big, 4)[0] is False  # a sliding window of 4
+    assert launches(None, fp8, k_scale=0.5, v_scale=2.0)[0] is False
+    assert launches(None, big, kernel_only=dict(deterministic=True))[0] is False
+    monkeypatch.setenv(kernels.BALANCED_DECODE_ENV, "yes")
+    with pytest.raises(ValueError, match="PAGEDSERVE_BALANCED_DECODE='yes'"):
+        kernels.check_launch_env()

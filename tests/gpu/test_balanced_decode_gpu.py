@@ -1,0 +1,123 @@
+"""The balanced decode launch (kernels/triton_attention.py, "Balanced decode") compiled on CUDA:
+against the float32 reference on uneven lengths like those of a sharegpt run's decode steps, in a CUDA
+graph replayed on new lengths (the chunk plan is the kernel's, from the step's seq_lens), and beside
+the one-program-a-sequence launch it replaces (skipped without CUDA). `python -m
+tests.gpu.test_balanced_decode_gpu` times both on such steps."""
+
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from kernels import reference, triton_attention  # noqa: E402
+from kernels.testing import make_paged_case, relative_error  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+LLAMA3 = (32, 8, 128, 16)  # heads, KV heads, head_dim, block size
+
+
+def uneven_lengths(num_seqs: int, seed: int, longest: int = 2000) -> list[int]:
+    rng = random.Random(seed)
+    return [min(longest, max(1, round(rng.lognormvariate(6.0, 1.0)))) for _ in range(num_seqs)]
+
+
+@pytest.mark.parametrize("num_seqs", [30, 100, 300])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [LLAMA3, (40, 40, 128, 16),
+                                                                           (16, 4, 64, 32)])
+def test_balanced_matches_reference(num_seqs, heads, kv_heads, head_dim, block_size):
+    lens = uneven_lengths(num_seqs, num_seqs)
+    case = make_paged_case(lens, [1] * num_seqs, heads, kv_heads, head_dim, block_size, torch.bfloat16,
+                           "cuda", num_seqs)
+    ref = reference.paged_attention(*case.args())
+    slots = triton_attention.split_slots(case.query.device)
+    for programs in (slots // 2, slots, 4 * slots):
+        out = triton_attention.paged_attention(*case.args(), balance_programs=programs)
+        assert relative_error(out, ref) < 1e-2, programs
+    part, chunks = triton_attention.balanced_chunks(lens, kv_heads, slots // 2)
+    assert max(chunks) > 1  # the launch above did split its longest sequences
+
+
+def test_balanced_graph_replays_new_lengths():
+    """Captured for 64 sequences at one mix of lengths (and a graph's max_seq_len), replayed on others:
+    every replay matches the reference for its own lengths, so the plan follows the step's seq_lens."""
+    num_seqs = 64
+    heads, kv_heads, head_dim, block_size = LLAMA3
+    draws = [uneven_lengths(num_seqs, seed) for seed in (1, 2, 3)]
+    cases = [make_paged_case(lens, [1] * num_seqs, *LLAMA3, torch.bfloat16, "cuda", i)
+             for i, lens in enumerate(draws)]
+    width = max(c.block_tables.shape[1] for c in cases)
+    blocks = max(c.key_cache.shape[0] for c in cases)
+    static = cases[0]
+    key_cache = torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    value_cache = torch.zeros_like(key_cache)
+    tables = torch.zeros(num_seqs, width, dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(num_seqs, dtype=torch.int32, device="cuda")
+    query = torch.zeros_like(static.query)
+
+    def load(case):
+        key_cache.zero_()
+        value_cache.zero_()
+        key_cache[: case.key_cache.shape[0]] = case.key_cache
+        value_cache[: case.value_cache.shape[0]] = case.value_cache
+        tables.zero_()
+        tables[:, : case.block_tables.shape[1]] = case.block_tables
+        seq_lens.copy_(case.seq_lens)
+        query.copy_(case.query)
+
+    def step():
+        return triton_attention.paged_attention(query, key_cache, value_cache, tables, seq_lens,
+                                                static.query_start_loc, 1, 8192, static.scale)
+    load(cases[0])
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for case in cases[1:] + cases[:1]:
+        load(case)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.paged_attention(query, key_cache, value_cache, tables, seq_lens,
+                                        static.query_start_loc, 1, max(case.seq_lens.tolist()), static.scale)
+        assert relative_error(out, ref) < 1e-2
+
+
+def bench() -> None:
+    """µs a layer (32 calls in a graph, 6 caches in turn) on the decode steps of sharegpt-400 at t = 0:
+    one program a sequence and KV head against balanced chunks for 1 / 1.5 / 2 x split_slots programs."""
+    from kernels.bench import warm_up_gpu
+    from kernels.bench_common import graph_call_us
+    from scheduler_svc.sim.workloads import make_workload
+
+    pairs = [(r.prompt_len, r.max_tokens) for r in make_workload("sharegpt", 400, vocab_size=128256)]
+    steps = {}
+    for s in range(1, 1025):
+        active = [p + s for p, o in pairs if o > s]
+        steps.setdefault(len(active), active)
+    warm_up_gpu()
+    slots = triton_attention.split_slots(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}; {slots} slots; us a layer, llama3-8b heads, bf16")
+    variants = {"unsplit": dict(num_splits=1), "rule": {}, "1.0": dict(balance_programs=slots),
+                "1.5": dict(balance_programs=slots * 3 // 2), "2.0": dict(balance_programs=2 * slots),
+                "0.5": dict(balance_programs=slots // 2)}
+    print(f"{'seqs':>5}{'mean':>6}{'max':>6}{'bytes':>8}" + "".join(f"{v:>9}" for v in variants))
+    for target in (24, 28, 32, 40, 48, 64, 96, 128, 192, 256, 338):
+        num_seqs = min(steps, key=lambda k: abs(k - target))
+        lens = steps[num_seqs]
+        cases = [make_paged_case(lens, [1] * num_seqs, *LLAMA3, torch.bfloat16, "cuda", i) for i in range(6)]
+        times = []
+        for kwargs in variants.values():
+            calls = [lambda c=cases[i % 6], kw=kwargs: triton_attention.paged_attention(
+                *c.args()[:7], 8192, c.scale, **kw) for i in range(32)]
+            times.append(graph_call_us(calls))
+        bytes_us = sum(lens) * 4096 / 4.19e6  # K and V of 8 heads x 128 dims, bf16, at 4.19 TB/s
+        print(f"{num_seqs:>5}{sum(lens) // num_seqs:>6}{max(lens):>6}{bytes_us:>8.1f}"
+              + "".join(f"{t:>9.2f}" for t in times), flush=True)
+        del cases
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    bench()
