@@ -128,7 +128,10 @@ from kernels.triton_layers import rotated
 F16_MAX = tl.constexpr(65504.0)
 _NO_PARTITION = 1 << 30
 _MIN_PARTITION = 256  # context positions; smaller partitions cost more in the reduce than they win
-REDUCE_CHUNK_BLOCK = 16  # a balanced launch's reduce combines this many chunks of a sequence at a time
+# A balanced decode launch (balanced_chunks): the step's positions x KV heads shared by this many
+# programs a split slot, each context in at most BALANCED_MAX_CHUNKS chunks
+BALANCE_PROGRAMS_PER_SLOT = 1
+BALANCED_MAX_CHUNKS = 4
 
 
 def _is_pow2(n) -> bool:
@@ -279,39 +282,16 @@ def _find_sequence(query_start_loc_ptr, tile_id, num_seqs, num_search_steps, BLO
 
 
 @triton.jit
-def _balanced_partition(lens, num_kv_heads, balance_programs, min_partition, GRAIN: tl.constexpr):
-    """balanced_chunks' partition size from the step's lengths [SEQ_PAD] (0 past num_seqs)."""
-    total = tl.sum(lens, axis=0).to(tl.int64)
-    share = tl.cdiv(total * num_kv_heads, balance_programs)  # positions a program if all were even
-    return tl.maximum(tl.cdiv(share, GRAIN) * GRAIN, min_partition).to(tl.int32)
-
-
-@triton.jit
-def _balanced_plan(seq_lens_ptr, num_seqs, num_kv_heads, balance_programs, min_partition,
+def _balanced_part(seq_lens_ptr, num_seqs, num_kv_heads, balance_programs, max_chunks, min_partition,
                    SEQ_PAD: tl.constexpr, GRAIN: tl.constexpr):
-    """(partition size, each sequence's chunk count [SEQ_PAD], their running sum [SEQ_PAD]); the same
-    arithmetic in every program of a launch and of its reduce."""
+    """balanced_chunks' partition size, from the step's lengths: the same arithmetic in every program
+    of a balanced launch and of its reduce (the load does not wait on any other)."""
     index = tl.arange(0, SEQ_PAD)
-    valid = index < num_seqs
-    lens = tl.load(seq_lens_ptr + index, mask=valid, other=0)
-    part = _balanced_partition(lens, num_kv_heads, balance_programs, min_partition, GRAIN)
-    chunks = tl.where(valid, tl.maximum(tl.cdiv(lens, part), 1), 0)
-    return part, chunks, tl.cumsum(chunks, axis=0)
-
-
-@triton.jit
-def _balanced_chunk(seq_lens_ptr, num_seqs, work, num_kv_heads, balance_programs, min_partition,
-                    SEQ_PAD: tl.constexpr, GRAIN: tl.constexpr):
-    """(sequence, its chunk, its chunk count, partition size) of program row `work` of a balanced decode
-    launch; sequence num_seqs for a row past the step's chunks."""
-    part, chunks, ends = _balanced_plan(seq_lens_ptr, num_seqs, num_kv_heads, balance_programs,
-                                        min_partition, SEQ_PAD, GRAIN)
-    index = tl.arange(0, SEQ_PAD)
-    seq = tl.sum((ends <= work).to(tl.int32), axis=0)  # sequences whose chunks all come before `work`
-    mine = index == seq
-    count = tl.sum(tl.where(mine, chunks, 0), axis=0)
-    first = tl.sum(tl.where(mine, ends, 0), axis=0) - count
-    return seq, work - first, count, part
+    lens = tl.load(seq_lens_ptr + index, mask=index < num_seqs, other=0)
+    total = tl.sum(lens, axis=0).to(tl.int64)
+    longest = tl.cdiv(tl.max(lens, axis=0), max_chunks)
+    part = tl.maximum(tl.cdiv(total * num_kv_heads, balance_programs), longest)
+    return tl.maximum(tl.cdiv(part, GRAIN) * GRAIN, min_partition).to(tl.int32)
 
 
 @triton.jit
@@ -538,15 +518,7 @@ def _paged_attention_kernel(
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if BALANCED:  # a decode launch's program is one chunk of one sequence (balanced_chunks)
-        seq, split, num_chunks, part = _balanced_chunk(
-            seq_lens_ptr, num_seqs, tile_id, tl.num_programs(1), balance_programs, min_partition, SEQ_PAD,
-            GRAIN,
-        )
-        if seq >= num_seqs:  # a surplus program of the grid's bound
-            return
-        q_tile_start = tile_id * 0
-    elif IS_DECODE:
+    if IS_DECODE:
         seq = tile_id
         q_tile_start = tile_id * 0
     else:
@@ -563,6 +535,14 @@ def _paged_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_start = seq_len - q_len  # position of the sequence's first query token
+    if BALANCED:  # chunk `split` of at most num_splits of the sequence (balanced_chunks)
+        if split * min_partition >= seq_len:  # past any partition size's last chunk
+            return
+        part = _balanced_part(seq_lens_ptr, num_seqs, tl.num_programs(1), balance_programs, num_splits,
+                              min_partition, SEQ_PAD, GRAIN)
+        num_chunks = tl.maximum(tl.cdiv(seq_len, part), 1)
+        if split >= num_chunks:
+            return
 
     rows = tl.arange(0, BLOCK_M)
     row_token = q_tile_start + rows // G_PAD  # [BLOCK_M] index among the sequence's query tokens
@@ -664,7 +644,7 @@ def _paged_attention_kernel(
                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask,
             )
         else:
-            part_row = tile_id * num_heads + row_head  # [BLOCK_M]: the chunk's own rows
+            part_row = (row_global * num_heads + row_head) * num_splits + split  # [BLOCK_M]
             tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
             tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
             tl.store(part_acc_ptr + part_row[:, None] * D_PAD + dims[None, :], acc, mask=row_valid[:, None])
@@ -713,65 +693,51 @@ def _reduce_splits_kernel(
 @triton.jit(do_not_specialize=["num_seqs"])
 def _reduce_chunks_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, num_heads, num_kv_heads, balance_programs, min_partition, head_dim, stride_o_tok,
-    stride_o_head, SEQ_PAD: tl.constexpr, GRAIN: tl.constexpr, C_BLOCK: tl.constexpr, D_PAD: tl.constexpr,
+    num_seqs, num_heads, num_kv_heads, balance_programs, max_chunks, min_partition, head_dim, stride_o_tok,
+    stride_o_head, SEQ_PAD: tl.constexpr, GRAIN: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """A balanced decode launch's reduce: sequence program_id(0)'s chunks of head program_id(1), combined
-    C_BLOCK at a time (online); a sequence of one chunk was written by its program."""
+    """A balanced decode launch's reduce: sequence program_id(0)'s chunks of head program_id(1); a
+    sequence of one chunk (or a graph's padding, no query token) was written by its program."""
     if PDL:  # kernels.pdl
         gdc_wait()
         gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    part, chunks, ends = _balanced_plan(seq_lens_ptr, num_seqs, num_kv_heads, balance_programs,
-                                        min_partition, SEQ_PAD, GRAIN)
-    mine = tl.arange(0, SEQ_PAD) == seq
-    count = tl.sum(tl.where(mine, chunks, 0), axis=0)
-    if count > 1:
-        first = tl.sum(tl.where(mine, ends, 0), axis=0) - count
-        dims = tl.arange(0, D_PAD)
-        m = tl.full([1], float("-inf"), dtype=tl.float32)
-        total = tl.zeros([1], dtype=tl.float32)
-        acc = tl.zeros([D_PAD], dtype=tl.float32)
-        for base in range(0, count, C_BLOCK):
-            chunk = base + tl.arange(0, C_BLOCK)
-            valid = chunk < count
-            row = (first + chunk).to(tl.int64) * num_heads + head  # [C_BLOCK]
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq)
+    has_query = tl.load(query_start_loc_ptr + seq + 1) > token
+    if has_query & (seq_len > min_partition):  # several chunks only past the smallest partition size
+        part = _balanced_part(seq_lens_ptr, num_seqs, num_kv_heads, balance_programs, max_chunks,
+                              min_partition, SEQ_PAD, GRAIN)
+        count = tl.cdiv(seq_len, part)
+        if count > 1:
+            chunks = tl.arange(0, S_PAD)
+            valid = chunks < count
+            dims = tl.arange(0, D_PAD)
+            row = (token.to(tl.int64) * num_heads + head) * max_chunks + chunks  # [S_PAD]
             chunk_max = tl.load(part_max_ptr + row, mask=valid, other=float("-inf"))
             chunk_sum = tl.load(part_sum_ptr + row, mask=valid, other=0.0)
             chunk_acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + dims[None, :], mask=valid[:, None],
-                                other=0.0)  # [C_BLOCK, D_PAD]
-            m_new = tl.maximum(m, tl.max(chunk_max, axis=0))  # finite: a chunk holds the row's position 0
-            weight = tl.exp2(chunk_max - m_new)  # [C_BLOCK]
-            alpha = tl.exp2(m - m_new)
-            total = total * alpha + tl.sum(chunk_sum * weight, axis=0)
-            acc = acc * alpha + tl.sum(chunk_acc * weight[:, None], axis=0)
-            m = m_new
-        token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-        out = acc / total
-        tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims,
-                 out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+                                other=0.0)  # [S_PAD, D_PAD]
+            weight = tl.exp2(chunk_max - tl.max(chunk_max, axis=0))  # chunk 0's max is finite
+            out = tl.sum(chunk_acc * weight[:, None], axis=0) / tl.sum(chunk_sum * weight, axis=0)
+            tl.store(out_ptr + token.to(tl.int64) * stride_o_tok + head * stride_o_head + dims,
+                     out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
 def balanced_chunks(
-    seq_lens: list[int], num_kv_heads: int, balance_programs: int, min_partition: int = _MIN_PARTITION,
-    grain: int = UNSPLIT_DECODE_TILE[0],
+    seq_lens: list[int], num_kv_heads: int, balance_programs: int, max_chunks: int,
+    min_partition: int = _MIN_PARTITION, grain: int = UNSPLIT_DECODE_TILE[0],
 ) -> tuple[int, list[int]]:
     """The plan of a balanced decode launch (the kernel's arithmetic, for tests and benchmarks): the
-    partition size, the step's positions times its KV heads shared by `balance_programs` programs
-    (rounded up to whole `grain`-position tiles, at least `min_partition`), and each sequence's chunk
-    count (at least one). The chunks number at most len(seq_lens) + balance_programs // num_kv_heads,
-    whatever the lengths: the grid's bound (balanced_grid_rows)."""
+    partition size, the larger of the step's positions times its KV heads shared by `balance_programs`
+    programs and the longest context in `max_chunks` (rounded up to whole `grain`-position tiles, at
+    least `min_partition`), and each sequence's chunk count (1 to max_chunks)."""
     share = -(-sum(seq_lens) * num_kv_heads // balance_programs)
-    part = max(-(-share // grain) * grain, min_partition)
+    longest = -(-max(seq_lens, default=0) // max_chunks)
+    part = max(-(-max(share, longest) // grain) * grain, min_partition)
     return part, [max(-(-n // part), 1) for n in seq_lens]
-
-
-def balanced_grid_rows(num_seqs: int, num_kv_heads: int, balance_programs: int) -> int:
-    """Program rows (axis 0) of a balanced decode launch: its chunks' bound, fixed by shapes (a CUDA
-    graph's launch); rows past a step's chunks exit at once."""
-    return num_seqs + balance_programs // num_kv_heads
 
 
 def split_slots(device: torch.device) -> int:
@@ -906,7 +872,7 @@ def paged_attention(
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None, fresh_tuning: FreshTuning | None = None,
     no_cached_prefix: bool = False, out: torch.Tensor | None = None,
     prefill_tile_starts: torch.Tensor | None = None, rotary: DecodeRotary | None = None,
-    balance_programs: int | None = None,
+    balance_programs: int | None = None, balance_chunks: int | None = None,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
     the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
@@ -934,9 +900,10 @@ def paged_attention(
     out: write into this [T, H, D] tensor instead of a new one. prefill_tile_starts: the Gluon kernel's
     work list (kernels.prefill_tile_starts(query_start_loc)) when the caller has it. rotary: the query
     comes unrotated, and the launch rotates it and writes the step's K/V (rotary_cache_attention; a
-    decode launch only). balance_programs: a decode launch over a cache of the query's dtype runs
-    balanced (balanced_chunks) for that many programs' shares (benchmark sweeps; by default
-    kernels.balanced_decode decides, for split_slots programs)."""
+    decode launch only). balance_programs, balance_chunks: a decode launch over a cache of the query's
+    dtype without a window runs balanced (balanced_chunks) with these (benchmark sweeps; by default
+    kernels.balanced_decode decides, with BALANCE_PROGRAMS_PER_SLOT x split_slots programs and
+    BALANCED_MAX_CHUNKS chunks)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -1036,12 +1003,15 @@ def paged_attention(
     # A decode launch over a cache of the query's dtype, no window: balanced chunks where the rule (or
     # the caller) says so (balanced_chunks; module docstring, "Balanced decode")
     balanced = (is_decode and tile is None and key_cache.element_size() > 1 and sliding_window <= 0 and (
-        balance_programs is not None or (not forced and balanced_decode(num_splits > 1))))
+        balance_programs is not None or balance_chunks is not None
+    or (not forced and balanced_decode(num_splits > 1))))
     if balanced:
+        balance_programs = balance_programs or BALANCE_PROGRAMS_PER_SLOT * split_slots(query.device)
+        max_chunks = balance_chunks or BALANCED_MAX_CHUNKS
+        if balance_programs < 1 or max_chunks < 1:
+            raise ValueError(f"balance_programs and balance_chunks must be >= 1, got {balance_programs} "
+                             f"and {max_chunks}")
         num_splits, even_splits, partition_size = 1, False, _NO_PARTITION
-        balance_programs = balance_programs or split_slots(query.device)
-        if balance_programs < 1:
-            raise ValueError(f"balance_programs must be >= 1, got {balance_programs}")
     split = num_splits > 1
     # an unsplit decode launch over a cache of the query's dtype: UNSPLIT_DECODE_TILE through _attend_bulk
     bulk_decode = fp8_decode or (is_decode and not split and tile is None and key_cache.element_size() > 1)
@@ -1076,11 +1046,11 @@ def paged_attention(
 
     on = pdl(query.device, "attention", num_seqs if is_decode else None)
     f32 = dict(dtype=torch.float32, device=query.device)
-    if balanced:
-        num_tiles = balanced_grid_rows(num_seqs, num_kv_heads, balance_programs)
-        part_acc = torch.empty(num_tiles, num_heads, d_pad, **f32)
-        part_max = torch.empty(num_tiles, num_heads, **f32)
-        part_sum = torch.empty(num_tiles, num_heads, **f32)
+    if balanced:  # the grid's axis 2: a sequence's chunks (those past its count exit at once)
+        num_splits = max_chunks
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32)
+        part_max = torch.empty(num_tokens, num_heads, num_splits, **f32)
+        part_sum = torch.empty(num_tokens, num_heads, num_splits, **f32)
     else:
         part_acc = torch.empty(num_tokens, num_heads, num_splits, d_pad, **f32) if split else out
         part_max = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
@@ -1109,8 +1079,8 @@ def paged_attention(
         on_reduce = pdl(query.device, "reduce")
         _reduce_chunks_kernel[(num_seqs, num_heads)](
             out, part_acc, part_max, part_sum, seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads,
-            balance_programs, _MIN_PARTITION, head_dim, out.stride(0), out.stride(1), SEQ_PAD=seq_pad,
-            GRAIN=grain, C_BLOCK=REDUCE_CHUNK_BLOCK, D_PAD=d_pad, num_warps=4,
+            balance_programs, num_splits, _MIN_PARTITION, head_dim, out.stride(0), out.stride(1),
+            SEQ_PAD=seq_pad, GRAIN=grain, S_PAD=triton.next_power_of_2(num_splits), D_PAD=d_pad, num_warps=4,
             PDL=on_reduce, **pdl_launch(on_reduce),
         )
     if split:

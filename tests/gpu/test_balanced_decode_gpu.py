@@ -25,19 +25,22 @@ def uneven_lengths(num_seqs: int, seed: int, longest: int = 2000) -> list[int]:
 
 
 @pytest.mark.parametrize("num_seqs", [30, 100, 300])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [LLAMA3, (40, 40, 128, 16),
-                                                                           (16, 4, 64, 32)])
-def test_balanced_matches_reference(num_seqs, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "softcap"), [
+    (*LLAMA3, 0.0), (40, 40, 128, 16, 0.0), (16, 4, 64, 32, 0.0), (*LLAMA3, 30.0)])
+def test_balanced_matches_reference(num_seqs, heads, kv_heads, head_dim, block_size, softcap):
+    """The default plan and finer ones (more programs' shares, more chunks a sequence), with a logit
+    softcap too; the finest splits the longest contexts."""
     lens = uneven_lengths(num_seqs, num_seqs)
     case = make_paged_case(lens, [1] * num_seqs, heads, kv_heads, head_dim, block_size, torch.bfloat16,
                            "cuda", num_seqs)
-    ref = reference.paged_attention(*case.args())
+    ref = reference.paged_attention(*case.args(), 0, softcap)
     slots = triton_attention.split_slots(case.query.device)
-    for programs in (slots // 2, slots, 4 * slots):
-        out = triton_attention.paged_attention(*case.args(), balance_programs=programs)
-        assert relative_error(out, ref) < 1e-2, programs
-    part, chunks = triton_attention.balanced_chunks(lens, kv_heads, slots // 2)
-    assert max(chunks) > 1  # the launch above did split its longest sequences
+    for programs, chunks in ((None, None), (slots, 2), (8 * slots, 4), (64 * slots, 8)):
+        out = triton_attention.paged_attention(*case.args(), 0, softcap, balance_programs=programs,
+                                               balance_chunks=chunks)
+        assert relative_error(out, ref) < 1e-2, (programs, chunks)
+    part, counts = triton_attention.balanced_chunks(lens, kv_heads, 64 * slots, 8)
+    assert max(counts) > 1
 
 
 def test_balanced_graph_replays_new_lengths():
@@ -86,7 +89,8 @@ def test_balanced_graph_replays_new_lengths():
 
 def bench() -> None:
     """µs a layer (32 calls in a graph, 6 caches in turn) on the decode steps of sharegpt-400 at t = 0:
-    one program a sequence and KV head against balanced chunks for 1 / 1.5 / 2 x split_slots programs."""
+    one program a sequence and KV head against balanced chunks: the rule, the longest context in 2, 4
+    or 8 chunks (no share), and shares of 1 or 2 x split_slots programs."""
     from kernels.bench import warm_up_gpu
     from kernels.bench_common import graph_call_us
     from scheduler_svc.sim.workloads import make_workload
@@ -99,9 +103,13 @@ def bench() -> None:
     warm_up_gpu()
     slots = triton_attention.split_slots(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}; {slots} slots; us a layer, llama3-8b heads, bf16")
-    variants = {"unsplit": dict(num_splits=1), "rule": {}, "1.0": dict(balance_programs=slots),
-                "1.5": dict(balance_programs=slots * 3 // 2), "2.0": dict(balance_programs=2 * slots),
-                "0.5": dict(balance_programs=slots // 2)}
+    huge = 1 << 30  # no share: the partition is the longest context's 1 / chunks
+    variants = {"unsplit": dict(num_splits=1), "rule": {},
+                "S2": dict(balance_programs=huge, balance_chunks=2),
+                "S4": dict(balance_programs=huge, balance_chunks=4),
+                "S8": dict(balance_programs=huge, balance_chunks=8),
+                "1x,S8": dict(balance_programs=slots, balance_chunks=8),
+                "2x,S4": dict(balance_programs=2 * slots, balance_chunks=4)}
     print(f"{'seqs':>5}{'mean':>6}{'max':>6}{'bytes':>8}" + "".join(f"{v:>9}" for v in variants))
     for target in (24, 28, 32, 40, 48, 64, 96, 128, 192, 256, 338):
         num_seqs = min(steps, key=lambda k: abs(k - target))

@@ -403,15 +403,18 @@ BALANCED_LENGTHS = [5, 300, 40, 1000, 17, 1, 600, 256]
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
                          [(8, 2, 32, 16), (4, 4, 24, 8), (8, 1, 32, 64)])
-@pytest.mark.parametrize("balance_programs", [1, 5, 16, 64])
+@pytest.mark.parametrize(("balance_programs", "balance_chunks"), [(1, 4), (5, 4), (16, 4), (64, 2), (64, 3),
+                                                                   (1000, 8)])
 def test_balanced_decode_matches_reference(seed, num_heads, num_kv_heads, head_dim, block_size,
-                                           balance_programs):
+                                           balance_programs, balance_chunks):
     """Chunks of whole K/V tiles and blocks (block size 64: 64-position grains), one or several a
-    sequence; a head_dim below its power of two; a context of one position."""
+    sequence, up to the launch's chunk count; a head_dim below its power of two; a context of one
+    position."""
     case = make_paged_case(BALANCED_LENGTHS, [1] * 8, num_heads, num_kv_heads, head_dim, block_size,
                            torch.float32, "cpu", seed)
     ref = reference.paged_attention(*case.args())
-    out = triton_attention.paged_attention(*case.args(), balance_programs=balance_programs)
+    out = triton_attention.paged_attention(*case.args(), balance_programs=balance_programs,
+                                           balance_chunks=balance_chunks)
     err = relative_error(out, ref)
     assert err < 1e-5, f"seed {seed}: relative error {err}"
 
@@ -422,7 +425,7 @@ def test_balanced_decode_chunks_are_the_plans(monkeypatch):
     reduce is what combines them."""
     case = make_paged_case(BALANCED_LENGTHS, [1] * 8, 8, 2, 32, 16, torch.float32, "cpu", 1)
     ref = reference.paged_attention(*case.args())
-    part, chunks = triton_attention.balanced_chunks(BALANCED_LENGTHS, 2, 16)
+    part, chunks = triton_attention.balanced_chunks(BALANCED_LENGTHS, 2, 16, 4)
     assert (part, chunks) == (288, [1, 2, 1, 4, 1, 1, 3, 1])
 
     class NoReduce:
@@ -431,7 +434,7 @@ def test_balanced_decode_chunks_are_the_plans(monkeypatch):
 
     monkeypatch.setattr(triton_attention, "_reduce_chunks_kernel", NoReduce())
     out = triton_attention.paged_attention(
-        *case.args(), balance_programs=16, out=torch.full_like(case.query, float("nan")))
+        *case.args(), balance_programs=16, balance_chunks=4, out=torch.full_like(case.query, float("nan")))
     for seq, count in enumerate(chunks):
         rows_match = torch.allclose(out[seq], ref[seq], atol=1e-5, rtol=1e-5)
         assert rows_match == (count == 1), (seq, count)
@@ -452,19 +455,18 @@ def test_balanced_decode_with_graph_padding():
     assert relative_error(out[:8], ref) < 1e-5
 
 
-def test_balanced_chunks_stay_within_the_grid():
-    """However uneven the lengths, a step's chunks fit the grid's rows (num_seqs + programs // KV
-    heads), each sequence has at least one, and the chunks cover its context."""
+def test_balanced_chunks_cover_each_context():
+    """However uneven the lengths, each sequence has 1 to max_chunks chunks of one partition size (whole
+    32-position tiles, at least _MIN_PARTITION) that cover its context and no more."""
     rng = random.Random(0)
     for _ in range(2000):
         num_seqs = rng.randint(1, 300)
         kv_heads = rng.choice([1, 2, 8, 40])
-        programs = rng.randint(1, 600)
+        programs, max_chunks = rng.randint(1, 600), rng.randint(1, 8)
         lens = [rng.choice([0, 1, rng.randint(1, 100), rng.randint(1, 20000)]) for _ in range(num_seqs)]
-        part, chunks = triton_attention.balanced_chunks(lens, kv_heads, programs)
+        part, chunks = triton_attention.balanced_chunks(lens, kv_heads, programs, max_chunks)
         assert part >= triton_attention._MIN_PARTITION and part % 32 == 0
-        assert sum(chunks) <= triton_attention.balanced_grid_rows(num_seqs, kv_heads, programs)
-        assert all(c >= 1 and c * part >= n > (c - 1) * part or (n == 0 and c == 1)
+        assert all(1 <= c <= max_chunks and (c * part >= n > (c - 1) * part or (n == 0 and c == 1))
                    for c, n in zip(chunks, lens, strict=True))
 
 
@@ -489,10 +491,11 @@ def test_balanced_decode_rule(monkeypatch):
         assert relative_error(out, reference.paged_attention(*case.args(), *args, **kwargs)) < 1e-5
         return seen[0]
 
-    assert launches(None, big) == (True, 1)
+    chunks = triton_attention.BALANCED_MAX_CHUNKS
+    assert launches(None, big) == (True, chunks)
     assert launches(None, small)[0] is False
     assert launches("0", big) == (False, 1)
-    assert launches("all", small) == (True, 1)
+    assert launches("all", small) == (True, chunks)
     assert launches(None, big, kernel_only=dict(num_splits=1))[0] is False
     assert launches(None, big, 4)[0] is False  # a sliding window of 4
     assert launches(None, fp8, k_scale=0.5, v_scale=2.0)[0] is False
