@@ -162,15 +162,23 @@ def fused_rotary(num_seqs: int) -> bool:
 BALANCED_DECODE_ENV = "PAGEDSERVE_BALANCED_DECODE"  # unset: the rule; "0": never; "all": every decode launch
 
 
-def balanced_decode(split: bool) -> bool:
+# The rule: launches that would not split, of at most this many programs (sequences x KV heads) a split
+# slot (2 x SMs; H200: 25-66 sequences of llama3-8b's 8 KV heads). H200, sharegpt-400's decode steps,
+# attention alone (docs/benchmarks.md round 26): 24-49 sequences 0.72-0.91 of the unsplit launch's time,
+# 64 0.96, 97-338 1.05-1.16 (the reduce launch and the lengths' load cost more than the balance wins).
+BALANCED_MAX_PROGRAMS_PER_SLOT = 2.0
+
+
+def balanced_decode(split: bool, programs_per_slot: float = 1.0) -> bool:
     """Whether a decode launch over a cache of the query's dtype (no window) runs balanced chunks
     (kernels/triton_attention.py, "Balanced decode") instead of one program a sequence and KV head
-    (`split` False: the grid fills the GPU) or each context split evenly (`split` True).
-    PAGEDSERVE_BALANCED_DECODE decides, an unknown value is a ValueError naming the known ones. The
-    rule: the launches that would not split."""
+    (`split` False: the grid fills the GPU) or each context split evenly (`split` True); its grid has
+    `programs_per_slot` programs a split slot. PAGEDSERVE_BALANCED_DECODE decides, an unknown value is
+    a ValueError naming the known ones. The rule: the launches that would not split, up to
+    BALANCED_MAX_PROGRAMS_PER_SLOT."""
     mode = os.environ.get(BALANCED_DECODE_ENV, "")
     if mode == "":
-        return not split
+        return not split and programs_per_slot <= BALANCED_MAX_PROGRAMS_PER_SLOT
     if mode in ("0", "all"):
         return mode == "all"
     raise ValueError(f"{BALANCED_DECODE_ENV}={mode!r}: expected unset (the rule: the launches that would "

@@ -128,10 +128,12 @@ from kernels.triton_layers import rotated
 F16_MAX = tl.constexpr(65504.0)
 _NO_PARTITION = 1 << 30
 _MIN_PARTITION = 256  # context positions; smaller partitions cost more in the reduce than they win
-# A balanced decode launch (balanced_chunks): the step's positions x KV heads shared by this many
-# programs a split slot, each context in at most BALANCED_MAX_CHUNKS chunks
-BALANCE_PROGRAMS_PER_SLOT = 1
-BALANCED_MAX_CHUNKS = 4
+# A balanced decode launch (balanced_chunks) by default: no share (so many programs that the partition
+# is the longest context in BALANCED_MAX_CHUNKS chunks, at least _MIN_PARTITION). H200, sharegpt-400's
+# decode steps of 24-64 sequences, µs a layer (docs/benchmarks.md round 26): two chunks 37.2-59.4
+# against 36.3-65.2 in four, 41.9-66.6 in eight, 42.0-68.9 for a share of split_slots in four.
+BALANCE_PROGRAMS = 1 << 30
+BALANCED_MAX_CHUNKS = 2
 
 
 def _is_pow2(n) -> bool:
@@ -1002,11 +1004,12 @@ def paged_attention(
         num_splits = triton.cdiv(max_seq_len, partition_size)
     # A decode launch over a cache of the query's dtype, no window: balanced chunks where the rule (or
     # the caller) says so (balanced_chunks; module docstring, "Balanced decode")
+    per_slot = num_tiles * num_kv_heads / split_slots(query.device)
     balanced = (is_decode and tile is None and key_cache.element_size() > 1 and sliding_window <= 0 and (
         balance_programs is not None or balance_chunks is not None
-    or (not forced and balanced_decode(num_splits > 1))))
+        or (not forced and balanced_decode(num_splits > 1, per_slot))))
     if balanced:
-        balance_programs = balance_programs or BALANCE_PROGRAMS_PER_SLOT * split_slots(query.device)
+        balance_programs = balance_programs or BALANCE_PROGRAMS
         max_chunks = balance_chunks or BALANCED_MAX_CHUNKS
         if balance_programs < 1 or max_chunks < 1:
             raise ValueError(f"balance_programs and balance_chunks must be >= 1, got {balance_programs} "

@@ -492,7 +492,10 @@ def test_balanced_decode_rule(monkeypatch):
         return seen[0]
 
     chunks = triton_attention.BALANCED_MAX_CHUNKS
-    assert launches(None, big) == (True, chunks)
+    assert launches(None, big) == (True, chunks)  # 16 programs: 2 a slot, BALANCED_MAX_PROGRAMS_PER_SLOT
+    nine = make_paged_case(BALANCED_LENGTHS + [70], [1] * 9, 8, 2, 32, 16, torch.float32, "cpu", 3)
+    assert launches(None, nine) == (False, 1)  # 18 programs: one a sequence and KV head
+    assert launches("all", nine) == (True, chunks)
     assert launches(None, small)[0] is False
     assert launches("0", big) == (False, 1)
     assert launches("all", small) == (True, chunks)
