@@ -159,13 +159,14 @@ def fused_rotary(num_seqs: int) -> bool:
 
 # ---- decode attention in chunks balanced over the step's lengths (triton_attention.balanced_chunks) ----
 
-BALANCED_DECODE_ENV = "PAGEDSERVE_BALANCED_DECODE"  # unset: the rule; "0": never; "all": every decode launch
-
-
+BALANCED_DECODE_ENV = "PAGEDSERVE_BALANCED_DECODE"  # unset or "0": never; "rule": the rule; "all": always
 # The rule: launches that would not split, of at most this many programs (sequences x KV heads) a split
 # slot (2 x SMs; H200: 25-66 sequences of llama3-8b's 8 KV heads). H200, sharegpt-400's decode steps,
-# attention alone (docs/benchmarks.md round 26): 24-49 sequences 0.72-0.91 of the unsplit launch's time,
-# 64 0.96, 97-338 1.05-1.16 (the reduce launch and the lengths' load cost more than the balance wins).
+# attention alone (docs/benchmarks.md round 26), two chunks of half the longest context: 24-49 sequences
+# 0.72-0.91 of the unsplit launch's time, 64 0.96, 97-338 1.05-1.16 (the reduce launch and the lengths'
+# load cost more than the balance wins there). Off by default: over every unsplit launch (four chunks, a
+# share of split_slots) the offline run was 0.5 % slower and decode graphs at one length 3-7 % longer,
+# and the rule itself has not yet run through the engine on a GPU.
 BALANCED_MAX_PROGRAMS_PER_SLOT = 2.0
 
 
@@ -173,16 +174,19 @@ def balanced_decode(split: bool, programs_per_slot: float = 1.0) -> bool:
     """Whether a decode launch over a cache of the query's dtype (no window) runs balanced chunks
     (kernels/triton_attention.py, "Balanced decode") instead of one program a sequence and KV head
     (`split` False: the grid fills the GPU) or each context split evenly (`split` True); its grid has
-    `programs_per_slot` programs a split slot. PAGEDSERVE_BALANCED_DECODE decides, an unknown value is
-    a ValueError naming the known ones. The rule: the launches that would not split, up to
-    BALANCED_MAX_PROGRAMS_PER_SLOT."""
+    `programs_per_slot` programs a split slot. PAGEDSERVE_BALANCED_DECODE decides: unset or "0" never
+    (the default), "rule" the launches that would not split up to BALANCED_MAX_PROGRAMS_PER_SLOT,
+    "all" every one; another value is a ValueError naming these."""
     mode = os.environ.get(BALANCED_DECODE_ENV, "")
-    if mode == "":
+    if mode in ("", "0"):
+        return False
+    if mode == "rule":
         return not split and programs_per_slot <= BALANCED_MAX_PROGRAMS_PER_SLOT
-    if mode in ("0", "all"):
-        return mode == "all"
-    raise ValueError(f"{BALANCED_DECODE_ENV}={mode!r}: expected unset (the rule: the launches that would "
-                     f"not split), '0' (never) or 'all' (every decode launch)")
+    if mode == "all":
+        return True
+    raise ValueError(f"{BALANCED_DECODE_ENV}={mode!r}: expected unset or '0' (never, the default), 'rule' "
+                     f"(the launches that would not split, up to {BALANCED_MAX_PROGRAMS_PER_SLOT} programs "
+                     f"a split slot) or 'all' (every decode launch)")
 
 
 def check_launch_env() -> None:

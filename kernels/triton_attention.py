@@ -91,6 +91,19 @@ then (after a block barrier) reads its context as a plain decode launch does: th
 rotary_and_cache then this kernel, one launch fewer a layer (kernels.fused_rotary says for which
 launches: up to FUSED_ROTARY_MAX_SEQS sequences; docs/benchmarks.md rounds 24 and 25).
 
+Balanced decode (`balance_programs=`, `balance_chunks=`; kernels.balanced_decode, off by default): an
+unsplit decode launch runs one program a sequence and KV head, and its time follows the longest
+context, not their sum: the one-warp tile streams ~17 GB/s a program (H200), so a sequence of 1,710
+positions among 33 of 850 on average took 52 us a layer where the same tokens at one length took 34
+(docs/benchmarks.md round 26). A balanced launch's grid is (sequences, KV heads, max chunks); every
+program reads the step's lengths (one load beside its own, waiting on nothing) for one partition size,
+the larger of the positions x KV heads shared by balance_programs programs and the longest context in
+balance_chunks, whole tiles and blocks, at least _MIN_PARTITION (balanced_chunks is the same arithmetic
+on the host). A sequence's chunks past its own count exit at once; a sequence of one chunk writes its
+rows, the others' partials go to _reduce_chunks_kernel. The plan is the kernel's, from seq_lens, so a
+CUDA graph replays it for each step's lengths. Not for an FP8 cache, a sliding window, deterministic
+mode or a mixed launch's decode rows.
+
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
 alone, in a batch, as a row of a prefill chunk or of a recompute gets the same bits. Then:
@@ -131,7 +144,8 @@ _MIN_PARTITION = 256  # context positions; smaller partitions cost more in the r
 # A balanced decode launch (balanced_chunks) by default: no share (so many programs that the partition
 # is the longest context in BALANCED_MAX_CHUNKS chunks, at least _MIN_PARTITION). H200, sharegpt-400's
 # decode steps of 24-64 sequences, µs a layer (docs/benchmarks.md round 26): two chunks 37.2-59.4
-# against 36.3-65.2 in four, 41.9-66.6 in eight, 42.0-68.9 for a share of split_slots in four.
+# against 36.3-65.2 in four, 41.9-66.6 in eight, 42.0-68.9 for a share of split_slots in four; the
+# unsplit launch 51.6-62.1.
 BALANCE_PROGRAMS = 1 << 30
 BALANCED_MAX_CHUNKS = 2
 

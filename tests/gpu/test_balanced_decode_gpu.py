@@ -89,8 +89,9 @@ def test_balanced_graph_replays_new_lengths():
 
 def bench() -> None:
     """µs a layer (32 calls in a graph, 6 caches in turn) on the decode steps of sharegpt-400 at t = 0:
-    one program a sequence and KV head against balanced chunks: the rule, the longest context in 2, 4
-    or 8 chunks (no share), and shares of 1 or 2 x split_slots programs."""
+    the same tokens at one length (unsplit), then one program a sequence and KV head against balanced
+    chunks: the longest context in 2 (the rule's), 4 or 8 chunks (no share), and shares of 1 or 2 x
+    split_slots programs."""
     from kernels.bench import warm_up_gpu
     from kernels.bench_common import graph_call_us
     from scheduler_svc.sim.workloads import make_workload
@@ -104,26 +105,31 @@ def bench() -> None:
     slots = triton_attention.split_slots(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}; {slots} slots; us a layer, llama3-8b heads, bf16")
     huge = 1 << 30  # no share: the partition is the longest context's 1 / chunks
-    variants = {"unsplit": dict(num_splits=1), "rule": {},
-                "S2": dict(balance_programs=huge, balance_chunks=2),
+    variants = {"unsplit": dict(num_splits=1),
+                "S2": dict(balance_programs=huge, balance_chunks=2),  # PAGEDSERVE_BALANCED_DECODE=rule
                 "S4": dict(balance_programs=huge, balance_chunks=4),
                 "S8": dict(balance_programs=huge, balance_chunks=8),
                 "1x,S8": dict(balance_programs=slots, balance_chunks=8),
                 "2x,S4": dict(balance_programs=2 * slots, balance_chunks=4)}
-    print(f"{'seqs':>5}{'mean':>6}{'max':>6}{'bytes':>8}" + "".join(f"{v:>9}" for v in variants))
+    print(f"{'seqs':>5}{'mean':>6}{'max':>6}{'bytes':>8}{'one len':>9}"
+          + "".join(f"{v:>9}" for v in variants))
+
+    def layer_us(lengths, **kwargs):
+        cases = [make_paged_case(lengths, [1] * len(lengths), *LLAMA3, torch.bfloat16, "cuda", i)
+                 for i in range(6)]
+        calls = [lambda c=cases[i % 6]: triton_attention.paged_attention(
+            *c.args()[:7], 8192, c.scale, **kwargs) for i in range(32)]
+        return graph_call_us(calls)
+
     for target in (24, 28, 32, 40, 48, 64, 96, 128, 192, 256, 338):
         num_seqs = min(steps, key=lambda k: abs(k - target))
         lens = steps[num_seqs]
-        cases = [make_paged_case(lens, [1] * num_seqs, *LLAMA3, torch.bfloat16, "cuda", i) for i in range(6)]
-        times = []
-        for kwargs in variants.values():
-            calls = [lambda c=cases[i % 6], kw=kwargs: triton_attention.paged_attention(
-                *c.args()[:7], 8192, c.scale, **kw) for i in range(32)]
-            times.append(graph_call_us(calls))
+        mean = sum(lens) // num_seqs  # the same tokens at one length, unsplit: the balance's floor
+        times = [layer_us([mean] * num_seqs, num_splits=1)]
+        times += [layer_us(lens, **kwargs) for kwargs in variants.values()]
         bytes_us = sum(lens) * 4096 / 4.19e6  # K and V of 8 heads x 128 dims, bf16, at 4.19 TB/s
-        print(f"{num_seqs:>5}{sum(lens) // num_seqs:>6}{max(lens):>6}{bytes_us:>8.1f}"
+        print(f"{num_seqs:>5}{mean:>6}{max(lens):>6}{bytes_us:>8.1f}"
               + "".join(f"{t:>9.2f}" for t in times), flush=True)
-        del cases
         torch.cuda.empty_cache()
 
 

@@ -471,9 +471,10 @@ def test_balanced_chunks_cover_each_context():
 
 
 def test_balanced_decode_rule(monkeypatch):
-    """By default a decode launch that would not split runs balanced and one that would split keeps
-    its even split; PAGEDSERVE_BALANCED_DECODE=0 turns it off, =all balances both; a forced split
-    count, a window, an FP8 cache and deterministic mode never run balanced; an unknown value is refused."""
+    """By default no decode launch runs balanced; PAGEDSERVE_BALANCED_DECODE=rule balances the launches
+    that would not split, up to BALANCED_MAX_PROGRAMS_PER_SLOT programs a split slot, and leaves the
+    even splits; =all balances both; a forced split count, a window, an FP8 cache and deterministic mode
+    never run balanced; an unknown value is refused."""
     seen = record_attention_launches(monkeypatch, lambda grid, kw: (kw["BALANCED"], grid[2]))
     big = make_paged_case(BALANCED_LENGTHS, [1] * 8, 8, 2, 32, 16, torch.float32, "cpu", 3)  # 16 programs
     small = dataclasses.replace(make_paged_case([600, 150], [1, 1], 8, 1, 32, 16, torch.float32, "cpu", 4),
@@ -492,17 +493,18 @@ def test_balanced_decode_rule(monkeypatch):
         return seen[0]
 
     chunks = triton_attention.BALANCED_MAX_CHUNKS
-    assert launches(None, big) == (True, chunks)  # 16 programs: 2 a slot, BALANCED_MAX_PROGRAMS_PER_SLOT
-    nine = make_paged_case(BALANCED_LENGTHS + [70], [1] * 9, 8, 2, 32, 16, torch.float32, "cpu", 3)
-    assert launches(None, nine) == (False, 1)  # 18 programs: one a sequence and KV head
-    assert launches("all", nine) == (True, chunks)
-    assert launches(None, small)[0] is False
+    assert launches(None, big) == (False, 1)
     assert launches("0", big) == (False, 1)
+    assert launches("rule", big) == (True, chunks)  # 16 programs: 2 a slot, BALANCED_MAX_PROGRAMS_PER_SLOT
+    nine = make_paged_case(BALANCED_LENGTHS + [70], [1] * 9, 8, 2, 32, 16, torch.float32, "cpu", 3)
+    assert launches("rule", nine) == (False, 1)  # 18 programs: one a sequence and KV head
+    assert launches("all", nine) == (True, chunks)
+    assert launches("rule", small)[0] is False
     assert launches("all", small) == (True, chunks)
-    assert launches(None, big, kernel_only=dict(num_splits=1))[0] is False
-    assert launches(None, big, 4)[0] is False  # a sliding window of 4
-    assert launches(None, fp8, k_scale=0.5, v_scale=2.0)[0] is False
-    assert launches(None, big, kernel_only=dict(deterministic=True))[0] is False
+    assert launches("all", big, kernel_only=dict(num_splits=1))[0] is False
+    assert launches("all", big, 4)[0] is False  # a sliding window of 4
+    assert launches("all", fp8, k_scale=0.5, v_scale=2.0)[0] is False
+    assert launches("all", big, kernel_only=dict(deterministic=True))[0] is False
     monkeypatch.setenv(kernels.BALANCED_DECODE_ENV, "yes")
     with pytest.raises(ValueError, match="PAGEDSERVE_BALANCED_DECODE='yes'"):
         kernels.check_launch_env()
