@@ -5,7 +5,12 @@
 Per batch size: `build_model_input` (host), `runner.execute` = forward + sampling with its host
 syncs (wall clock) and its GPU time (CUDA events: a greedy step replays the forward and the sampler
 graphs), and the forward alone (`runner.logits`, CUDA events), each the median of 20 steps. The sequences
-decode at `--context` positions through random block tables over a cache of random values.
+decode at `--context` positions through random block tables over a cache of random values;
+`--lengths sharegpt` (a workload of scheduler_svc/sim/workloads.py) puts them at the lengths of that
+workload's own decode step of that many sequences instead (`workload_step_lengths`: all its
+`--lengths-requests` requests arriving at t = 0, as the offline run sends them), whose longest
+context is 1.5-5x the mean: a decode launch's balance over uneven lengths shows there and not at one
+length.
 
 `--kernels`: GPU time per step of each kernel (torch.profiler over 10 forward passes, graph and
 eager), the largest first, and the idle time between kernels charged to the kernel after it
@@ -31,21 +36,39 @@ from clients.cli.serve import resolve_model
 from executor_svc.runner.inputs import ScheduledSequence, SequenceState, build_model_input
 from executor_svc.worker.config import KV_CACHE_DTYPE_NAMES
 from executor_svc.worker.worker import Worker
+from scheduler_svc.sim.workloads import MIN_TOKEN_ID, WORKLOADS, make_workload
 from scheduler_svc.wire.sampling_params import SamplingParams
 from scheduler_svc.wire.step_plan import DEFAULT_MAX_NUM_SEQS, PENDING_TOKEN, NewSequence, StepPlan
 
 REPEATS = 20
 
 
-def _batch(worker: Worker, num_seqs: int, context: int, rng: random.Random):
+def workload_step_lengths(workload: str, num_requests: int, num_seqs: int) -> list[int]:
+    """The contexts (prompt + the tokens decoded so far) of `num_seqs` sequences at a decode step of
+    `workload`'s first `num_requests` requests, all arriving at t = 0 and decoding together: the
+    step after the (num_seqs + 1)-th longest output ended, when the num_seqs longest are left (in
+    arrival order). A ValueError when the workload has fewer requests than num_seqs."""
+    if not 1 <= num_seqs <= num_requests:
+        raise ValueError(f"a decode step of {num_seqs} sequences needs 1 to {num_requests} requests")
+    requests = make_workload(workload, num_requests, vocab_size=MIN_TOKEN_ID + 1)
+    by_output = sorted(range(num_requests), key=lambda i: -requests[i].max_tokens)
+    step = requests[by_output[num_seqs]].max_tokens if num_seqs < num_requests else 1
+    left = sorted(by_output[:num_seqs])
+    # decoded `step` tokens: the context holds them and the prompt (at least 1: the step's own token)
+    return [requests[i].prompt_len + min(step, requests[i].max_tokens - 1) for i in left]
+
+
+def _batch(worker: Worker, contexts: list[int], rng: random.Random):
     block_size = worker.cache_config.block_size
     blocks = list(range(worker.num_gpu_blocks))
     rng.shuffle(blocks)
-    per_seq = -(-context // block_size)
     scheduled = []
-    for i in range(num_seqs):
+    first = 0
+    for i, context in enumerate(contexts):
         ids = [rng.randrange(100, worker.model_config.vocab_size) for _ in range(context)]
-        table = blocks[i * per_seq : (i + 1) * per_seq]
+        per_seq = -(-context // block_size)
+        table = blocks[first : first + per_seq]
+        first += per_seq
         state = SequenceState(ids, context - 1, table, SamplingParams(temperature=0.0), 0, context - 1)
         scheduled.append(ScheduledSequence(i, state, 1))
     return scheduled
@@ -176,6 +199,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--batch", default="32,256")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--lengths", choices=sorted(WORKLOADS), default=None,
+                        help="each batch at the lengths of this workload's decode step of that many "
+                             "sequences (instead of --context; not with --pipeline)")
+    parser.add_argument("--lengths-requests", type=int, default=400,
+                        help="the workload's requests (--lengths)")
     parser.add_argument("--kernels", action="store_true", help="GPU time per kernel (torch.profiler)")
     parser.add_argument("--pipeline", action="store_true", help="executor host time per step, launched ahead")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto",
@@ -184,7 +212,14 @@ def main(argv: list[str] | None = None) -> None:
     args.load_format = "auto"
     folder, _ = resolve_model(args)
     batches = [int(b) for b in args.batch.split(",")]
-    num_blocks = max(batches) * -(-(args.context + 64) // 16) + 16
+    if args.lengths and args.pipeline:
+        parser.error("--lengths is for the step's time; --pipeline decodes at --context")
+    try:
+        contexts = {n: workload_step_lengths(args.lengths, args.lengths_requests, n) if args.lengths
+                    else [args.context] * n for n in batches}
+    except ValueError as exc:
+        parser.error(str(exc))
+    num_blocks = max(sum(-(-(c + 64) // 16) for c in lens) for lens in contexts.values()) + 16
     # decode steps only: no mixed-step graphs, which would otherwise run the "eager" decode batches
     # max_num_seqs: decode graphs up to the largest batch (the default, 256, left larger ones eager)
     worker = Worker(folder, load_format=args.load_format, num_gpu_blocks=num_blocks, num_cpu_blocks=0,
@@ -200,14 +235,17 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(0)
     rows = []
     for num_seqs in batches:
-        scheduled = _batch(worker, num_seqs, args.context, rng)
+        lens = contexts[num_seqs]
+        scheduled = _batch(worker, lens, rng)
         gen = torch.Generator().manual_seed(0)
         batch = build_model_input(scheduled, 16, worker.device, gen)
         row = {
             "batch": num_seqs,
-            "context": args.context,
+            "context": round(sum(lens) / num_seqs) if args.lengths else args.context,
             "graph_bucket": graphs.bucket_for(num_seqs) if graphs else None,
         }
+        if args.lengths:
+            row |= {"lengths": args.lengths, "context_max": max(lens)}
         row["build_input_ms"] = _median_ms(
             lambda s=scheduled, g=gen: build_model_input(s, 16, worker.device, g)
         )

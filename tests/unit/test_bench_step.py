@@ -1,6 +1,9 @@
-"""`clients.bench.step --pipeline` on CPU: the executor's launch-ahead loop over real plans."""
+"""`clients.bench.step` on CPU: the executor's launch-ahead loop over real plans (--pipeline), the
+boundary gaps, and the decode steps of a workload's uneven lengths (--lengths)."""
 
 import random
+
+import pytest
 
 from clients.bench import step as bench_step
 from executor_svc.worker.worker import Worker
@@ -30,3 +33,35 @@ def test_boundary_gaps_charge_the_idle_time_to_the_kernel_after_it():
     rows = bench_step.boundary_gaps(many, steps=1, top=3)
     assert len(rows) == 4 and rows[-1]["before"] == "(26 others)"
     assert sum(r["us"] for r in rows) == sum(1 + i % 3 for i in range(29))  # the gap after kernel i
+
+
+def test_workload_step_lengths_are_a_decode_step_of_the_offline_run():
+    """The contexts at the step where exactly num_seqs requests still decode, all having arrived at
+    t = 0: the same as decoding the workload step by step (requests whose output is longer than the
+    step, at prompt + step positions)."""
+    from scheduler_svc.sim.workloads import make_workload
+
+    requests = make_workload("sharegpt", 400, vocab_size=1000)
+    by_count = {}
+    for step in range(1, 1025):
+        active = [r.prompt_len + step for r in requests if r.max_tokens > step]
+        by_count.setdefault(len(active), active)
+    counts = [n for n in (24, 33, 97, 338) if n in by_count]  # counts the step-by-step decode passes
+    assert len(counts) == 4
+    for num_seqs in counts:
+        assert bench_step.workload_step_lengths("sharegpt", 400, num_seqs) == by_count[num_seqs]
+    lens = bench_step.workload_step_lengths("sharegpt", 400, 33)
+    assert len(lens) == 33 and max(lens) > 1.5 * sum(lens) / 33  # uneven, as the offline run's steps
+    assert len(bench_step.workload_step_lengths("sharegpt", 400, 400)) == 400
+    with pytest.raises(ValueError, match="1 to 400 requests"):
+        bench_step.workload_step_lengths("sharegpt", 400, 401)
+
+
+def test_batch_gives_each_sequence_its_own_blocks(tiny_llama_dir):
+    worker = Worker(str(tiny_llama_dir), num_gpu_blocks=64, num_cpu_blocks=0)
+    worker.init_cache(64, 0)
+    scheduled = bench_step._batch(worker, [5, 40, 17], random.Random(0))
+    tables = [s.state.block_table for s in scheduled]
+    assert [len(t) for t in tables] == [1, 3, 2]  # blocks of 16
+    assert len({b for t in tables for b in t}) == 6
+    assert [s.state.num_computed_tokens for s in scheduled] == [4, 39, 16]
