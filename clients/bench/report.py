@@ -150,6 +150,7 @@ class StepTrace:
     gpu_busy_s: float = -1.0
     context_tokens: int = -1  # positions the step's sequences attend to (-1: an older trace)
     prepare_cpu_s: float = -1.0  # the launching thread's CPU time from start_s to launch_s (-1: older)
+    longest_context: int = -1  # the most positions one of the step's sequences attends to (-1: older)
 
     @property
     def is_decode(self) -> bool:
@@ -162,14 +163,15 @@ def read_step_trace(path: str, start_s: float, end_s: float) -> list[StepTrace]:
     with open(path) as trace:
         for line in trace:
             fields = line.split()
-            if len(fields) not in (6, 8, 9, 10):
+            if len(fields) not in (6, 8, 9, 10, 11):
                 continue  # a line being written
             events = [float(f) / 1e3 if float(f) >= 0 else -1.0 for f in fields[6:8]]
             times = map(float, fields[1:4])
             context = [int(f) for f in fields[8:9]]
             prepare = [float(f) / 1e3 for f in fields[9:10]]
+            longest = [int(f) for f in fields[10:11]]
             step = StepTrace(int(fields[0]), *times, int(fields[4]), int(fields[5]), *events, *context,
-                             *prepare)
+                             *prepare, *longest)
             if step.end_s >= start_s and step.start_s <= end_s:
                 steps.append(step)
     return steps
@@ -330,8 +332,10 @@ def time_breakdown(steps: list[StepTrace], cost: StepCost) -> dict:
     bound, one after the other) and the idle gaps before them (as `gpu_idle` charges them). The sum
     of the steps' ideals, set against the workload's `ideal_time`, shows what the schedule itself
     costs; GPU time against the serial bound, what the kernels lose against their own bounds; the
-    ideal against the serial bound, what running one kernel at a time costs by itself. Needs a trace
-    with CUDA events and context tokens ({} else)."""
+    ideal against the serial bound, what running one kernel at a time costs by itself. Where the
+    trace has each step's longest context, a decode kind also has `longest_over_mean`: its steps'
+    longest context over their mean one, averaged (how uneven the lengths an unsplit decode attention
+    launch pays for are). Needs a trace with CUDA events and context tokens ({} else)."""
     if not steps or any(s.gpu_busy_s < 0 or s.context_tokens < 0 for s in steps):
         return {}
     kinds: dict[str, dict] = {}
@@ -343,9 +347,10 @@ def time_breakdown(steps: list[StepTrace], cost: StepCost) -> dict:
             order = max(b for b in BREAKDOWN_DECODE_BATCHES if b <= max(1, step.num_seqs))
             higher = [b for b in BREAKDOWN_DECODE_BATCHES if b > order]
             kind = f"decode {order}-{higher[0] - 1}" if higher else f"decode >= {order}"
-        row = kinds.setdefault(
-            kind, {"order": order, "steps": 0, "gpu_s": 0.0, "ideal_s": 0.0, "serial_s": 0.0, "gap_s": 0.0}
-        )
+        row = kinds.setdefault(kind, {"order": order, "steps": 0, "gpu_s": 0.0, "ideal_s": 0.0,
+                                      "serial_s": 0.0, "gap_s": 0.0, "uneven": []})
+        if kind != "prompt" and step.longest_context >= 0 and step.context_tokens > 0:
+            row["uneven"].append(step.longest_context * step.num_seqs / step.context_tokens)
         row["steps"] += 1
         row["gpu_s"] += step.gpu_busy_s
         row["ideal_s"] += cost.step_s(step.num_tokens, step.context_tokens)
@@ -360,7 +365,8 @@ def time_breakdown(steps: list[StepTrace], cost: StepCost) -> dict:
             "gap_s": round(row["gap_s"], 4),
             "ideal_over_gpu": round(row["ideal_s"] / row["gpu_s"], 3) if row["gpu_s"] > 0 else math.nan,
             "serial_over_gpu": round(row["serial_s"] / row["gpu_s"], 3) if row["gpu_s"] > 0 else math.nan,
-        }
+        } | ({"longest_over_mean": round(sum(row["uneven"]) / len(row["uneven"]), 2)}
+             if row["uneven"] and len(row["uneven"]) == row["steps"] else {})
         for kind, row in sorted(kinds.items(), key=lambda item: item[1]["order"])
     ]
     total = {key: round(sum(r[key] for r in rows), 4) for key in ("gpu_s", "ideal_s", "serial_s", "gap_s")}

@@ -79,10 +79,12 @@ def format_table(result: dict) -> str:
             for k in breakdown["kinds"]:
                 serial_part = (f"  serial {k['serial_s']:>7.3f} s ({k['serial_over_gpu']:.2f})"
                                if "serial_s" in k else "")
+                uneven = (f"  longest context {k['longest_over_mean']:.2f}x the mean"
+                          if "longest_over_mean" in k else "")
                 lines.append(
                     f"{'':>14}{k['kind']:<16} {k['steps']:>5} steps  GPU {k['gpu_s']:>7.3f} s  ideal "
                     f"{k['ideal_s']:>7.3f} s ({k['ideal_over_gpu']:.2f}){serial_part}  idle before "
-                    f"{k['gap_s']:.3f} s"
+                    f"{k['gap_s']:.3f} s{uneven}"
                 )
     if "goodput" in result:
         lines += _goodput_lines(result)

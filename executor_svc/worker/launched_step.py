@@ -26,6 +26,7 @@ class LaunchedStep:
     num_seqs: int = 0
     num_tokens: int = 0
     context_tokens: int = 0  # sum over the step's sequences of the positions they attend to
+    longest_context: int = 0  # the most positions one of them attends to
     events: tuple | None = None  # CUDA events at the start and the end of the step's GPU work
     rows: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled row
     token_ids: torch.Tensor | None = None  # [S] sampled tokens on the device

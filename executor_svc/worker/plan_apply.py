@@ -84,8 +84,10 @@ class PlanApplier:
         start_event = self._record_event() if self._trace is not None else None  # timing: trace only
         step.launch = time.perf_counter()
         step.prepare_cpu_s = time.thread_time() - step.start_cpu
-        if self._trace is not None:  # the trace's context field; no per-step walk otherwise
-            step.context_tokens = sum(s.state.num_computed_tokens + s.num_new_tokens for s in scheduled)
+        if self._trace is not None:  # the trace's context fields; no per-step walk otherwise
+            contexts = [s.state.num_computed_tokens + s.num_new_tokens for s in scheduled]
+            step.context_tokens = sum(contexts)
+            step.longest_context = max(contexts, default=0)
         if batch is not None:
             output = runner.execute(batch)
             for s in scheduled:

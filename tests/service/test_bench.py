@@ -121,6 +121,15 @@ def test_time_breakdown_sets_each_step_against_its_own_ideal(tmp_path):
     )
     assert cost.serial_s(64, 1000) > cost.compute_s(64, 1000)
     assert out["serial_s"] == round(prompt["serial_s"] + decode["serial_s"], 4)
+    assert all("longest_over_mean" not in k for k in out["kinds"])  # a trace without the field
+    # with each step's longest context: its decode kinds say how uneven their lengths were
+    trace.write_text(
+        "1 0.0 0.0 0.1 2 5 -1 9000.0 5 0.1 4\n"
+        "2 0.1 0.1 0.2 2 2 1.5 4000.0 8 0.1 6\n"  # 2 sequences, 8 positions, the longer 6: 1.5x the mean
+        "3 0.2 0.2 0.3 4 4 0.5 3000.0 40 0.1 10\n"  # one length: 1.0
+    )
+    uneven = time_breakdown(read_step_trace(str(trace), 0.0, 1.0), StepCost(spec, rates))
+    assert [k.get("longest_over_mean") for k in uneven["kinds"]] == [None, 1.25]  # (1.5 + 1.0) / 2
     # an older trace (no context tokens) or one without CUDA events gives no breakdown
     assert time_breakdown([StepTrace(1, 0.0, 0.0, 0.1, 1, 1, 0.0, 0.003)], StepCost(spec, rates)) == {}
     assert time_breakdown([StepTrace(1, 0.0, 0.0, 0.1, 1, 1, -1.0, -1.0, 4)], StepCost(spec, rates)) == {}
@@ -298,6 +307,18 @@ def test_bench_throughput_end_to_end_with_peers(config_only_model, tmp_path, cap
     assert "hf-cb on the first 6 requests" in table and "ours[6]" in table and "server side: queue" in table
     assert "; load processes 1" in table
     assert "ours on all 6 requests" in table  # hf-static ran on 3 of them
+    # on CUDA a run also has its time breakdown (CUDA events): the table gives each kind's line, with
+    # how uneven a decode kind's lengths were where the trace says
+    kinds = [{"kind": "prompt", "steps": 2, "gpu_s": 0.5, "ideal_s": 0.4, "serial_s": 0.45, "gap_s": 0.0,
+              "ideal_over_gpu": 0.8, "serial_over_gpu": 0.9},
+             {"kind": "decode 16-63", "steps": 9, "gpu_s": 1.0, "ideal_s": 0.7, "serial_s": 0.7,
+              "gap_s": 0.01, "ideal_over_gpu": 0.7, "serial_over_gpu": 0.7, "longest_over_mean": 1.81}]
+    result["runs"][0]["time_breakdown"] = {"kinds": kinds, "gpu_s": 1.5, "ideal_s": 1.1, "serial_s": 1.15,
+                                           "gap_s": 0.01, "schedule_efficiency": 0.99}
+    lines = bench.format_table(result).splitlines()
+    [prompt] = [line for line in lines if " prompt " in line]
+    [decode] = [line for line in lines if "decode 16-63" in line]
+    assert "longest context" not in prompt and decode.endswith("longest context 1.81x the mean")
 
 
 def test_bench_serve_sweeps_poisson_rates(config_only_model, tmp_path, capsys):

@@ -38,14 +38,16 @@ def test_enforce_eager_turns_cuda_graphs_off(tiny_llama_dir):
 def test_the_step_trace_has_one_line_per_step_and_no_gpu_times_on_cpu(tiny_llama_dir, tmp_path):
     trace = tmp_path / "trace"
     worker = make_worker(tiny_llama_dir, step_trace_path=str(trace), block_size=4)
-    worker.execute(StepPlan(0, new_seqs=[NewSequence(1, [5, 6, 7, 8, 9], 0, 5, [0, 1], GREEDY)]))
-    worker.execute(StepPlan(1, decode_seq_ids=[1], decode_token_ids=[11]))
+    worker.execute(StepPlan(0, new_seqs=[NewSequence(1, [5, 6, 7, 8, 9], 0, 5, [0, 1], GREEDY),
+                                         NewSequence(2, [3, 4], 0, 2, [2], GREEDY)]))
+    worker.execute(StepPlan(1, decode_seq_ids=[1, 2], decode_token_ids=[11, 12]))
     worker.execute(StepPlan(2))
     lines = [line.split() for line in trace.read_text().splitlines()]
-    # step, sequences, tokens, and the positions attended to (5 prompt tokens; then 6 with the decode)
-    fields = [(int(f[0]), int(f[4]), int(f[5]), int(f[8])) for f in lines]
-    assert fields == [(0, 1, 5, 5), (1, 1, 1, 6), (2, 0, 0, 0)]
-    assert all(f[6:8] == ["-1.0000", "-1.0000"] and len(f) == 10 for f in lines)
+    # step, sequences, tokens, the positions attended to (5 + 2 prompt tokens; then 6 + 3 with the
+    # decodes) and the longest sequence's
+    fields = [(int(f[0]), int(f[4]), int(f[5]), int(f[8]), int(f[10])) for f in lines]
+    assert fields == [(0, 2, 7, 7, 5), (1, 2, 2, 9, 6), (2, 0, 0, 0, 0)]
+    assert all(f[6:8] == ["-1.0000", "-1.0000"] and len(f) == 11 for f in lines)
     start, launch, end = (float(x) for x in lines[0][1:4])
     assert start <= launch <= end
     prepare_cpu_ms = float(lines[0][9])  # the thread's CPU time while preparing: at most the wall time
