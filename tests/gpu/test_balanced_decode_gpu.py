@@ -28,14 +28,15 @@ def uneven_lengths(num_seqs: int, seed: int, longest: int = 2000) -> list[int]:
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "softcap"), [
     (*LLAMA3, 0.0), (40, 40, 128, 16, 0.0), (16, 4, 64, 32, 0.0), (*LLAMA3, 30.0)])
 def test_balanced_matches_reference(num_seqs, heads, kv_heads, head_dim, block_size, softcap):
-    """The default plan and finer ones (more programs' shares, more chunks a sequence), with a logit
-    softcap too; the finest splits the longest contexts."""
+    """The plan of PAGEDSERVE_BALANCED_DECODE=rule and finer ones (more programs' shares, more chunks a
+    sequence), with a logit softcap too; the finest splits the longest contexts."""
     lens = uneven_lengths(num_seqs, num_seqs)
     case = make_paged_case(lens, [1] * num_seqs, heads, kv_heads, head_dim, block_size, torch.bfloat16,
                            "cuda", num_seqs)
     ref = reference.paged_attention(*case.args(), 0, softcap)
     slots = triton_attention.split_slots(case.query.device)
-    for programs, chunks in ((None, None), (slots, 2), (8 * slots, 4), (64 * slots, 8)):
+    rule = (triton_attention.BALANCE_PROGRAMS, triton_attention.BALANCED_MAX_CHUNKS)  # =rule's plan
+    for programs, chunks in (rule, (slots, 2), (8 * slots, 4), (64 * slots, 8)):
         out = triton_attention.paged_attention(*case.args(), 0, softcap, balance_programs=programs,
                                                balance_chunks=chunks)
         assert relative_error(out, ref) < 1e-2, (programs, chunks)
@@ -49,6 +50,10 @@ def test_balanced_graph_replays_new_lengths():
     num_seqs = 64
     heads, kv_heads, head_dim, block_size = LLAMA3
     draws = [uneven_lengths(num_seqs, seed) for seed in (1, 2, 3)]
+    for lens in draws:  # every draw has sequences split in two
+        plan = triton_attention.balanced_chunks(lens, kv_heads, triton_attention.BALANCE_PROGRAMS,
+                                                triton_attention.BALANCED_MAX_CHUNKS)
+        assert max(plan[1]) == 2
     cases = [make_paged_case(lens, [1] * num_seqs, *LLAMA3, torch.bfloat16, "cuda", i)
              for i, lens in enumerate(draws)]
     width = max(c.block_tables.shape[1] for c in cases)
@@ -70,9 +75,10 @@ def test_balanced_graph_replays_new_lengths():
         seq_lens.copy_(case.seq_lens)
         query.copy_(case.query)
 
-    def step():
+    def step():  # the balanced launch with the rule's plan (PAGEDSERVE_BALANCED_DECODE=rule)
         return triton_attention.paged_attention(query, key_cache, value_cache, tables, seq_lens,
-                                                static.query_start_loc, 1, 8192, static.scale)
+                                                static.query_start_loc, 1, 8192, static.scale,
+                                                balance_chunks=triton_attention.BALANCED_MAX_CHUNKS)
     load(cases[0])
     step()
     graph = torch.cuda.CUDAGraph()
