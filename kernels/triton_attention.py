@@ -148,6 +148,9 @@ _MIN_PARTITION = 256  # context positions; smaller partitions cost more in the r
 # unsplit launch 51.6-62.1.
 BALANCE_PROGRAMS = 1 << 30
 BALANCED_MAX_CHUNKS = 2
+# Each program of a balanced launch reads the step's lengths padded to a power of two, in one warp's
+# registers (32 a thread at 1,024): larger launches keep the unbalanced forms.
+BALANCED_MAX_SEQS = 1024
 
 
 def _is_pow2(n) -> bool:
@@ -1021,8 +1024,11 @@ def paged_attention(
     per_slot = num_tiles * num_kv_heads / split_slots(query.device)
     balanced = (is_decode and tile is None and key_cache.element_size() > 1 and sliding_window <= 0 and (
         balance_programs is not None or balance_chunks is not None
-        or (not forced and balanced_decode(num_splits > 1, per_slot))))
+        or (not forced and num_seqs <= BALANCED_MAX_SEQS and balanced_decode(num_splits > 1, per_slot))))
     if balanced:
+        if num_seqs > BALANCED_MAX_SEQS:
+            raise ValueError(f"a balanced decode launch takes at most {BALANCED_MAX_SEQS} sequences, got "
+                             f"{num_seqs}")
         balance_programs = balance_programs or BALANCE_PROGRAMS
         max_chunks = balance_chunks or BALANCED_MAX_CHUNKS
         if balance_programs < 1 or max_chunks < 1:

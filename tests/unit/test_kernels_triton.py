@@ -473,8 +473,8 @@ def test_balanced_chunks_cover_each_context():
 def test_balanced_decode_rule(monkeypatch):
     """By default no decode launch runs balanced; PAGEDSERVE_BALANCED_DECODE=rule balances the launches
     that would not split, up to BALANCED_MAX_PROGRAMS_PER_SLOT programs a split slot, and leaves the
-    even splits; =all balances both; a forced split count, a window, an FP8 cache and deterministic mode
-    never run balanced; an unknown value is refused."""
+    even splits; =all balances both; a forced split count, a window, an FP8 cache, deterministic mode
+    and more than BALANCED_MAX_SEQS sequences never run balanced; an unknown value is refused."""
     seen = record_attention_launches(monkeypatch, lambda grid, kw: (kw["BALANCED"], grid[2]))
     big = make_paged_case(BALANCED_LENGTHS, [1] * 8, 8, 2, 32, 16, torch.float32, "cpu", 3)  # 16 programs
     small = dataclasses.replace(make_paged_case([600, 150], [1, 1], 8, 1, 32, 16, torch.float32, "cpu", 4),
@@ -505,6 +505,10 @@ def test_balanced_decode_rule(monkeypatch):
     assert launches("all", big, 4)[0] is False  # a sliding window of 4
     assert launches("all", fp8, k_scale=0.5, v_scale=2.0)[0] is False
     assert launches("all", big, kernel_only=dict(deterministic=True))[0] is False
+    monkeypatch.setattr(triton_attention, "BALANCED_MAX_SEQS", 8)  # more sequences: never balanced
+    assert launches("all", nine) == (False, 1)
+    with pytest.raises(ValueError, match="at most 8 sequences, got 9"):
+        triton_attention.paged_attention(*nine.args(), balance_chunks=2)
     monkeypatch.setenv(kernels.BALANCED_DECODE_ENV, "yes")
     with pytest.raises(ValueError, match="PAGEDSERVE_BALANCED_DECODE='yes'"):
         kernels.check_launch_env()
