@@ -1021,10 +1021,10 @@ def paged_attention(
         num_splits = triton.cdiv(max_seq_len, partition_size)
     # A decode launch over a cache of the query's dtype, no window: balanced chunks where the rule (or
     # the caller) says so (balanced_chunks; module docstring, "Balanced decode")
-    per_slot = num_tiles * num_kv_heads / split_slots(query.device)
     balanced = (is_decode and tile is None and key_cache.element_size() > 1 and sliding_window <= 0 and (
         balance_programs is not None or balance_chunks is not None
-        or (not forced and num_seqs <= BALANCED_MAX_SEQS and balanced_decode(num_splits > 1, per_slot))))
+        or (not forced and num_seqs <= BALANCED_MAX_SEQS and balanced_decode(
+            num_splits > 1, num_tiles * num_kv_heads / split_slots(query.device)))))
     if balanced:
         if num_seqs > BALANCED_MAX_SEQS:
             raise ValueError(f"a balanced decode launch takes at most {BALANCED_MAX_SEQS} sequences, got "
