@@ -159,14 +159,16 @@ def fused_rotary(num_seqs: int) -> bool:
 
 # ---- decode attention in chunks balanced over the step's lengths (triton_attention.balanced_chunks) ----
 
-BALANCED_DECODE_ENV = "PAGEDSERVE_BALANCED_DECODE"  # unset or "0": never; "rule": the rule; "all": always
+BALANCED_DECODE_ENV = "PAGEDSERVE_BALANCED_DECODE"  # unset or "rule": the rule; "0": never; "all": always
 # The rule: launches that would not split, of at most this many programs (sequences x KV heads) a split
 # slot (2 x SMs; H200: 25-66 sequences of llama3-8b's 8 KV heads). H200, sharegpt-400's decode steps,
 # attention alone (docs/benchmarks.md round 26), two chunks of half the longest context: 24-49 sequences
 # 0.72-0.91 of the unsplit launch's time, 64 0.96, 97-338 1.05-1.16 (the reduce launch and the lengths'
-# load cost more than the balance wins there). Off by default: over every unsplit launch (four chunks, a
-# share of split_slots) the offline run was 0.5 % slower and decode graphs at one length 3-7 % longer,
-# and the rule itself has not yet run through the engine on a GPU.
+# load cost more than the balance wins there). The default since round 27: through the engine, sharegpt-400
+# offline on the H200, A B B A, it gave 12,558 / 12,518 out tok/s against 12,366 / 12,387 with it off
+# (+1.3 %; the 16-63-sequence decode steps 5 % shorter, the others unchanged); online at 32 and 48 req/s
+# the ITL and TPOT percentiles were unchanged within the runs' spread. (Over every unsplit launch, four
+# chunks and a share of split_slots, the offline run had been 0.5 % slower: round 26.)
 BALANCED_MAX_PROGRAMS_PER_SLOT = 2.0
 
 
@@ -174,19 +176,19 @@ def balanced_decode(split: bool, programs_per_slot: float = 1.0) -> bool:
     """Whether a decode launch over a cache of the query's dtype (no window) runs balanced chunks
     (kernels/triton_attention.py, "Balanced decode") instead of one program a sequence and KV head
     (`split` False: the grid fills the GPU) or each context split evenly (`split` True); its grid has
-    `programs_per_slot` programs a split slot. PAGEDSERVE_BALANCED_DECODE decides: unset or "0" never
-    (the default), "rule" the launches that would not split up to BALANCED_MAX_PROGRAMS_PER_SLOT,
-    "all" every one; another value is a ValueError naming these."""
+    `programs_per_slot` programs a split slot. PAGEDSERVE_BALANCED_DECODE decides: unset or "rule" (the
+    default) the launches that would not split up to BALANCED_MAX_PROGRAMS_PER_SLOT, "0" never, "all"
+    every one; another value is a ValueError naming these."""
     mode = os.environ.get(BALANCED_DECODE_ENV, "")
-    if mode in ("", "0"):
+    if mode == "0":
         return False
-    if mode == "rule":
+    if mode in ("", "rule"):
         return not split and programs_per_slot <= BALANCED_MAX_PROGRAMS_PER_SLOT
     if mode == "all":
         return True
-    raise ValueError(f"{BALANCED_DECODE_ENV}={mode!r}: expected unset or '0' (never, the default), 'rule' "
-                     f"(the launches that would not split, up to {BALANCED_MAX_PROGRAMS_PER_SLOT} programs "
-                     f"a split slot) or 'all' (every decode launch)")
+    raise ValueError(f"{BALANCED_DECODE_ENV}={mode!r}: expected unset or 'rule' (the default: the "
+                     f"launches that would not split, up to {BALANCED_MAX_PROGRAMS_PER_SLOT} programs a split "
+                     f"slot), '0' (never) or 'all' (every decode launch)")
 
 
 def check_launch_env() -> None:

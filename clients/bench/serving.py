@@ -42,11 +42,11 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
         for rank in range(args.tensor_parallel_size):
             port = launcher.free_port()
             cmd = launcher.executor_command(serve_args, model, rank, port, dist_port, trace_path)
-            procs.append(subprocess.Popen(cmd))
+            procs.append(subprocess.Popen(cmd, stdout=2))  # to fd 2: stdout is the bench's report
             targets.append(f"127.0.0.1:{port}")
         for target in targets:
             launcher.wait_serving(target, procs, args.startup_timeout)
-        procs += launcher.start_public(serve_args, model, targets)
+        procs += launcher.start_public(serve_args, model, targets, echo=sys.__stderr__)
         public = f"127.0.0.1:{serve_args.port}"
         launcher.wait_serving(public, procs, args.startup_timeout)
         yield public

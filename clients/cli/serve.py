@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import TextIO
 
 from clients.cli.supervise import (
     RestartBudget,
@@ -277,18 +278,21 @@ LISTENING = re.compile(r" listening on \S+:(\d+)")  # the line a server prints o
 EXITED_DURING_STARTUP = "a pagedserve process exited during startup (see its log above)"
 
 
-def start_listening(cmd: list[str], timeout_s: float) -> tuple[subprocess.Popen, int]:
-    """Starts a server process (its stdout passed through to this process's file descriptor 1, as if
-    inherited) and returns it with the port it prints it listens on: the one it picked when asked
-    for port 0."""
+def start_listening(cmd: list[str], timeout_s: float,
+                    echo: TextIO | None = None) -> tuple[subprocess.Popen, int]:
+    """Starts a server process (its stdout passed through to `echo`, by default this process's file
+    descriptor 1, as if inherited) and returns it with the port it prints it listens on: the one it
+    picked when asked for port 0. (A bench passes its standard error, so its own stdout stays the
+    report: `bench ... --json` prints nothing but the JSON document there.)"""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     ports: queue.Queue[int] = queue.Queue()
+    out = echo if echo is not None else sys.__stdout__
 
     def pass_through() -> None:
-        assert proc.stdout is not None and sys.__stdout__ is not None
+        assert proc.stdout is not None and out is not None
         for line in proc.stdout:
-            sys.__stdout__.write(line)
-            sys.__stdout__.flush()
+            out.write(line)
+            out.flush()
             if match := LISTENING.search(line):
                 ports.put(int(match[1]))
 
@@ -308,18 +312,21 @@ def start_listening(cmd: list[str], timeout_s: float) -> tuple[subprocess.Popen,
     raise TimeoutError(f"{cmd[2]} did not report listening within {timeout_s:.0f} s")
 
 
-def start_public(args: argparse.Namespace, model: str, executor_targets: list[str]) -> list[subprocess.Popen]:
+def start_public(args: argparse.Namespace, model: str, executor_targets: list[str],
+                 echo: TextIO | None = None) -> list[subprocess.Popen]:
     """The process(es) clients talk to, on args.host:args.port (args.port 0 becomes the port picked):
     the scheduler, or with --api-frontend the scheduler on a loopback port behind an API front-end
     process (the front-end last: it is the one to drain first). --http-port implies the front-end: it
     serves the HTTP API."""
     timeout_s = args.startup_timeout
     if not args.api_frontend and args.http_port is None and args.api_frontends == 1:
-        scheduler, args.port = start_listening(scheduler_command(args, model, executor_targets), timeout_s)
+        scheduler, args.port = start_listening(scheduler_command(args, model, executor_targets), timeout_s,
+                                               echo)
         return [scheduler]
     inner = argparse.Namespace(**vars(args))
     inner.host, inner.port, inner.tls_cert_file, inner.tls_key_file = "127.0.0.1", 0, None, None
-    scheduler, inner_port = start_listening(scheduler_command(inner, model, executor_targets), timeout_s)
+    scheduler, inner_port = start_listening(scheduler_command(inner, model, executor_targets), timeout_s,
+                                            echo)
     args.scheduler_target = f"127.0.0.1:{inner_port}"  # the front-end's engine (a restarted one's too)
     args.model_dir = model  # the front-end's tokenizer and chat template (the HTTP API)
     frontends: list[subprocess.Popen] = []
@@ -330,18 +337,18 @@ def start_public(args: argparse.Namespace, model: str, executor_targets: list[st
             if args.http_port == 0:
                 args.http_port = free_port()
         for _ in range(args.api_frontends):
-            frontends.append(start_frontend(args))
+            frontends.append(start_frontend(args, echo))
     except BaseException:
         stop_all([scheduler, *frontends], grace_s=5.0)
         raise
     return [scheduler, *frontends]
 
 
-def start_frontend(args: argparse.Namespace) -> subprocess.Popen:
+def start_frontend(args: argparse.Namespace, echo: TextIO | None = None) -> subprocess.Popen:
     """An API front-end on args.port (0: the port picked becomes args.port), in front of the
     scheduler at args.scheduler_target; with --api-frontends > 1 it shares the port with the others."""
     command = frontend_command(args, args.scheduler_target, args.model_dir, reuse_port=args.api_frontends > 1)
-    frontend, args.port = start_listening(command, args.startup_timeout)
+    frontend, args.port = start_listening(command, args.startup_timeout, echo)
     return frontend
 
 

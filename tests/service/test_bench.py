@@ -9,6 +9,8 @@ import contextlib
 import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -350,6 +352,23 @@ def test_bench_serve_sweeps_poisson_rates(config_only_model, tmp_path, capsys):
     for run in result["runs"]:
         assert run["output_tokens"] == run["expected_output_tokens"] and run["num_failed"] == 0
     assert plot.exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_bench_json_on_stdout_is_the_document_alone(config_only_model):
+    """`bench ... --json` run as a command: its stdout parses as one JSON document. The servers it starts
+    print their "listening on" lines to its standard error (they had gone to stdout before it, so
+    `bench throughput --json > run.json` wrote a file no JSON reader took)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "bench", "throughput", "--model", str(config_only_model),
+         "--load-format", "dummy", "--device", "cpu", "--workload", "alpaca", "--requests", "2",
+         "--max-num-seqs", "2", "--warmup", "0", "--no-progress", "--api-frontend", "--json"],
+        cwd=pathlib.Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    (run,) = json.loads(out.stdout)["runs"]
+    assert run["num_failed"] == 0 and run["output_tokens"] == run["expected_output_tokens"] > 0
+    for server in ("executor", "scheduler", "api front-end"):
+        assert f"pagedserve {server} listening on" in out.stderr
 
 
 def test_bench_throughput_over_client_processes_front_ends_and_two_plans_ahead(config_only_model, tmp_path):

@@ -471,9 +471,9 @@ def test_balanced_chunks_cover_each_context():
 
 
 def test_balanced_decode_rule(monkeypatch):
-    """By default no decode launch runs balanced; PAGEDSERVE_BALANCED_DECODE=rule balances the launches
-    that would not split, up to BALANCED_MAX_PROGRAMS_PER_SLOT programs a split slot, and leaves the
-    even splits; =all balances both; a forced split count, a window, an FP8 cache, deterministic mode
+    """By default (and with PAGEDSERVE_BALANCED_DECODE=rule) the decode launches that would not split,
+    up to BALANCED_MAX_PROGRAMS_PER_SLOT programs a split slot, run balanced and the even splits are
+    left; =0 balances none; =all balances both; a forced split count, a window, an FP8 cache, deterministic mode
     and more than BALANCED_MAX_SEQS sequences never run balanced; an unknown value is refused."""
     seen = record_attention_launches(monkeypatch, lambda grid, kw: (kw["BALANCED"], grid[2]))
     big = make_paged_case(BALANCED_LENGTHS, [1] * 8, 8, 2, 32, 16, torch.float32, "cpu", 3)  # 16 programs
@@ -493,11 +493,13 @@ def test_balanced_decode_rule(monkeypatch):
         return seen[0]
 
     chunks = triton_attention.BALANCED_MAX_CHUNKS
-    assert launches(None, big) == (False, 1)
+    assert launches(None, big) == (True, chunks)  # the default is the rule
     assert launches("0", big) == (False, 1)
     assert launches("rule", big) == (True, chunks)  # 16 programs: 2 a slot, BALANCED_MAX_PROGRAMS_PER_SLOT
     nine = make_paged_case(BALANCED_LENGTHS + [70], [1] * 9, 8, 2, 32, 16, torch.float32, "cpu", 3)
     assert launches("rule", nine) == (False, 1)  # 18 programs: one a sequence and KV head
+    assert launches(None, nine) == (False, 1)
+    assert launches(None, small)[0] is False
     assert launches("all", nine) == (True, chunks)
     assert launches("rule", small)[0] is False
     assert launches("all", small) == (True, chunks)
