@@ -187,8 +187,8 @@ def balanced_decode(split: bool, programs_per_slot: float = 1.0) -> bool:
     if mode == "all":
         return True
     raise ValueError(f"{BALANCED_DECODE_ENV}={mode!r}: expected unset or 'rule' (the default: the "
-                     f"launches that would not split, up to {BALANCED_MAX_PROGRAMS_PER_SLOT} programs a split "
-                     f"slot), '0' (never) or 'all' (every decode launch)")
+                     f"launches that would not split, up to {BALANCED_MAX_PROGRAMS_PER_SLOT} programs a "
+                     f"split slot), '0' (never) or 'all' (every decode launch)")
 
 
 def check_launch_env() -> None:

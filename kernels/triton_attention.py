@@ -91,7 +91,8 @@ then (after a block barrier) reads its context as a plain decode launch does: th
 rotary_and_cache then this kernel, one launch fewer a layer (kernels.fused_rotary says for which
 launches: up to FUSED_ROTARY_MAX_SEQS sequences; docs/benchmarks.md rounds 24 and 25).
 
-Balanced decode (`balance_programs=`, `balance_chunks=`; kernels.balanced_decode, off by default): an
+Balanced decode (`balance_programs=`, `balance_chunks=`; kernels.balanced_decode, the default since
+round 27 for the launches that would not split, up to 2 programs a split slot): an
 unsplit decode launch runs one program a sequence and KV head, and its time follows the longest
 context, not their sum: the one-warp tile streams ~17 GB/s a program (H200), so a sequence of 1,710
 positions among 33 of 850 on average took 52 us a layer where the same tokens at one length took 34
@@ -921,8 +922,7 @@ def paged_attention(
     comes unrotated, and the launch rotates it and writes the step's K/V (rotary_cache_attention; a
     decode launch only). balance_programs, balance_chunks: a decode launch over a cache of the query's
     dtype without a window runs balanced (balanced_chunks) with these (benchmark sweeps; by default
-    kernels.balanced_decode decides, with BALANCE_PROGRAMS_PER_SLOT x split_slots programs and
-    BALANCED_MAX_CHUNKS chunks)."""
+    kernels.balanced_decode decides, with BALANCE_PROGRAMS programs and BALANCED_MAX_CHUNKS chunks)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]

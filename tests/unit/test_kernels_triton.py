@@ -473,8 +473,9 @@ def test_balanced_chunks_cover_each_context():
 def test_balanced_decode_rule(monkeypatch):
     """By default (and with PAGEDSERVE_BALANCED_DECODE=rule) the decode launches that would not split,
     up to BALANCED_MAX_PROGRAMS_PER_SLOT programs a split slot, run balanced and the even splits are
-    left; =0 balances none; =all balances both; a forced split count, a window, an FP8 cache, deterministic mode
-    and more than BALANCED_MAX_SEQS sequences never run balanced; an unknown value is refused."""
+    left; =0 balances none; =all balances both; a forced split count, a window, an FP8 cache,
+    deterministic mode and more than BALANCED_MAX_SEQS sequences never run balanced; an unknown value is
+    refused."""
     seen = record_attention_launches(monkeypatch, lambda grid, kw: (kw["BALANCED"], grid[2]))
     big = make_paged_case(BALANCED_LENGTHS, [1] * 8, 8, 2, 32, 16, torch.float32, "cpu", 3)  # 16 programs
     small = dataclasses.replace(make_paged_case([600, 150], [1, 1], 8, 1, 32, 16, torch.float32, "cpu", 4),
