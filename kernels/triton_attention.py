@@ -1021,7 +1021,14 @@ def paged_attention(
         num_splits = triton.cdiv(max_seq_len, partition_size)
     # A decode launch over a cache of the query's dtype, no window: balanced chunks where the rule (or
     # the caller) says so (balanced_chunks; module docstring, "Balanced decode")
-    balanced = (is_decode and tile is None and key_cache.element_size() > 1 and sliding_window <= 0 and (
+    can_balance = is_decode and tile is None and key_cache.element_size() > 1 and sliding_window <= 0
+    if (balance_programs is not None or balance_chunks is not None) and not can_balance:
+        raise ValueError("balance_programs and balance_chunks take a decode launch (q_len 1, not "
+                         "deterministic, no tile) over a cache of the query's dtype without a sliding "
+                         "window; "
+                         f"this one has max_query_len {max_query_len}, deterministic {deterministic}, tile "
+                         f"{tile}, a {key_cache.dtype} cache, sliding_window {sliding_window}")
+    balanced = (can_balance and (
         balance_programs is not None or balance_chunks is not None
         or (not forced and num_seqs <= BALANCED_MAX_SEQS and balanced_decode(
             num_splits > 1, num_tiles * num_kv_heads / split_slots(query.device)))))

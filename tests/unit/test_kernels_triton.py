@@ -512,6 +512,12 @@ def test_balanced_decode_rule(monkeypatch):
     assert launches("all", nine) == (False, 1)
     with pytest.raises(ValueError, match="at most 8 sequences, got 9"):
         triton_attention.paged_attention(*nine.args(), balance_chunks=2)
+    # the benchmarks' kwargs on a launch that cannot run balanced: refused, not silently ignored
+    for case, args, kwargs, named in ((big, (4,), {}, "sliding_window 4"),
+                                      (fp8, (), dict(k_scale=0.5, v_scale=2.0), "float8_e4m3fn cache"),
+                                      (big, (), dict(deterministic=True), "deterministic True")):
+        with pytest.raises(ValueError, match=f"balance_programs and balance_chunks take .*{named}"):
+            triton_attention.paged_attention(*case.args(), *args, **kwargs, balance_chunks=2)
     monkeypatch.setenv(kernels.BALANCED_DECODE_ENV, "yes")
     with pytest.raises(ValueError, match="PAGEDSERVE_BALANCED_DECODE='yes'"):
         kernels.check_launch_env()
