@@ -140,6 +140,19 @@ class RequestValidator:
                 f"can never fit in {self._cache}",
             )
         self.check_schedulable(group)
+        # Every sequence of the group at its longest: the prompt's full blocks are shared, each sequence
+        # holds the rest of its own (its copy of the prompt's last, partial block included). A group
+        # alone in the cache that outgrows it is dropped mid-stream (scheduling_pass, OUTGREW_KV_CACHE),
+        # so one that would is refused here, up front, as one sequence that would is above.
+        width = max(params.n, params.beam_width)
+        shared = prompt_len // config.block_size
+        need = shared + width * (self._num_blocks(total_len) - shared)
+        if width > 1 and need > config.num_gpu_blocks:
+            raise InvalidRequestError(
+                "n" if params.n > 1 else "beam_width",
+                f"{width} sequences of prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
+                f"need {need} blocks at their longest and can never fit in {self._cache}",
+            )
 
     def check_schedulable(self, group: SequenceGroup) -> None:
         """What the scheduler needs of every group it is given (`check` includes it): the model's

@@ -222,21 +222,23 @@ def test_the_engine_takes_no_steps_when_idle(stack):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_samples_that_outgrow_the_cache_end_with_aborted_not_a_silent_success(stack, n):
+def test_samples_that_would_outgrow_the_cache_are_refused_up_front(stack, n):
     """n samples of 400 tokens each need ~25 blocks apiece, more than the 48 blocks the cache holds
-    together, although one alone fits (so the request is accepted). Once nothing is left to preempt
-    the scheduler drops the request; the stream must end with ABORTED naming it, not OK with every
-    output cut short and no finish reason (found by an adversarial run: the drop happened in the plan
-    built ahead, before the step's tokens were streamed, and the error was lost). The server keeps
-    serving and every block comes back."""
+    together, although one alone fits. Such a request used to be accepted, stream tokens, and be
+    dropped with ABORTED once nothing was left to preempt (the scheduler's last resort, still there:
+    tests/unit/test_scheduler.py). Now it is INVALID_ARGUMENT naming n and the blocks it would need,
+    before any token; the server keeps serving and every block stays free."""
     with Client(stack.target) as client:
         deltas = []
         with pytest.raises(grpc.RpcError) as info:
             for delta in client.stream(list(range(3, 19)), n=n, max_tokens=400, ignore_eos=True, seed=1):
                 deltas.append(delta)
-        assert info.value.code() == grpc.StatusCode.ABORTED
-        assert "outgrew the KV cache" in info.value.details()
-        assert deltas and not any(out.finish_reason for d in deltas for out in d.outputs)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        need = 1 + n * 25  # the prompt's one full block shared, 25 blocks of 416 positions each
+        assert info.value.details() == (
+            f"n: {n} sequences of prompt (16 tokens) + max_tokens (400) need {need} blocks at their longest "
+            f"and can never fit in the KV cache (48 blocks of 16 tokens)")
+        assert not deltas
         assert len(client.generate([5, 6, 7], max_tokens=3, temperature=0.0).outputs[0].token_ids) == 3
         _, stats = _wait_idle(client)
         assert stats.num_free_gpu_blocks == 48

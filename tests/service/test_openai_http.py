@@ -206,21 +206,20 @@ def test_a_chat_longer_than_the_context_names_messages_not_max_tokens(server, mo
     assert error["param"] == "messages" and "no room for an answer" in error["message"], error
 
 
-def test_samples_that_outgrow_the_cache_are_a_400_naming_n(server, model):
+def test_samples_that_would_outgrow_the_cache_are_a_400_naming_n(server, model):
     """8 samples of 300 tokens need more than the 64 blocks of the cache together, though one alone
-    fits: the scheduler drops the request (ABORTED over gRPC). Over HTTP that is the client's n and
-    max_tokens against this server, a 400 naming n, not a 500 server_error that the SDKs retry."""
+    fits: the scheduler refuses the request up front (INVALID_ARGUMENT naming n over gRPC; it used to
+    accept it and drop it mid-stream). Over HTTP that is a 400 naming n, streamed or not, not a 500
+    server_error that the SDKs retry."""
     headers = {"authorization": f"Bearer {TOKEN}"}
     body = {"model": model, "prompt": "hi", "n": 8, "max_tokens": 300, "ignore_eos": True}
     with httpx.Client(base_url=f"{server[0]}/v1", headers=headers, timeout=60) as http:
-        reply = http.post("/completions", json=body)
-        assert reply.status_code == 400, reply.text
-        error = reply.json()["error"]
-        assert error["param"] == "n" and "outgrew the KV cache" in error["message"], error
-        streamed = http.post("/completions", json={**body, "stream": True})
-    assert streamed.status_code == 200
-    last = [line for line in streamed.text.split("\n\n") if line][-2]  # before [DONE]
-    assert "outgrew the KV cache" in last and '"invalid_request_error"' in last
+        for stream in (False, True):
+            reply = http.post("/completions", json={**body, "stream": stream})
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == "n" and error["type"] == "invalid_request_error", error
+            assert "8 sequences of prompt" in error["message"] and "can never fit" in error["message"], error
 
 
 def test_a_missing_or_wrong_token_is_a_401_and_another_model_a_404(server, model):

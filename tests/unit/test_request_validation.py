@@ -63,6 +63,13 @@ BAD_REQUESTS = [
     (10, {"max_tokens": 31}, "max_tokens", "prompt (10 tokens) + max_tokens (31) exceeds max_model_len 40"),
     (20, {"max_tokens": 15}, "max_tokens", f"prompt (20 tokens) + max_tokens (15) can never fit in {CACHE}"),
     (2, {"n": 5}, "n", "5 exceeds max_num_seqs 4"),
+    # 2 shared prompt blocks + 4 x 2 of each sample's own: 10 of 8 (one sample alone needs 4)
+    (10, {"n": 4, "max_tokens": 6}, "n",
+     f"4 sequences of prompt (10 tokens) + max_tokens (6) need 10 blocks at their longest and can never "
+     f"fit in {CACHE}"),
+    (10, {"beam_width": 2, "max_tokens": 15}, "beam_width",
+     f"2 sequences of prompt (10 tokens) + max_tokens (15) need 12 blocks at their longest and can never "
+     f"fit in {CACHE}"),
 ]
 
 
@@ -90,8 +97,9 @@ def test_a_good_request_passes_and_the_scheduler_takes_it():
     validator, sched = _validator()
     validator.check_prompt([1, 2, 3])
     validator.check_prompt("text is tokenized after this check")
-    group = sched.new_group("r", list(range(1, 11)), SamplingParams(n=4, max_tokens=6, stop_token_ids=(99,)))
-    validator.check(group)
+    group = sched.new_group("r", list(range(1, 11)), SamplingParams(n=4, max_tokens=2, stop_token_ids=(99,)))
+    validator.check(group)  # 2 shared prompt blocks + 4 x 1: 6 of 8
+    validator.check(sched.new_group("s", list(range(1, 9)), SamplingParams(n=3, max_tokens=8)))  # 2 + 3 x 2
     sched.add_request(group)
     assert sched.has_unfinished() and sched.waiting[0] is group
 
