@@ -133,7 +133,7 @@ def supervised(args: argparse.Namespace, model: str) -> Iterator[Supervision]:
     serve_args = argparse.Namespace(**vars(args))
     serve_args.port = launcher.free_port()
     stop = threading.Event()
-    thread = threading.Thread(target=launcher.supervise, args=(serve_args, model, stop),
+    thread = threading.Thread(target=launcher.supervise, args=(serve_args, model, stop, sys.__stderr__),
                               name="pagedserve-supervise")
 
     def stop_servers() -> None:  # on SIGTERM, before the run in progress unwinds

@@ -42,7 +42,7 @@ def servers(args: argparse.Namespace, model: str, trace_path: str):
         for rank in range(args.tensor_parallel_size):
             port = launcher.free_port()
             cmd = launcher.executor_command(serve_args, model, rank, port, dist_port, trace_path)
-            procs.append(subprocess.Popen(cmd, stdout=2))  # to fd 2: stdout is the bench's report
+            procs.append(subprocess.Popen(cmd, stdout=sys.__stderr__))  # stdout is the bench's report
             targets.append(f"127.0.0.1:{port}")
         for target in targets:
             launcher.wait_serving(target, procs, args.startup_timeout)

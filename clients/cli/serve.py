@@ -394,13 +394,14 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0, drain_s: floa
     stop_in_order([procs[-1:], procs[:-1]], grace_s, drain_s)
 
 
-def start_executors(args: argparse.Namespace, model: str, ports: list[int]) -> list[subprocess.Popen]:
+def start_executors(args: argparse.Namespace, model: str, ports: list[int],
+                    echo: TextIO | None = None) -> list[subprocess.Popen]:
     """One process per rank on the given ports (a restart reuses them: the scheduler reconnects),
     meeting at a rendezvous on a port picked now (a restarted set meets afresh, whatever the old
-    rank 0's store left behind)."""
+    rank 0's store left behind). Their stdout is this process's, or `echo`."""
     dist_port = free_port()
-    procs = [subprocess.Popen(executor_command(args, model, rank, port, dist_port), start_new_session=True)
-             for rank, port in enumerate(ports)]
+    procs = [subprocess.Popen(executor_command(args, model, rank, port, dist_port), start_new_session=True,
+                              stdout=echo) for rank, port in enumerate(ports)]
     try:
         for port in ports:
             wait_serving(f"127.0.0.1:{port}", procs, args.startup_timeout)
@@ -422,9 +423,11 @@ def run(args: argparse.Namespace) -> int:
         return supervise(args, model, stop)
 
 
-def supervise(args: argparse.Namespace, model: str, stop: threading.Event) -> int:
+def supervise(args: argparse.Namespace, model: str, stop: threading.Event, echo: TextIO | None = None) -> int:
     """Starts the processes, restarts the ones that die (within the restart budget) until `stop`,
-    then stops them in order: the front-end and the scheduler drain before the executors stop."""
+    then stops them in order: the front-end and the scheduler drain before the executors stop. The
+    processes' output and the serving lines go to this process's stdout, or `echo` (a bench's stderr,
+    so that its stdout is its report alone)."""
     executors: list[subprocess.Popen] = []
     public_procs: list[subprocess.Popen] = []  # the scheduler, then the API front-end if any
     ports = [free_port() for _ in range(args.tensor_parallel_size)]
@@ -433,23 +436,23 @@ def supervise(args: argparse.Namespace, model: str, stop: threading.Event) -> in
 
     def restart_executors() -> None:
         stop_in_order([executors], grace_s=5.0)
-        executors[:] = start_executors(args, model, ports)
+        executors[:] = start_executors(args, model, ports, echo)
 
     def restart_public() -> None:  # the scheduler, and the front-end in front of it, on the same port
         stop_in_order([public_procs[::-1]], grace_s=5.0)
-        public_procs[:] = start_public(args, model, targets)
+        public_procs[:] = start_public(args, model, targets, echo)
 
     def restart_frontend() -> None:  # the ones that exited; the others keep serving on the shared port
         for i, proc in enumerate(public_procs[1:], start=1):
             if proc.poll() is not None:
-                public_procs[i] = start_frontend(args)
+                public_procs[i] = start_frontend(args, echo)
 
     try:
-        executors += start_executors(args, model, ports)
-        public_procs += start_public(args, model, targets)
+        executors += start_executors(args, model, ports, echo)
+        public_procs += start_public(args, model, targets, echo)
         public = f"{'localhost' if args.host in ('127.0.0.1', '0.0.0.0') else args.host}:{args.port}"
         wait_serving(public, executors + public_procs, args.startup_timeout, tls_root=args.tls_cert_file)
-        print_serving(args, model, public, targets)
+        print_serving(args, model, public, targets, echo)
         while not stop.wait(0.2):
             if any(p.poll() is not None for p in executors):
                 whole = (f"; the other ranks are stopped and all {len(executors)} restart together on a new "
@@ -494,20 +497,22 @@ def restart(what: str, start, budget: RestartBudget, stop: threading.Event) -> b
     return False
 
 
-def print_serving(args: argparse.Namespace, model: str, public: str, targets: list[str]) -> None:
-    print(f"pagedserve is serving {model} on {public} (gRPC: pagedserve.v1.Generation)", flush=True)
+def print_serving(args: argparse.Namespace, model: str, public: str, targets: list[str],
+                  echo: TextIO | None = None) -> None:
+    lines = [f"pagedserve is serving {model} on {public} (gRPC: pagedserve.v1.Generation)"]
     if args.metrics_port == 0:  # the scheduler picked the port: its own line above names it
-        print("metrics: the scheduler's /metrics, at the address its line above names", flush=True)
+        lines.append("metrics: the scheduler's /metrics, at the address its line above names")
     elif args.metrics_port is not None:
-        print(f"metrics: http://localhost:{args.metrics_port}/metrics", flush=True)
+        lines.append(f"metrics: http://localhost:{args.metrics_port}/metrics")
     else:
-        print("metrics: off (--metrics-port P serves Prometheus /metrics)", flush=True)
+        lines.append("metrics: off (--metrics-port P serves Prometheus /metrics)")
     if args.executor_metrics_port == 0:
-        print("executor metrics: each executor's /metrics, at the address its line above names", flush=True)
+        lines.append("executor metrics: each executor's /metrics, at the address its line above names")
     elif args.executor_metrics_port is not None:
         ranks = range(args.tensor_parallel_size)
         urls = ", ".join(f"http://localhost:{args.executor_metrics_port + r}/metrics" for r in ranks)
-        print(f"executor metrics: {urls}", flush=True)
-    print(f"executors (pagedserve.v1.Executor): {', '.join(targets)}", flush=True)
+        lines.append(f"executor metrics: {urls}")
+    lines.append(f"executors (pagedserve.v1.Executor): {', '.join(targets)}")
     example = "--chat 'Hello'" if not args.model else "--prompt 'Hello'"  # the default model chats
-    print(f"try: pagedserve generate --server {public} {example}   (Ctrl-C stops)", flush=True)
+    lines.append(f"try: pagedserve generate --server {public} {example}   (Ctrl-C stops)")
+    print("\n".join(lines), file=echo, flush=True)

@@ -11,6 +11,8 @@ import argparse
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -67,6 +69,22 @@ def test_a_kill_due_after_the_run_ended_is_reported_not_sent(tiny_llama_dir, tmp
     assert result["executor_restarts"] == 0
     assert result["c_vs_a"]["num_identical"] == 1
     assert "not sent: the run ended" in capsys.readouterr().out
+
+
+def test_repeat_json_on_stdout_is_the_document_alone(tiny_llama_dir):
+    """`bench repeat --json` run as a command: its stdout parses as one JSON document. The supervised
+    servers' output and the serving lines go to its standard error (they had gone to stdout ahead of
+    the document)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "bench", "repeat", "--model", str(tiny_llama_dir), "--device",
+         "cpu", "--num-gpu-blocks", "128", "--no-progress", "--requests", "1", "--max-tokens", "8",
+         "--batch-sizes", "1", "--kill-after-s", "60", "--json"],
+        cwd=pathlib.Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["c_vs_a"]["num_identical"] == 1
+    assert "pagedserve is serving" in out.stderr and "pagedserve executor listening on" in out.stderr
 
 
 # ---- across servers: --save-tokens on a big cache, --compare-tokens under preemption and chunking -------
