@@ -161,34 +161,39 @@ def fused_rotary(num_seqs: int) -> bool:
 
 BALANCED_DECODE_ENV = "PAGEDSERVE_BALANCED_DECODE"  # unset or "rule": the rule; "0": never; "all": always
 # The rule: launches that would not split, of at most this many programs (sequences x KV heads) a split
-# slot (2 x SMs; H200: 25-66 sequences of llama3-8b's 8 KV heads). H200, sharegpt-400's decode steps,
-# attention alone (docs/benchmarks.md round 26), two chunks of half the longest context: 24-49 sequences
-# 0.72-0.91 of the unsplit launch's time, 64 0.96, 97-338 1.05-1.16 (the reduce launch and the lengths'
-# load cost more than the balance wins there). The default since round 27: through the engine, sharegpt-400
-# offline on the H200, A B B A, it gave 12,558 / 12,518 out tok/s against 12,366 / 12,387 with it off
-# (+1.3 %; the 16-63-sequence decode steps 5 % shorter, the others unchanged); online at 32 and 48 req/s
-# the ITL and TPOT percentiles were unchanged within the runs' spread. (Over every unsplit launch, four
-# chunks and a share of split_slots, the offline run had been 0.5 % slower: round 26.)
+# slot (2 x SMs; H200: 25-66 sequences of llama3-8b's 8 KV heads), and those that would split in two
+# (H200: 15-24 sequences). H200, sharegpt-400's decode steps, attention alone (docs/benchmarks.md round
+# 26), two chunks of half the longest context: 24-49 sequences 0.72-0.91 of the unsplit launch's time, 64
+# 0.96, 97-338 1.05-1.16 (the reduce launch and the lengths' load cost more than the balance wins there).
+# The default since round 27: through the engine, sharegpt-400 offline on the H200, A B B A, it gave
+# 12,558 / 12,518 out tok/s against 12,366 / 12,387 with it off (+1.3 %; the 16-63-sequence decode steps
+# 5 % shorter, the others unchanged); online at 32 and 48 req/s the ITL and TPOT percentiles were
+# unchanged within the runs' spread. (Over every unsplit launch, four chunks and a share of split_slots,
+# the offline run had been 0.5 % slower: round 26.) Round 28, the reduce folded into the launch's last
+# chunk: attention alone 0.93-0.99 of round 26's balanced times at 24-97 sequences; decode graphs at
+# sharegpt's lengths 0.98-0.99 of round 27's at 33-64 sequences; and at 24 sequences, where the launch
+# would split in two, balanced took 0.968 of the even split's graph step (0.964-0.971 in two rounds).
 BALANCED_MAX_PROGRAMS_PER_SLOT = 2.0
 
 
-def balanced_decode(split: bool, programs_per_slot: float = 1.0) -> bool:
+def balanced_decode(num_splits: int, programs_per_slot: float = 1.0) -> bool:
     """Whether a decode launch over a cache of the query's dtype (no window) runs balanced chunks
     (kernels/triton_attention.py, "Balanced decode") instead of one program a sequence and KV head
-    (`split` False: the grid fills the GPU) or each context split evenly (`split` True); its grid has
+    (`num_splits` 1: the grid fills the GPU) or each context split evenly in `num_splits`; its grid has
     `programs_per_slot` programs a split slot. PAGEDSERVE_BALANCED_DECODE decides: unset or "rule" (the
-    default) the launches that would not split up to BALANCED_MAX_PROGRAMS_PER_SLOT, "0" never, "all"
-    every one; another value is a ValueError naming these."""
+    default) the launches that would not split up to BALANCED_MAX_PROGRAMS_PER_SLOT and those that would
+    split in two, "0" never, "all" every one; another value is a ValueError naming these."""
     mode = os.environ.get(BALANCED_DECODE_ENV, "")
     if mode == "0":
         return False
     if mode in ("", "rule"):
-        return not split and programs_per_slot <= BALANCED_MAX_PROGRAMS_PER_SLOT
+        return num_splits == 2 or (num_splits == 1 and programs_per_slot <= BALANCED_MAX_PROGRAMS_PER_SLOT)
     if mode == "all":
         return True
     raise ValueError(f"{BALANCED_DECODE_ENV}={mode!r}: expected unset or 'rule' (the default: the "
                      f"launches that would not split, up to {BALANCED_MAX_PROGRAMS_PER_SLOT} programs a "
-                     f"split slot), '0' (never) or 'all' (every decode launch)")
+                     f"split slot, and those that would split in two), '0' (never) or 'all' (every decode "
+                     f"launch)")
 
 
 def check_launch_env() -> None:
@@ -196,7 +201,7 @@ def check_launch_env() -> None:
     does not know, so an executor says so at its start instead of at its first kernel launch."""
     check_pdl_env()
     fused_rotary(1)
-    balanced_decode(False)
+    balanced_decode(1)
 
 
 def pdl_launch(on: bool) -> dict:

@@ -92,18 +92,21 @@ rotary_and_cache then this kernel, one launch fewer a layer (kernels.fused_rotar
 launches: up to FUSED_ROTARY_MAX_SEQS sequences; docs/benchmarks.md rounds 24 and 25).
 
 Balanced decode (`balance_programs=`, `balance_chunks=`; kernels.balanced_decode, the default since
-round 27 for the launches that would not split, up to 2 programs a split slot): an
-unsplit decode launch runs one program a sequence and KV head, and its time follows the longest
-context, not their sum: the one-warp tile streams ~17 GB/s a program (H200), so a sequence of 1,710
-positions among 33 of 850 on average took 52 us a layer where the same tokens at one length took 34
-(docs/benchmarks.md round 26). A balanced launch's grid is (sequences, KV heads, max chunks); every
-program reads the step's lengths (one load beside its own, waiting on nothing) for one partition size,
-the larger of the positions x KV heads shared by balance_programs programs and the longest context in
-balance_chunks, whole tiles and blocks, at least _MIN_PARTITION (balanced_chunks is the same arithmetic
-on the host). A sequence's chunks past its own count exit at once; a sequence of one chunk writes its
-rows, the others' partials go to _reduce_chunks_kernel. The plan is the kernel's, from seq_lens, so a
-CUDA graph replays it for each step's lengths. Not for an FP8 cache, a sliding window, deterministic
-mode or a mixed launch's decode rows.
+round 27 for the launches that would not split, up to 2 programs a split slot): an unsplit decode launch
+runs one program a sequence and KV head, and its time follows the longest context, not their sum: the
+one-warp tile streams ~17 GB/s a program (H200), so a sequence of 1,710 positions among 33 of 850 on
+average took 52 us a layer where the same tokens at one length took 34 (docs/benchmarks.md round 26). A
+balanced launch's grid is (sequences, KV heads, max chunks); a program whose own context is longer than
+the smallest partition reads the step's lengths (one load beside its own, waiting on nothing) for one
+partition size, the larger of the positions x KV heads shared by balance_programs programs and the
+longest context in balance_chunks, whole tiles and blocks, at least _MIN_PARTITION (balanced_chunks is
+the same arithmetic on the host). A sequence's chunks past its own count exit at once; a sequence of one
+chunk writes its rows; a chunk of a longer one stores its partial and takes a ticket (an acquire-release
+atomic of its sequence and KV head, balance_tickets), and the last of the sequence's chunks to finish
+combines them, in chunk order, read from L2, and zeroes the ticket: no reduce launch (round 28). The
+plan is the kernel's, from seq_lens, so a CUDA graph replays it for each step's lengths. The tickets are
+one buffer a device: balanced launches on one device must not run at once on two streams. Not for an FP8
+cache, a sliding window, deterministic mode or a mixed launch's decode rows.
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
@@ -519,7 +522,7 @@ def _paged_attention_kernel(
     scale_log2, num_seqs, num_search_steps, partition_size, num_heads, num_splits, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, window, softcap_log2, v_scale,
-    balance_programs, min_partition,
+    balance_programs, min_partition, tickets_ptr,
     positions_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, key_ptr, value_ptr, stride_cos,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, k_inv_scale, v_inv_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -558,8 +561,10 @@ def _paged_attention_kernel(
     if BALANCED:  # chunk `split` of at most num_splits of the sequence (balanced_chunks)
         if split * min_partition >= seq_len:  # past any partition size's last chunk
             return
-        part = _balanced_part(seq_lens_ptr, num_seqs, tl.num_programs(1), balance_programs, num_splits,
-                              min_partition, SEQ_PAD, GRAIN)
+        part = min_partition  # a context of at most the smallest partition is one chunk whatever the plan
+        if seq_len > min_partition:  # (so only the programs of longer ones read the step's lengths)
+            part = _balanced_part(seq_lens_ptr, num_seqs, tl.num_programs(1), balance_programs, num_splits,
+                                  min_partition, SEQ_PAD, GRAIN)
         num_chunks = tl.maximum(tl.cdiv(seq_len, part), 1)
         if split >= num_chunks:
             return
@@ -656,18 +661,20 @@ def _paged_attention_kernel(
 
     if SCALE_V:  # an FP8 cache holds V / v_scale (the split reduce is linear in acc)
         acc = acc * v_scale
-    if BALANCED:  # a sequence of one chunk writes its rows; the others' chunks go to _reduce_chunks_kernel
-        if num_chunks == 1:
+    if BALANCED:  # a sequence of one chunk writes its rows; of several, the last chunk to finish does
+        write = num_chunks == 1
+        if num_chunks > 1:
+            acc, l_i, write = _fold_chunks(
+                acc, m_i, l_i, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                tickets_ptr + seq * tl.num_programs(1) + kv_head,
+                (row_global * num_heads + row_head) * num_splits, split, num_chunks, row_valid, dims, D_PAD,
+            )
+        if write:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(
                 out_ptr + row_global[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask,
             )
-        else:
-            part_row = (row_global * num_heads + row_head) * num_splits + split  # [BLOCK_M]
-            tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
-            tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
-            tl.store(part_acc_ptr + part_row[:, None] * D_PAD + dims[None, :], acc, mask=row_valid[:, None])
     elif SPLIT:
         part_row = (row_global * num_heads + row_head) * num_splits + split  # [BLOCK_M]
         tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
@@ -679,6 +686,41 @@ def _paged_attention_kernel(
             out_ptr + row_global[:, None] * stride_o_tok + row_head[:, None] * stride_o_head + dims[None, :],
             out.to(out_ptr.dtype.element_ty), mask=q_mask,
         )
+
+
+@triton.jit
+def _fold_chunks(acc, m_i, l_i, part_acc_ptr, part_max_ptr, part_sum_ptr, ticket_ptr, first_row, chunk,
+                 num_chunks, row_valid, dims, D_PAD: tl.constexpr):
+    """A balanced launch's chunk `chunk` of a sequence of num_chunks (> 1) on one KV head: stores its
+    partial (rows first_row + chunk) and takes a ticket; the last of the sequence's chunks to finish
+    (its ticket num_chunks - 1) zeroes the ticket for the next launch and returns the combined
+    (acc, l_i, True), the others (acc, l_i, False). The chunks are combined in their own order, read back
+    from L2, so the bits do not depend on which one finished last."""
+    own = first_row + chunk  # [BLOCK_M]
+    tl.store(part_max_ptr + own, m_i, mask=row_valid)
+    tl.store(part_sum_ptr + own, l_i, mask=row_valid)
+    tl.store(part_acc_ptr + own[:, None] * D_PAD + dims[None, :], acc, mask=row_valid[:, None])
+    tl.debug_barrier()  # every thread's stores before the ticket's release (one thread takes it)
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()  # and the other chunks' stores, acquired by that thread, before any thread reads
+    last = ticket == num_chunks - 1
+    if last:
+        tl.store(ticket_ptr, 0)
+        m = tl.zeros_like(m_i) + float("-inf")
+        for c in range(0, num_chunks):
+            m = tl.maximum(m, tl.load(part_max_ptr + first_row + c, mask=row_valid, other=float("-inf"),
+                                      cache_modifier=".cg"))
+        m = tl.where(m == float("-inf"), 0.0, m)  # rows of no head (masked): nothing to weigh
+        acc = tl.zeros_like(acc)
+        l_i = tl.zeros_like(l_i)
+        for c in range(0, num_chunks):
+            rows = first_row + c
+            weight = tl.exp2(tl.load(part_max_ptr + rows, mask=row_valid, other=float("-inf"),
+                                     cache_modifier=".cg") - m)
+            l_i += weight * tl.load(part_sum_ptr + rows, mask=row_valid, other=0.0, cache_modifier=".cg")
+            acc += weight[:, None] * tl.load(part_acc_ptr + rows[:, None] * D_PAD + dims[None, :],
+                                             mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+    return acc, l_i, last
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -710,42 +752,6 @@ def _reduce_splits_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
-def _reduce_chunks_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, num_heads, num_kv_heads, balance_programs, max_chunks, min_partition, head_dim, stride_o_tok,
-    stride_o_head, SEQ_PAD: tl.constexpr, GRAIN: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """A balanced decode launch's reduce: sequence program_id(0)'s chunks of head program_id(1); a
-    sequence of one chunk (or a graph's padding, no query token) was written by its program."""
-    if PDL:  # kernels.pdl
-        gdc_wait()
-        gdc_launch_dependents()
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    token = tl.load(query_start_loc_ptr + seq)
-    has_query = tl.load(query_start_loc_ptr + seq + 1) > token
-    if has_query & (seq_len > min_partition):  # several chunks only past the smallest partition size
-        part = _balanced_part(seq_lens_ptr, num_seqs, num_kv_heads, balance_programs, max_chunks,
-                              min_partition, SEQ_PAD, GRAIN)
-        count = tl.cdiv(seq_len, part)
-        if count > 1:
-            chunks = tl.arange(0, S_PAD)
-            valid = chunks < count
-            dims = tl.arange(0, D_PAD)
-            row = (token.to(tl.int64) * num_heads + head) * max_chunks + chunks  # [S_PAD]
-            chunk_max = tl.load(part_max_ptr + row, mask=valid, other=float("-inf"))
-            chunk_sum = tl.load(part_sum_ptr + row, mask=valid, other=0.0)
-            chunk_acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + dims[None, :], mask=valid[:, None],
-                                other=0.0)  # [S_PAD, D_PAD]
-            weight = tl.exp2(chunk_max - tl.max(chunk_max, axis=0))  # chunk 0's max is finite
-            out = tl.sum(chunk_acc * weight[:, None], axis=0) / tl.sum(chunk_sum * weight, axis=0)
-            tl.store(out_ptr + token.to(tl.int64) * stride_o_tok + head * stride_o_head + dims,
-                     out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
-
-
 def balanced_chunks(
     seq_lens: list[int], num_kv_heads: int, balance_programs: int, max_chunks: int,
     min_partition: int = _MIN_PARTITION, grain: int = UNSPLIT_DECODE_TILE[0],
@@ -758,6 +764,31 @@ def balanced_chunks(
     longest = -(-max(seq_lens, default=0) // max_chunks)
     part = max(-(-max(share, longest) // grain) * grain, min_partition)
     return part, [max(-(-n // part), 1) for n in seq_lens]
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def balance_tickets(device: torch.device, count: int) -> torch.Tensor:
+    """The balanced launches' tickets on `device` (int32, zero between launches: the last chunk of each
+    sequence and KV head zeroes its own), at least `count` of them. One buffer a device, allocated once
+    for BALANCED_MAX_SEQS x 128 KV heads (512 KiB) and kept, so every CUDA graph captured on the device
+    replays launches that point at live memory; a larger count (more KV heads) gets a larger one, and
+    the one it replaces is kept alive for the graphs that hold it."""
+    have = _TICKETS.get(device)
+    if have is None or have.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a buffer made inside a capture is zeroed only when the graph replays
+            raise RuntimeError("balanced decode's tickets are allocated by an eager launch on the device "
+                               "before any CUDA graph capture (a warm-up pass of the same shape)")
+        fresh = torch.zeros(max(count, BALANCED_MAX_SEQS * 128), dtype=torch.int32, device=device)
+        if have is not None:
+            _RETIRED_TICKETS.append(have)
+        _TICKETS[device] = have = fresh
+    return have
+
+
+_RETIRED_TICKETS: list[torch.Tensor] = []
 
 
 def split_slots(device: torch.device) -> int:
@@ -1031,7 +1062,7 @@ def paged_attention(
     balanced = (can_balance and (
         balance_programs is not None or balance_chunks is not None
         or (not forced and num_seqs <= BALANCED_MAX_SEQS and balanced_decode(
-            num_splits > 1, num_tiles * num_kv_heads / split_slots(query.device)))))
+            num_splits, num_tiles * num_kv_heads / split_slots(query.device)))))
     if balanced:
         if num_seqs > BALANCED_MAX_SEQS:
             raise ValueError(f"a balanced decode launch takes at most {BALANCED_MAX_SEQS} sequences, got "
@@ -1094,7 +1125,8 @@ def paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         max(sliding_window, 0), logit_softcap * math.log2(math.e), v_scale, balance_programs or 1,
-        _MIN_PARTITION, *rotary_args,
+        _MIN_PARTITION, balance_tickets(query.device, num_seqs * num_kv_heads) if balanced else seq_lens,
+        *rotary_args,
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, D_PAD=d_pad, IS_DECODE=is_decode, SPLIT=split,
         EVEN_SPLITS=even_splits,
@@ -1105,14 +1137,6 @@ def paged_attention(
         num_warps=num_warps, num_stages=num_stages, **launch,
         PDL=on, **pdl_launch(on), BALANCED=balanced, SEQ_PAD=seq_pad, GRAIN=grain if balanced else 1,
     )
-    if balanced:
-        on_reduce = pdl(query.device, "reduce")
-        _reduce_chunks_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_max, part_sum, seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads,
-            balance_programs, num_splits, _MIN_PARTITION, head_dim, out.stride(0), out.stride(1),
-            SEQ_PAD=seq_pad, GRAIN=grain, S_PAD=triton.next_power_of_2(num_splits), D_PAD=d_pad, num_warps=4,
-            PDL=on_reduce, **pdl_launch(on_reduce),
-        )
     if split:
         on_reduce = pdl(query.device, "reduce")
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -126,7 +126,9 @@ def record_attention_launches(monkeypatch, fields) -> list:
 def test_split_decode_launch_caps_registers(monkeypatch):
     """The decode launch with even splits is held to EVEN_SPLIT_DECODE_MAXNREG registers (Triton gives
     it ~166 for sm_90, three programs an SM where the split rule counts four: 16 x 16384 took 424 us
-    against 375 capped on an H100); the unsplit launch keeps the compiler's choice."""
+    against 375 capped on an H100); the unsplit launch keeps the compiler's choice. (Balanced decode
+    off: by default a launch that would split in two runs balanced.)"""
+    monkeypatch.setenv(kernels.BALANCED_DECODE_ENV, "0")
     seen = record_attention_launches(
         monkeypatch, lambda grid, kw: (grid[2], kw["EVEN_SPLITS"], kw.get("maxnreg")))
     case = make_paged_case([600, 150, 70, 1], [1, 1, 1, 1], 8, 1, 32, 16, torch.float32, "cpu", 4)
@@ -419,25 +421,33 @@ def test_balanced_decode_matches_reference(seed, num_heads, num_kv_heads, head_d
     assert err < 1e-5, f"seed {seed}: relative error {err}"
 
 
-def test_balanced_decode_chunks_are_the_plans(monkeypatch):
-    """With the reduce made a no-op, the rows of the sequences balanced_chunks gives one chunk are
-    right and those of several are not: the kernel splits where the host-side plan says, and the
-    reduce is what combines them."""
+def test_balanced_decode_chunks_are_the_plans():
+    """With every ticket held far below its count (so no chunk is the last), the rows of the sequences
+    balanced_chunks gives one chunk are right and those of several stay unwritten: the kernel splits
+    where the host-side plan says, and the last chunk's fold is what combines them. Each ticket then
+    counts its sequence's chunks; with them back at zero the next launch is right everywhere, and
+    leaves them at zero."""
     case = make_paged_case(BALANCED_LENGTHS, [1] * 8, 8, 2, 32, 16, torch.float32, "cpu", 1)
     ref = reference.paged_attention(*case.args())
     part, chunks = triton_attention.balanced_chunks(BALANCED_LENGTHS, 2, 16, 4)
     assert (part, chunks) == (288, [1, 2, 1, 4, 1, 1, 3, 1])
-
-    class NoReduce:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
-    monkeypatch.setattr(triton_attention, "_reduce_chunks_kernel", NoReduce())
-    out = triton_attention.paged_attention(
-        *case.args(), balance_programs=16, balance_chunks=4, out=torch.full_like(case.query, float("nan")))
-    for seq, count in enumerate(chunks):
-        rows_match = torch.allclose(out[seq], ref[seq], atol=1e-5, rtol=1e-5)
-        assert rows_match == (count == 1), (seq, count)
+    tickets = triton_attention.balance_tickets(torch.device("cpu"), 16)
+    assert not tickets.any()
+    held = -1000
+    tickets.fill_(held)
+    try:
+        out = triton_attention.paged_attention(*case.args(), balance_programs=16, balance_chunks=4,
+                                               out=torch.full_like(case.query, float("nan")))
+        for seq, count in enumerate(chunks):
+            assert torch.allclose(out[seq], ref[seq], atol=1e-5, rtol=1e-5) == (count == 1), (seq, count)
+            assert torch.isnan(out[seq]).all() == (count > 1), (seq, count)
+        taken = (tickets[:16].view(8, 2) - held).tolist()  # (sequence, KV head)
+        assert taken == [[c, c] if c > 1 else [0, 0] for c in chunks]
+    finally:
+        tickets.zero_()
+    out = triton_attention.paged_attention(*case.args(), balance_programs=16, balance_chunks=4)
+    assert relative_error(out, ref) < 1e-5
+    assert not tickets.any()
 
 
 def test_balanced_decode_with_graph_padding():
@@ -472,14 +482,16 @@ def test_balanced_chunks_cover_each_context():
 
 def test_balanced_decode_rule(monkeypatch):
     """By default (and with PAGEDSERVE_BALANCED_DECODE=rule) the decode launches that would not split,
-    up to BALANCED_MAX_PROGRAMS_PER_SLOT programs a split slot, run balanced and the even splits are
-    left; =0 balances none; =all balances both; a forced split count, a window, an FP8 cache,
-    deterministic mode and more than BALANCED_MAX_SEQS sequences never run balanced; an unknown value is
-    refused."""
+    up to BALANCED_MAX_PROGRAMS_PER_SLOT programs a split slot, and those that would split in two run
+    balanced and the other even splits are left; =0 balances none; =all balances both; a forced split
+    count, a window, an FP8 cache, deterministic mode and more than BALANCED_MAX_SEQS sequences never
+    run balanced; an unknown value is refused."""
     seen = record_attention_launches(monkeypatch, lambda grid, kw: (kw["BALANCED"], grid[2]))
     big = make_paged_case(BALANCED_LENGTHS, [1] * 8, 8, 2, 32, 16, torch.float32, "cpu", 3)  # 16 programs
     small = dataclasses.replace(make_paged_case([600, 150], [1, 1], 8, 1, 32, 16, torch.float32, "cpu", 4),
-                                max_seq_len=4096)  # 2 programs, 8 slots on a CPU: split
+                                max_seq_len=4096)  # 2 programs, 8 slots on a CPU: split in four
+    halves = dataclasses.replace(make_paged_case([600, 150, 40, 300], [1] * 4, 8, 1, 32, 16, torch.float32,
+                                                 "cpu", 5), max_seq_len=4096)  # 4 programs: split in two
     e4m3 = torch.float8_e4m3fn
     fp8 = dataclasses.replace(big, key_cache=big.key_cache.to(e4m3), value_cache=big.value_cache.to(e4m3))
 
@@ -503,6 +515,8 @@ def test_balanced_decode_rule(monkeypatch):
     assert launches(None, small)[0] is False
     assert launches("all", nine) == (True, chunks)
     assert launches("rule", small)[0] is False
+    assert launches(None, halves) == (True, chunks)
+    assert launches("0", halves) == (False, 2)
     assert launches("all", small) == (True, chunks)
     assert launches("all", big, kernel_only=dict(num_splits=1))[0] is False
     assert launches("all", big, 4)[0] is False  # a sliding window of 4
