@@ -42,6 +42,7 @@ from scheduler_svc.frontend.http_stream import Exchange, SSEResponse, collect, s
 from scheduler_svc.frontend.link_call import LinkCall, StreamLink
 from scheduler_svc.frontend.openai_convert import chat_request, completion_requests
 from scheduler_svc.frontend.openai_schema import (
+    MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -50,7 +51,23 @@ from scheduler_svc.frontend.openai_schema import (
 from scheduler_svc.wire.chat_template import ChatTemplate
 from scheduler_svc.wire.errors import ApiError, ResourceExhaustedError
 
-MAX_BODY_BYTES = 16 << 20
+MAX_BODY_BYTES = 16 << 20  # the most any server takes; each takes body_limit's share of it
+# A body's bytes per token a server's limits allow: every token of MAX_PROMPTS prompts of the model's
+# whole context, at up to this many bytes each (a token id and its comma take at most 8; text with JSON
+# escapes rarely 16), plus the other fields. Validating a body holds the front-end's event loop (and
+# every other stream on it) for its length: 7.5-7.7 MiB of token ids 150-175 ms on the 2-core dev
+# machine, 60-110 ms when validated on a thread (pydantic holds the GIL, so not zero; `python -m
+# clients.bench.body_parse` prints these). So a server of a short context refuses big bodies early.
+BODY_BYTES_PER_TOKEN = 16
+BODY_SLACK_BYTES = 1 << 20
+THREAD_BODY_BYTES = 256 << 10  # a body larger than this is validated on a worker thread
+
+
+def body_limit(max_context_tokens: int) -> int:
+    """The largest request body (bytes) a server of this context takes (413 past it)."""
+    return min(MAX_BODY_BYTES, BODY_SLACK_BYTES + MAX_PROMPTS * max_context_tokens * BODY_BYTES_PER_TOKEN)
+
+
 CUT_OFF_FLUSH_S = 1.0  # for the streams ended at the drain's end to send their error event and [DONE]
 _log = logging.getLogger(__name__)
 # The front-end's own series (the scheduler's request metrics count what reaches it, as api="openai").
@@ -68,6 +85,7 @@ class HttpApi:
         self.link, self.model_name, self.text = link, model_name, text
         self.max_requests_per_client = max_requests_per_client  # the scheduler's (GetModelInfo)
         self.max_context_tokens = max_context_tokens
+        self.max_body_bytes = body_limit(max_context_tokens)
         self.model_names = {model_name, model_name.rstrip("/").rsplit("/", 1)[-1]}
         self._auth = f"Bearer {auth_token}".encode() if auth_token else None
         self.is_serving = is_serving
@@ -125,10 +143,16 @@ class HttpApi:
             raise HttpError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
                             code="invalid_api_key")
 
+    def _too_large(self) -> HttpError:
+        return HttpError(413, f"the request body is larger than {self.max_body_bytes} bytes, this server's "
+                              f"limit ({MAX_PROMPTS} prompts of its {self.max_context_tokens}-token context "
+                              f"at {BODY_BYTES_PER_TOKEN} bytes a token, plus {BODY_SLACK_BYTES >> 20} MiB, "
+                              f"at most {MAX_BODY_BYTES >> 20} MiB)")
+
     async def _body(self, request: Request, schema: type[pydantic.BaseModel]) -> Any:
         declared = request.headers.get("content-length", "0")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise HttpError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large()
         # read as it comes, up to the limit: a chunked body declares no length (one of 400 MiB was
         # held whole, the process at 869 MiB, before its 413)
         chunks, size = [], 0
@@ -143,10 +167,14 @@ class HttpApi:
                 raise HttpError(408, f"the request body stalled (no byte for "
                                      f"{http_guard.BODY_IDLE_TIMEOUT_S:g} s)") from None
             size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise HttpError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            if size > self.max_body_bytes:
+                raise self._too_large()
             chunks.append(chunk)
-        body = schema.model_validate_json(b"".join(chunks))
+        data = b"".join(chunks)
+        if len(data) > THREAD_BODY_BYTES:  # the loop keeps some turns for the other streams meanwhile
+            body = await asyncio.to_thread(schema.model_validate_json, data)
+        else:
+            body = schema.model_validate_json(data)
         model = getattr(body, "model", None)
         if model not in self.model_names:
             raise HttpError(404, f"the model {model!r} does not exist (this server serves "

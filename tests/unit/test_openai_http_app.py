@@ -364,12 +364,10 @@ def _drive(api: HttpApi, chunks: list[bytes], then_disconnect: bool = False, pat
 def test_a_chunked_body_is_refused_once_past_the_limit_not_after_it_is_all_read():
     """A body without a content-length (chunked) is read up to the limit: a 400 MiB one was held
     whole (the front-end at 869 MiB) before its 413."""
-    from scheduler_svc.frontend.http_app import MAX_BODY_BYTES
-
     api, link = make_api()
     mib = b"x" * (1 << 20)
     sent, received = _drive(api, [mib] * 400)
-    assert sent[0]["status"] == 413 and received <= MAX_BODY_BYTES // len(mib) + 1
+    assert sent[0]["status"] == 413 and received <= api.max_body_bytes // len(mib) + 1
     assert b"larger than" in sent[1]["body"] and not link.requests
     ok, _ = _drive(api, [json.dumps(COMPLETION).encode()])  # a small chunked body is read whole
     assert ok[0]["status"] == 200
@@ -520,3 +518,35 @@ def test_connections_that_never_finish_a_request_are_closed_not_held(monkeypatch
     assert ok.status_code == 200
     assert silent_got == b"" and half_got == b""  # closed (a recv timeout would have raised)
     assert stalled_got.startswith(b"HTTP/1.1 408") and b"stalled" in stalled_got
+
+
+def test_the_body_limit_follows_the_servers_context():
+    """A server takes a body as large as MAX_PROMPTS prompts of its whole context could need (16 bytes a
+    token, plus 1 MiB), at most MAX_BODY_BYTES: validating one holds the event loop for its length, so
+    a short-context server refuses a big body with a 413 that names its limit and why, and takes one
+    just under it (validated off the loop, on a thread); a malformed big body is a 400 naming the field."""
+    from scheduler_svc.frontend.http_app import MAX_BODY_BYTES, THREAD_BODY_BYTES, body_limit
+    from scheduler_svc.frontend.openai_schema import MAX_PROMPTS
+
+    assert body_limit(1024) == (1 << 20) + MAX_PROMPTS * 1024 * 16 == 2 << 20
+    assert body_limit(8192) == 9 << 20 and body_limit(131072) == MAX_BODY_BYTES
+    api, link = make_api()  # a 1,024-token context: 2 MiB
+    assert api.max_body_bytes == 2 << 20
+    ids = [100000 + i for i in range(1024)]
+    big = {**COMPLETION, "prompt": [ids] * MAX_PROMPTS}  # every prompt a whole context of 6-digit ids
+    size = len(json.dumps(big))
+    assert THREAD_BODY_BYTES < size < api.max_body_bytes
+    reply = call(api, "POST", "/v1/completions", big)
+    assert reply.status_code == 200, reply.text
+    assert len(link.requests) == MAX_PROMPTS and list(link.requests[-1].token_ids.ids) == ids
+    over = {**COMPLETION, "prompt": "x" * (api.max_body_bytes + 1)}
+    reply = call(api, "POST", "/v1/completions", over)
+    message = reply.json()["error"]["message"]
+    assert reply.status_code == 413 and "larger than 2097152 bytes" in message
+    assert "1024-token context" in message
+    assert len(link.requests) == MAX_PROMPTS  # nothing more reached the scheduler
+    malformed = {**COMPLETION, "prompt": [ids] * 40 + [ids[:-1] + ["x"]]}
+    assert len(json.dumps(malformed)) > THREAD_BODY_BYTES
+    reply = call(api, "POST", "/v1/completions", malformed)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt.40.1023", reply.text
+    assert len(link.requests) == MAX_PROMPTS
