@@ -170,7 +170,8 @@ BALANCED_DECODE_ENV = "PAGEDSERVE_BALANCED_DECODE"  # unset or "rule": the rule;
 # 5 % shorter, the others unchanged); online at 32 and 48 req/s the ITL and TPOT percentiles were
 # unchanged within the runs' spread. (Over every unsplit launch, four chunks and a share of split_slots,
 # the offline run had been 0.5 % slower: round 26.) Round 28, the reduce folded into the launch's last
-# chunk: attention alone 0.93-0.99 of round 26's balanced times at 24-97 sequences; decode graphs at
+# chunk: attention alone 0.89-0.96 of round 26's balanced times at 24-97 sequences (and no longer slower
+# than the unsplit launch from 129 on, yet no shorter in the decode graphs there); decode graphs at
 # sharegpt's lengths 0.98-0.99 of round 27's at 33-64 sequences; and at 24 sequences, where the launch
 # would split in two, balanced took 0.968 of the even split's graph step (0.964-0.971 in two rounds).
 BALANCED_MAX_PROGRAMS_PER_SLOT = 2.0

@@ -92,21 +92,22 @@ rotary_and_cache then this kernel, one launch fewer a layer (kernels.fused_rotar
 launches: up to FUSED_ROTARY_MAX_SEQS sequences; docs/benchmarks.md rounds 24 and 25).
 
 Balanced decode (`balance_programs=`, `balance_chunks=`; kernels.balanced_decode, the default since
-round 27 for the launches that would not split, up to 2 programs a split slot): an unsplit decode launch
-runs one program a sequence and KV head, and its time follows the longest context, not their sum: the
-one-warp tile streams ~17 GB/s a program (H200), so a sequence of 1,710 positions among 33 of 850 on
-average took 52 us a layer where the same tokens at one length took 34 (docs/benchmarks.md round 26). A
-balanced launch's grid is (sequences, KV heads, max chunks); a program whose own context is longer than
-the smallest partition reads the step's lengths (one load beside its own, waiting on nothing) for one
-partition size, the larger of the positions x KV heads shared by balance_programs programs and the
-longest context in balance_chunks, whole tiles and blocks, at least _MIN_PARTITION (balanced_chunks is
-the same arithmetic on the host). A sequence's chunks past its own count exit at once; a sequence of one
-chunk writes its rows; a chunk of a longer one stores its partial and takes a ticket (an acquire-release
-atomic of its sequence and KV head, balance_tickets), and the last of the sequence's chunks to finish
-combines them, in chunk order, read from L2, and zeroes the ticket: no reduce launch (round 28). The
-plan is the kernel's, from seq_lens, so a CUDA graph replays it for each step's lengths. The tickets are
-one buffer a device: balanced launches on one device must not run at once on two streams. Not for an FP8
-cache, a sliding window, deterministic mode or a mixed launch's decode rows.
+round 27 for the launches that would not split, up to 2 programs a split slot, and since round 28 for
+those that would split in two): an unsplit decode launch runs one program a sequence and KV head, and
+its time follows the longest context, not their sum: the one-warp tile streams ~17 GB/s a program
+(H200), so a sequence of 1,710 positions among 33 of 850 on average took 52 us a layer where the same
+tokens at one length took 34 (docs/benchmarks.md round 26). A balanced launch's grid is (sequences, KV
+heads, max chunks); a program whose own context is longer than the smallest partition reads the step's
+lengths (one load beside its own, waiting on nothing) for one partition size, the larger of the
+positions x KV heads shared by balance_programs programs and the longest context in balance_chunks,
+whole tiles and blocks, at least _MIN_PARTITION (balanced_chunks is the same arithmetic on the host). A
+sequence's chunks past its own count exit at once; a sequence of one chunk writes its rows; a chunk of a
+longer one stores its partial and takes a ticket (an acquire-release atomic of its sequence and KV head,
+balance_tickets), and the last of the sequence's chunks to finish combines them, in chunk order, read
+from L2, and zeroes the ticket: no reduce launch (round 28). The plan is the kernel's, from seq_lens, so
+a CUDA graph replays it for each step's lengths. The tickets are one buffer a device: balanced launches
+on one device must not run at once on two streams. Not for an FP8 cache, a sliding window, deterministic
+mode or a mixed launch's decode rows.
 
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
@@ -767,6 +768,7 @@ def balanced_chunks(
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_TICKETS: list[torch.Tensor] = []  # replaced buffers, kept for the graphs that point at them
 
 
 def balance_tickets(device: torch.device, count: int) -> torch.Tensor:
@@ -786,9 +788,6 @@ def balance_tickets(device: torch.device, count: int) -> torch.Tensor:
             _RETIRED_TICKETS.append(have)
         _TICKETS[device] = have = fresh
     return have
-
-
-_RETIRED_TICKETS: list[torch.Tensor] = []
 
 
 def split_slots(device: torch.device) -> int:
