@@ -22,6 +22,7 @@ __all__ = [
     "batch_invariant_matmul",
     "blas_library",
     "copy_blocks",
+    "decode_order",
     "fused_moe",
     "gemma_rms_norm",
     "greedy_sample",
@@ -197,12 +198,67 @@ def balanced_decode(num_splits: int, programs_per_slot: float = 1.0) -> bool:
                      f"launch)")
 
 
+# ---- decode attention's programs, longest context first (triton_attention "Longest first") ----
+
+DECODE_ORDER_ENV = "PAGEDSERVE_DECODE_ORDER"  # unset or "rule": the rule; "0": never; "all": every launch
+# The rule: the decode launches that neither split nor run balanced, over a cache of the query's dtype
+# without a window, take their sequences longest first; the engine sorts the lengths only for a step of
+# more than BALANCED_MAX_PROGRAMS_PER_SLOT programs a split slot, below which the rule's launch is
+# balanced or split. H200, llama3-8b's decode graphs at sharegpt's lengths (docs/benchmarks.md round
+# 29): longest first on every launch against the sequences' own order, 129-338 sequences 3.5-5.4 %
+# shorter steps in both rounds, 24-97 sequences 0.3-0.9 % longer (balanced chunks gain nothing from the
+# order, and the sort costs its launches); the rule against "0", 97-257 sequences 1.3-5.9 % shorter
+# (112-257 in every round), 48-64 unchanged; sharegpt-400 offline, A B B A, 12,799 / 12,780 out tok/s
+# against 12,504 / 12,514 (+2.3 %).
+
+
+def decode_order_mode() -> str:
+    """PAGEDSERVE_DECODE_ORDER: "rule" (unset or "rule", the default), "0" or "all"; another value is a
+    ValueError naming these."""
+    mode = os.environ.get(DECODE_ORDER_ENV, "") or "rule"
+    if mode not in ("rule", "0", "all"):
+        raise ValueError(f"{DECODE_ORDER_ENV}={mode!r}: expected unset or 'rule' (the default: the decode "
+                         f"launches that neither split nor run balanced take their sequences longest "
+                         f"context first), '0' (every launch in the step's own order) or 'all' (every "
+                         f"decode launch longest first)")
+    return mode
+
+
+def ordered_decode(split_or_balanced: bool, plain_cache: bool = True) -> bool:
+    """Whether a decode launch that is given a decode_order takes it: under the rule, one that neither
+    splits nor runs balanced (`split_or_balanced` False) over a cache of the query's dtype without a
+    sliding window (`plain_cache`); every one on "all", none on "0"."""
+    mode = decode_order_mode()
+    return mode == "all" or (mode == "rule" and not split_or_balanced and plain_cache)
+
+
+def needs_decode_order(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether a CUDA decode step of num_seqs sequences sorts their lengths (decode_order) for its
+    attention launches: always on "all"; under the rule where its grid is over
+    BALANCED_MAX_PROGRAMS_PER_SLOT programs a split slot (fewer: the rule's launch is split or
+    balanced, and takes no order); never on "0" or off CUDA."""
+    mode = decode_order_mode()
+    if device.type != "cuda" or mode == "0":
+        return False
+    slots = _cuda_module("triton_attention").split_slots(device)
+    return mode == "all" or num_seqs * num_kv_heads > BALANCED_MAX_PROGRAMS_PER_SLOT * slots
+
+
+def decode_order(seq_lens: torch.Tensor) -> torch.Tensor:
+    """int32 [B] on seq_lens' device: the sequences by descending seq_lens (ties in their own order), the
+    order in which a decode launch hands its sequences to the GPU's SMs. Device ops only, so a CUDA
+    graph that captures it sorts each replay's lengths; one per forward pass serves every layer."""
+    return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+
+
 def check_launch_env() -> None:
-    """Refuses (ValueError) a PAGEDSERVE_PDL_OFF, PAGEDSERVE_FUSED_ROTARY or PAGEDSERVE_BALANCED_DECODE it
+    """Refuses (ValueError) a PAGEDSERVE_PDL_OFF, PAGEDSERVE_FUSED_ROTARY, PAGEDSERVE_BALANCED_DECODE or
+    PAGEDSERVE_DECODE_ORDER it
     does not know, so an executor says so at its start instead of at its first kernel launch."""
     check_pdl_env()
     fused_rotary(1)
     balanced_decode(1)
+    decode_order_mode()
 
 
 def pdl_launch(on: bool) -> dict:
@@ -228,14 +284,16 @@ def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
     sliding_window: int = 0, logit_softcap: float = 0.0, deterministic: bool = False,
     k_scale: float = 1.0, v_scale: float = 1.0, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    prefill_tile_starts: torch.Tensor | None = None,
+    prefill_tile_starts: torch.Tensor | None = None, decode_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """deterministic: batch-invariant rows (kernels/triton_attention.py); the CPU reference ignores it.
     k_scale, v_scale: the scales the (FP8) cache was written with. fresh_kv: (key, value) [T, KV, D] of
     this step's tokens, equal to what the cache holds for them and finite in every row: the CUDA kernel
     may read the prefill rows' keys from there (TMA tiles); the reference reads the cache.
     prefill_tile_starts: kernels.prefill_tile_starts(query_start_loc) on the query's device, when the
-    caller has it (the Hopper prefill kernel's work list; computed on the device otherwise)."""
+    caller has it (the Hopper prefill kernel's work list; computed on the device otherwise).
+    decode_order: decode_order(seq_lens), the order a CUDA decode launch takes its sequences in (the
+    output does not depend on it; the reference ignores it)."""
     args = (
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         max_query_len, max_seq_len, scale, sliding_window, logit_softcap,
@@ -243,7 +301,7 @@ def paged_attention(
     if query.is_cuda:
         return _cuda_module("triton_attention").paged_attention(
             *args, deterministic=deterministic, k_scale=k_scale, v_scale=v_scale, fresh_kv=fresh_kv,
-            prefill_tile_starts=prefill_tile_starts,
+            prefill_tile_starts=prefill_tile_starts, decode_order=decode_order,
         )
     return reference.paged_attention(*args, k_scale, v_scale)
 
@@ -252,11 +310,12 @@ def rotary_cache_attention(
     positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
     block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
     sliding_window: int = 0, logit_softcap: float = 0.0, deterministic: bool = False,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, decode_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rotary_and_cache, then paged_attention over the rotated query (the bits of the two one after
     the other); on CUDA a decode step (max_query_len 1, not deterministic) runs it as one launch
-    (kernels/triton_attention.py rotary_cache_attention) where fused_rotary(num_seqs) says so."""
+    (kernels/triton_attention.py rotary_cache_attention) where fused_rotary(num_seqs) says so.
+    decode_order: as for paged_attention."""
     args = (
         positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
         block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale, sliding_window,
@@ -264,7 +323,7 @@ def rotary_cache_attention(
     )
     if query.is_cuda:
         return _cuda_module("triton_attention").rotary_cache_attention(
-            *args, deterministic=deterministic, k_scale=k_scale, v_scale=v_scale
+            *args, deterministic=deterministic, k_scale=k_scale, v_scale=v_scale, decode_order=decode_order
         )
     return reference.rotary_cache_attention(*args, k_scale, v_scale)
 

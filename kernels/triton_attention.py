@@ -109,6 +109,17 @@ a CUDA graph replays it for each step's lengths. The tickets are one buffer a de
 on one device must not run at once on two streams. Not for an FP8 cache, a sliding window, deterministic
 mode or a mixed launch's decode rows.
 
+Longest first (`decode_order=`, kernels.decode_order; kernels.ordered_decode says which launches take
+it): the GPU hands a grid's programs to its SMs roughly in program order, so in the sequences' own order
+a long context that comes late starts late and ends the launch alone. With decode_order (the sequences
+by descending length, sorted on the device once a forward pass) a decode launch's grid is one axis,
+program (rank x num_splits + split) x KV heads + KV head, whose rank-th sequence is decode_order[rank]:
+the longest contexts' programs, every KV head and chunk of them, start first, and the short ones fill
+the SMs as they free up (longest processing time first). The output does not depend on the order:
+each program's arithmetic is the same, and a balanced launch combines a sequence's chunks in chunk
+order. By default only the launches that neither split nor run balanced take it (over a cache of the
+query's dtype, no window): the H200 measurements of kernels.DECODE_ORDER_ENV.
+
 Deterministic (batch-invariant) mode, `deterministic=True` (executor_svc/layers/determinism.py): a
 row's output must not depend on the other rows of its tile or of its batch, so that a token decoded
 alone, in a batch, as a row of a prefill chunk or of a recompute gets the same bits. Then:
@@ -138,7 +149,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import balanced_decode, fused_rotary, pdl, pdl_launch
+from kernels import balanced_decode, fused_rotary, ordered_decode, pdl, pdl_launch
 from kernels.reference import check_scales, is_fp8
 from kernels.triton_cache import as_cached
 from kernels.triton_layers import rotated
@@ -523,7 +534,7 @@ def _paged_attention_kernel(
     scale_log2, num_seqs, num_search_steps, partition_size, num_heads, num_splits, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, window, softcap_log2, v_scale,
-    balance_programs, min_partition, tickets_ptr,
+    balance_programs, min_partition, tickets_ptr, order_ptr, num_kv_heads,
     positions_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, key_ptr, value_ptr, stride_cos,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, k_inv_scale, v_inv_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -534,14 +545,21 @@ def _paged_attention_kernel(
     BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
     ROTARY: tl.constexpr = False, RN: tl.constexpr = False, FP8_CACHE: tl.constexpr = False,
     PDL: tl.constexpr = False, BALANCED: tl.constexpr = False, SEQ_PAD: tl.constexpr = 1,
-    GRAIN: tl.constexpr = 1,
+    GRAIN: tl.constexpr = 1, ORDERED: tl.constexpr = False,
 ):
     if PDL:  # kernels.pdl: before any load (the query, the step's tables) and every early return
         gdc_wait()
         gdc_launch_dependents()
-    tile_id = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    if ORDERED:  # a decode launch, longest first: program (rank x num_splits + split) x KV heads + KV head
+        program = tl.program_id(0)
+        kv_head = program % num_kv_heads
+        rank = program // num_kv_heads
+        split = rank % num_splits
+        tile_id = tl.load(order_ptr + rank // num_splits)
+    else:
+        tile_id = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
     if IS_DECODE:
         seq = tile_id
         q_tile_start = tile_id * 0
@@ -564,7 +582,7 @@ def _paged_attention_kernel(
             return
         part = min_partition  # a context of at most the smallest partition is one chunk whatever the plan
         if seq_len > min_partition:  # (so only the programs of longer ones read the step's lengths)
-            part = _balanced_part(seq_lens_ptr, num_seqs, tl.num_programs(1), balance_programs, num_splits,
+            part = _balanced_part(seq_lens_ptr, num_seqs, num_kv_heads, balance_programs, num_splits,
                                   min_partition, SEQ_PAD, GRAIN)
         num_chunks = tl.maximum(tl.cdiv(seq_len, part), 1)
         if split >= num_chunks:
@@ -667,7 +685,7 @@ def _paged_attention_kernel(
         if num_chunks > 1:
             acc, l_i, write = _fold_chunks(
                 acc, m_i, l_i, part_acc_ptr, part_max_ptr, part_sum_ptr,
-                tickets_ptr + seq * tl.num_programs(1) + kv_head,
+                tickets_ptr + seq * num_kv_heads + kv_head,
                 (row_global * num_heads + row_head) * num_splits, split, num_chunks, row_valid, dims, D_PAD,
             )
         if write:
@@ -878,7 +896,7 @@ def rotary_cache_attention(
     positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
     block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
     sliding_window: int = 0, logit_softcap: float = 0.0, *, deterministic: bool = False,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, decode_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """triton_layers.rotary_and_cache, then paged_attention over the rotated query: the same bits, in
     one launch where it is a decode launch (max_query_len 1, not deterministic, no window or softcap)
@@ -894,7 +912,7 @@ def rotary_cache_attention(
     shared)."""
     check_scales(key_cache.dtype, k_scale, v_scale)
     attend = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, deterministic=deterministic,
-                  k_scale=k_scale, v_scale=v_scale)
+                  k_scale=k_scale, v_scale=v_scale, decode_order=decode_order)
     # A window or a softcap keeps two launches: the rotating launch takes them (interpreter tests), but
     # was compiled and measured on a GPU without them only (round 24)
     if (max_query_len != 1 or deterministic or sliding_window > 0 or logit_softcap > 0
@@ -923,6 +941,7 @@ def paged_attention(
     no_cached_prefix: bool = False, out: torch.Tensor | None = None,
     prefill_tile_starts: torch.Tensor | None = None, rotary: DecodeRotary | None = None,
     balance_programs: int | None = None, balance_chunks: int | None = None,
+    decode_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See kernels/reference.py (sliding_window > 0 masks keys that many positions or more before
     the query; 0 compiles the kernel without any window code; logit_softcap > 0 caps the scores,
@@ -952,7 +971,11 @@ def paged_attention(
     comes unrotated, and the launch rotates it and writes the step's K/V (rotary_cache_attention; a
     decode launch only). balance_programs, balance_chunks: a decode launch over a cache of the query's
     dtype without a window runs balanced (balanced_chunks) with these (benchmark sweeps; by default
-    kernels.balanced_decode decides, with BALANCE_PROGRAMS programs and BALANCED_MAX_CHUNKS chunks)."""
+    kernels.balanced_decode decides, with BALANCE_PROGRAMS programs and BALANCED_MAX_CHUNKS chunks).
+    decode_order: int32 [B], a permutation of the sequences (kernels.decode_order: longest context
+    first): a decode launch that kernels.ordered_decode lets take it hands them to the SMs in that order
+    (module docstring, "Longest first"); the output is the same bits in any order. Other launches
+    ignore it."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -974,7 +997,7 @@ def paged_attention(
         # decode rows (sequences of one query token; the decode kernel skips the others), then the rest.
         # Not split: a split's reduce runs over every token of the step (4 x 2048 tokens: 3x the time)
         paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, 1,
-                        max_seq_len, scale, num_splits=1, out=out)
+                        max_seq_len, scale, num_splits=1, out=out, decode_order=decode_order)
         hopper = query.is_cuda and torch.cuda.get_device_capability(query.device) == (9, 0)
         if fresh_tuning is None and hopper:
             from kernels import gluon_prefill  # (imported here: only on sm_90, and only with fresh_kv)
@@ -1116,7 +1139,16 @@ def paged_attention(
         part_max = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
         part_sum = torch.empty(num_tokens, num_heads, num_splits, **f32) if split else out
     seq_pad = triton.next_power_of_2(num_seqs) if balanced else 1
-    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+    if is_decode and decode_order is not None and (
+            decode_order.shape != (num_seqs,) or decode_order.dtype != torch.int32
+            or decode_order.device != query.device):
+        raise ValueError(f"decode_order must be int32 [{num_seqs}] on {query.device} (kernels.decode_order), "
+                         f"got {decode_order.dtype} {tuple(decode_order.shape)} on {decode_order.device}")
+    # longest first where kernels.ordered_decode says (the rule: unsplit, unbalanced, a plain cache)
+    ordered = is_decode and decode_order is not None and ordered_decode(
+        split or balanced, key_cache.element_size() > 1 and sliding_window <= 0)
+    grid = (num_tiles * num_kv_heads * num_splits,) if ordered else (num_tiles, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum,
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         scale * k_scale * math.log2(math.e), num_seqs, max(0, (num_seqs - 1).bit_length()), partition_size,
@@ -1125,6 +1157,7 @@ def paged_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         max(sliding_window, 0), logit_softcap * math.log2(math.e), v_scale, balance_programs or 1,
         _MIN_PARTITION, balance_tickets(query.device, num_seqs * num_kv_heads) if balanced else seq_lens,
+        decode_order if ordered else seq_lens, num_kv_heads,
         *rotary_args,
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, D_PAD=d_pad, IS_DECODE=is_decode, SPLIT=split,
@@ -1135,6 +1168,7 @@ def paged_attention(
         ROTARY=rotary is not None, RN=query.is_cuda, FP8_CACHE=is_fp8(key_cache.dtype),
         num_warps=num_warps, num_stages=num_stages, **launch,
         PDL=on, **pdl_launch(on), BALANCED=balanced, SEQ_PAD=seq_pad, GRAIN=grain if balanced else 1,
+        ORDERED=ordered,
     )
     if split:
         on_reduce = pdl(query.device, "reduce")
@@ -1146,7 +1180,7 @@ def paged_attention(
     if skip_decode:  # after the split reduce, which writes every row of the step (the decode rows too)
         paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, 1,
                         max_seq_len, scale, sliding_window, logit_softcap, num_splits=1, k_scale=k_scale,
-                        v_scale=v_scale, fp8_f16=fp8_f16, out=out)
+                        v_scale=v_scale, fp8_f16=fp8_f16, out=out, decode_order=decode_order)
     return out
 
 

@@ -14,7 +14,7 @@ are captured (a graph keeps the scales it was captured with).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +38,19 @@ class AttentionMetadata:
     # kernels.prefill_tile_starts(query_start_loc) [B + 1] int32, built on the host with the rest (the
     # Hopper prefill kernel's work list); None: the kernel computes it on the device
     prefill_tile_starts: torch.Tensor | None = None
+    # kernels.decode_order(seq_lens) [B] int32, on the device (with_decode_order): the order in which a
+    # decode launch takes the sequences, longest context first; None: their own order
+    decode_order: torch.Tensor | None = None
+
+
+def with_decode_order(meta: AttentionMetadata, num_kv_heads: int) -> AttentionMetadata:
+    """meta with its decode_order, sorted on the device (one sort a forward pass, inside a CUDA graph
+    when captured in one), where the step's decode launches take it (kernels.needs_decode_order, over
+    num_kv_heads KV heads a rank); else meta."""
+    lens = meta.seq_lens
+    if meta.decode_order is not None or not kernels.needs_decode_order(len(lens), num_kv_heads, lens.device):
+        return meta
+    return replace(meta, decode_order=kernels.decode_order(lens))
 
 
 class PagedAttention(nn.Module):
@@ -81,6 +94,7 @@ class PagedAttention(nn.Module):
                 rotary.sin_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1,
                 meta.max_seq_len, self.scale, self.sliding_window, self.logit_softcap,
                 deterministic=determinism.deterministic(), k_scale=self.k_scale, v_scale=self.v_scale,
+                decode_order=meta.decode_order,
             )  # [T, H, D]
             return out.reshape(out.shape[0], self.num_heads * self.head_dim)
         if rotary is None:
@@ -115,5 +129,6 @@ class PagedAttention(nn.Module):
             v_scale=self.v_scale,
             fresh_kv=fresh_kv,
             prefill_tile_starts=meta.prefill_tile_starts,
+            decode_order=meta.decode_order,
         )  # [T, H, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 import kernels
-from executor_svc.layers.attention import AttentionMetadata
+from executor_svc.layers.attention import AttentionMetadata, with_decode_order
 from executor_svc.layers.gemm_plan import GemmPlan
 from executor_svc.layers.linear import graph_gemms
 from executor_svc.runner.inputs import ModelInput
@@ -236,7 +236,9 @@ class _BucketGraphs:
     def forward(self, bucket: int) -> torch.Tensor:
         """What the bucket's graph captures, over the static inputs: [num_tokens, ...]."""
         num_tokens, num_seqs, max_query_len = self.bucket_shape(bucket)
+        # the decode launches' order is sorted inside the graph, from each replay's lengths
         meta = self.inputs.metadata(num_tokens, num_seqs, max_query_len, self.max_model_len)
+        meta = with_decode_order(meta, self.kv_cache.device_cache.shape[-2])
         ids, positions = self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens]
         return self._output(self.model(ids, positions, self.kv_cache.device_cache, meta))  # hidden [T, D]
 

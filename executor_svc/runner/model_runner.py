@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor_svc.layers.attention import AttentionMetadata
+from executor_svc.layers.attention import AttentionMetadata, with_decode_order
 from executor_svc.layers.gemm_plan import GemmPlan
 from executor_svc.layers.linear import projection_weights
 from executor_svc.runner.cuda_graphs import MIXED_BUCKETS, DecodeGraphs, MixedGraphs, buckets_up_to
@@ -69,9 +69,9 @@ class ModelRunner:
             return self.decode_graphs.run(batch)
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
             return self.mixed_graphs.run(batch)
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.kv_cache.device_cache, batch.attn
-        )  # [T, D]
+        cache = self.kv_cache.device_cache  # [L, 2, N, bs, KV, D]
+        meta = with_decode_order(batch.attn, cache.shape[-2])
+        hidden = self.model(batch.input_ids, batch.positions, cache, meta)  # [T, D]
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     def compute_logits(self, batch: ModelInput) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+import kernels  # noqa: E402
 from kernels import reference, triton_attention  # noqa: E402
 from kernels.testing import make_paged_case, relative_error  # noqa: E402
 
@@ -44,9 +45,12 @@ def test_balanced_matches_reference(num_seqs, heads, kv_heads, head_dim, block_s
     assert max(counts) > 1
 
 
-def test_balanced_graph_replays_new_lengths():
+def test_balanced_graph_replays_new_lengths(monkeypatch):
     """Captured for 64 sequences at one mix of lengths (and a graph's max_seq_len), replayed on others:
-    every replay matches the reference for its own lengths, so the plan follows the step's seq_lens."""
+    every replay matches the reference for its own lengths, so the plan follows the step's seq_lens;
+    captured again longest first (PAGEDSERVE_DECODE_ORDER=all, the order sorted in the graph), every
+    replay gives the same bits."""
+    monkeypatch.setenv(kernels.DECODE_ORDER_ENV, "all")  # (the rule leaves a balanced launch unordered)
     num_seqs = 64
     heads, kv_heads, head_dim, block_size = LLAMA3
     draws = [uneven_lengths(num_seqs, seed) for seed in (1, 2, 3)]
@@ -75,22 +79,30 @@ def test_balanced_graph_replays_new_lengths():
         seq_lens.copy_(case.seq_lens)
         query.copy_(case.query)
 
-    def step():  # the balanced launch with the rule's plan (PAGEDSERVE_BALANCED_DECODE=rule)
+    def step(**kwargs):  # the balanced launch with the rule's plan (PAGEDSERVE_BALANCED_DECODE=rule)
         return triton_attention.paged_attention(query, key_cache, value_cache, tables, seq_lens,
                                                 static.query_start_loc, 1, 8192, static.scale,
-                                                balance_chunks=triton_attention.BALANCED_MAX_CHUNKS)
+                                                balance_chunks=triton_attention.BALANCED_MAX_CHUNKS, **kwargs)
+
+    def ordered_step():  # longest first, the order sorted inside the graph (as the engine's graphs do)
+        return step(decode_order=kernels.decode_order(seq_lens))
     load(cases[0])
     step()
-    graph = torch.cuda.CUDAGraph()
+    ordered_step()
+    graph, ordered_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
+    with torch.cuda.graph(ordered_graph):
+        ordered_out = ordered_step()
     for case in cases[1:] + cases[:1]:
         load(case)
         graph.replay()
+        ordered_graph.replay()
         torch.cuda.synchronize()
         ref = reference.paged_attention(query, key_cache, value_cache, tables, seq_lens,
                                         static.query_start_loc, 1, max(case.seq_lens.tolist()), static.scale)
         assert relative_error(out, ref) < 1e-2
+        assert torch.equal(ordered_out, out)  # the same bits in any order
 
 
 def bench() -> None:

@@ -465,6 +465,76 @@ def test_balanced_decode_with_graph_padding():
     assert relative_error(out[:8], ref) < 1e-5
 
 
+@pytest.mark.parametrize("launch", ["rule", "unsplit", "fixed_split", "even_split", "balanced", "fp8",
+                                    "mixed_no_gqa"])
+def test_decode_order_gives_the_same_bits(seed, launch, monkeypatch):
+    """A decode launch that takes its sequences in decode_order (one grid axis, the longest context
+    first; every launch on PAGEDSERVE_DECODE_ORDER=all) writes the same bits as in their own order,
+    whichever way it splits: the balanced rule's choice (balanced here), no split, fixed partitions,
+    even splits, balanced chunks, an FP8 cache; and the decode launch after a mixed launch's varlen
+    tile (no GQA). Any permutation gives those bits; a decode_order of the wrong shape or dtype is
+    refused."""
+    monkeypatch.setenv(kernels.DECODE_ORDER_ENV, "all")
+    lens, q_lens, heads, kv_heads, kwargs = BALANCED_LENGTHS, [1] * 8, 8, 2, {}
+    if launch == "unsplit":
+        kwargs = dict(num_splits=1)
+    elif launch == "fixed_split":
+        kwargs = dict(num_splits=3)
+    elif launch == "even_split":
+        lens, q_lens, kv_heads = [600, 150], [1, 1], 1  # 2 programs, 8 slots on a CPU: even splits
+    elif launch == "balanced":
+        kwargs = dict(balance_programs=5, balance_chunks=4)
+    elif launch == "mixed_no_gqa":
+        lens, q_lens, heads, kv_heads = [29, 1, 300, 16, 90], [11, 1, 1, 16, 1], 4, 4
+    case = make_paged_case(lens, q_lens, heads, kv_heads, 32, 16, torch.float32, "cpu", seed)
+    extra = dict(k_scale=0.5, v_scale=2.0) if launch == "fp8" else {}
+    if launch == "fp8":
+        e4m3 = torch.float8_e4m3fn
+        case = dataclasses.replace(case, key_cache=case.key_cache.to(e4m3),
+                                   value_cache=case.value_cache.to(e4m3))
+    order = kernels.decode_order(case.seq_lens)
+    assert order.dtype == torch.int32
+    assert order.tolist() == sorted(range(len(lens)), key=lambda i: (-lens[i], i))  # longest first, stable
+    plain = triton_attention.paged_attention(*case.args(), **extra, **kwargs)
+    ref = reference.paged_attention(*case.args(), **extra)
+    assert relative_error(plain, ref) < 1e-5
+    shuffled = torch.randperm(len(lens), generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    for perm in (order, shuffled):
+        out = triton_attention.paged_attention(*case.args(), **extra, **kwargs, decode_order=perm)
+        assert torch.equal(out, plain), (launch, perm.tolist())
+    for bad in (order.long(), order[:-1]):
+        with pytest.raises(ValueError, match="decode_order must be int32"):
+            triton_attention.paged_attention(*case.args(), **extra, **kwargs, decode_order=bad)
+
+
+def test_decode_order_env(monkeypatch):
+    """PAGEDSERVE_DECODE_ORDER: unset or "rule", the launches that neither split nor run balanced over a
+    plain cache take the order; "all" every one, "0" none; anything else is refused at an executor's
+    start. needs_decode_order: a step sorts its lengths under the rule only past
+    BALANCED_MAX_PROGRAMS_PER_SLOT programs a split slot (the H200's 264 slots: 66 sequences of 8 KV
+    heads), never off CUDA."""
+    monkeypatch.setattr(triton_attention, "split_slots", lambda device: 264)
+    cuda = torch.device("cuda", 0)
+    plain_unsplit, uneven = (False, True), [(True, True), (False, False), (True, False)]
+    for value in (None, "rule", "all", "0"):
+        if value is None:
+            monkeypatch.delenv(kernels.DECODE_ORDER_ENV, raising=False)
+        else:
+            monkeypatch.setenv(kernels.DECODE_ORDER_ENV, value)
+        mode = value or "rule"
+        assert kernels.decode_order_mode() == mode
+        assert kernels.ordered_decode(*plain_unsplit) is (mode != "0")
+        assert all(kernels.ordered_decode(*kind) is (mode == "all") for kind in uneven)
+        assert kernels.needs_decode_order(67, 8, cuda) is (mode != "0")
+        assert kernels.needs_decode_order(66, 8, cuda) is (mode == "all")
+        assert kernels.needs_decode_order(1, 1, cuda) is (mode == "all")
+        assert not kernels.needs_decode_order(512, 8, torch.device("cpu"))
+    for bad in ("1", "yes"):
+        monkeypatch.setenv(kernels.DECODE_ORDER_ENV, bad)
+        with pytest.raises(ValueError, match=f"PAGEDSERVE_DECODE_ORDER='{bad}'"):
+            kernels.check_launch_env()
+
+
 def test_balanced_chunks_cover_each_context():
     """However uneven the lengths, each sequence has 1 to max_chunks chunks of one partition size (whole
     32-position tiles, at least _MIN_PARTITION) that cover its context and no more."""

@@ -220,6 +220,24 @@ def test_graph_padding_writes_nothing_and_reads_nothing():
     assert changed[real].all() and int(changed.sum()) == real.numel()
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"num_splits": 3}, {"balance_programs": 3, "balance_chunks": 4}])
+def test_longest_first_order_is_the_same_step(kwargs, monkeypatch):
+    """The rotating launch in decode_order (longest first), with a CUDA graph's padding sequences
+    sorted last: the same output and cache bits as in the sequences' own order, unsplit (the program
+    of a sequence's own position writes its K/V), split, and balanced (the last chunk writes it; these
+    two take the order on PAGEDSERVE_DECODE_ORDER=all only)."""
+    monkeypatch.setenv(kernels.DECODE_ORDER_ENV, "all")
+    case = decode_case([5, 250, 30, 71], 4, 2, 16, 8, torch.float32, torch.float32, seed=11,
+                       num_padding_tokens=2, num_padding_seqs=2)
+    order = kernels.decode_order(case["seq_lens"])
+    assert order.tolist() == [1, 3, 2, 0, 4, 5]
+    got = fused_launch(case, decode_order=order, **kwargs)
+    assert_same_step(got, fused_launch(case, **kwargs), case)
+    forced = {k: v for k, v in kwargs.items() if k == "num_splits"}  # (balanced: its own plan)
+    if not kwargs.keys() - forced.keys():
+        assert_same_step(got, unfused(case, **forced), case)
+
+
 def test_cpu_dispatch_is_the_reference_composition():
     case = decode_case([4, 19], 4, 2, 16, 8, torch.bfloat16, torch.bfloat16, seed=5)
     got = fused(case, impl=kernels)
