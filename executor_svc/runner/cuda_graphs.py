@@ -92,8 +92,8 @@ MIXED_BUCKETS = tuple(
 
 def check_launch_environment() -> None:
     """The kernels' launch settings from the environment (kernels.check_launch_env: PAGEDSERVE_PDL_OFF,
-    PAGEDSERVE_FUSED_ROTARY), checked when an executor starts rather than when its graphs are first
-    captured (ValueError)."""
+    PAGEDSERVE_FUSED_ROTARY, PAGEDSERVE_BALANCED_DECODE, PAGEDSERVE_DECODE_ORDER), checked when an
+    executor starts rather than when its graphs are first captured (ValueError)."""
     kernels.check_launch_env()
 
 

@@ -276,7 +276,7 @@ def test_tiny_model_logits_and_cache_are_bit_identical_fused_and_unfused(
 
 def decode_rotary_through_triton(
     positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache, *attend,
-    deterministic=False, k_scale=1.0, v_scale=1.0,
+    deterministic=False, k_scale=1.0, v_scale=1.0, decode_order=None,  # (the order: no effect on the bits)
 ):
     query = triton_layers.rotary_and_cache(
         positions, query, key, value, key_cache, value_cache, slot_mapping, cos_cache, sin_cache,
