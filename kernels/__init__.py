@@ -232,13 +232,16 @@ def ordered_decode(split_or_balanced: bool, plain_cache: bool = True) -> bool:
     return mode == "all" or (mode == "rule" and not split_or_balanced and plain_cache)
 
 
-def needs_decode_order(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
+def needs_decode_order(
+    num_seqs: int, num_kv_heads: int, device: torch.device, plain_cache: bool = True
+) -> bool:
     """Whether a CUDA decode step of num_seqs sequences sorts their lengths (decode_order) for its
     attention launches: always on "all"; under the rule where its grid is over
     BALANCED_MAX_PROGRAMS_PER_SLOT programs a split slot (fewer: the rule's launch is split or
-    balanced, and takes no order); never on "0" or off CUDA."""
+    balanced, and takes no order) and its cache is of the model's dtype (`plain_cache`; an FP8 cache's
+    launches take no order under the rule); never on "0" or off CUDA."""
     mode = decode_order_mode()
-    if device.type != "cuda" or mode == "0":
+    if device.type != "cuda" or mode == "0" or (mode == "rule" and not plain_cache):
         return False
     slots = _cuda_module("triton_attention").split_slots(device)
     return mode == "all" or num_seqs * num_kv_heads > BALANCED_MAX_PROGRAMS_PER_SLOT * slots

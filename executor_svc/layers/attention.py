@@ -43,12 +43,13 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None
 
 
-def with_decode_order(meta: AttentionMetadata, num_kv_heads: int) -> AttentionMetadata:
+def with_decode_order(meta: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionMetadata:
     """meta with its decode_order, sorted on the device (one sort a forward pass, inside a CUDA graph
-    when captured in one), where the step's decode launches take it (kernels.needs_decode_order, over
-    num_kv_heads KV heads a rank); else meta."""
+    when captured in one), where the step's decode launches over kv_cache ([L, 2, N, bs, KV, D], a
+    rank's) take it (kernels.needs_decode_order); else meta."""
     lens = meta.seq_lens
-    if meta.decode_order is not None or not kernels.needs_decode_order(len(lens), num_kv_heads, lens.device):
+    if meta.decode_order is not None or not kernels.needs_decode_order(
+            len(lens), kv_cache.shape[-2], lens.device, plain_cache=kv_cache.element_size() > 1):
         return meta
     return replace(meta, decode_order=kernels.decode_order(lens))
 

@@ -238,7 +238,7 @@ class _BucketGraphs:
         num_tokens, num_seqs, max_query_len = self.bucket_shape(bucket)
         # the decode launches' order is sorted inside the graph, from each replay's lengths
         meta = self.inputs.metadata(num_tokens, num_seqs, max_query_len, self.max_model_len)
-        meta = with_decode_order(meta, self.kv_cache.device_cache.shape[-2])
+        meta = with_decode_order(meta, self.kv_cache.device_cache)
         ids, positions = self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens]
         return self._output(self.model(ids, positions, self.kv_cache.device_cache, meta))  # hidden [T, D]
 

@@ -70,7 +70,7 @@ class ModelRunner:
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
             return self.mixed_graphs.run(batch)
         cache = self.kv_cache.device_cache  # [L, 2, N, bs, KV, D]
-        meta = with_decode_order(batch.attn, cache.shape[-2])
+        meta = with_decode_order(batch.attn, cache)
         hidden = self.model(batch.input_ids, batch.positions, cache, meta)  # [T, D]
         return self.model.compute_logits(hidden[batch.logits_indices])
 

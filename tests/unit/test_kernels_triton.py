@@ -528,6 +528,7 @@ def test_decode_order_env(monkeypatch):
         assert kernels.needs_decode_order(67, 8, cuda) is (mode != "0")
         assert kernels.needs_decode_order(66, 8, cuda) is (mode == "all")
         assert kernels.needs_decode_order(1, 1, cuda) is (mode == "all")
+        assert kernels.needs_decode_order(67, 8, cuda, plain_cache=False) is (mode == "all")  # FP8
         assert not kernels.needs_decode_order(512, 8, torch.device("cpu"))
     for bad in ("1", "yes"):
         monkeypatch.setenv(kernels.DECODE_ORDER_ENV, bad)
