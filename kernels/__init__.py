@@ -224,7 +224,7 @@ def decode_order_mode() -> str:
     return mode
 
 
-def ordered_decode(split_or_balanced: bool, plain_cache: bool = True) -> bool:
+def ordered_decode(split_or_balanced: bool, plain_cache: bool) -> bool:
     """Whether a decode launch that is given a decode_order takes it: under the rule, one that neither
     splits nor runs balanced (`split_or_balanced` False) over a cache of the query's dtype without a
     sliding window (`plain_cache`); every one on "all", none on "0"."""
