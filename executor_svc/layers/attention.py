@@ -43,15 +43,23 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None
 
 
-def with_decode_order(meta: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionMetadata:
+def with_decode_order(meta: AttentionMetadata, kv_cache: torch.Tensor, unwindowed: bool) -> AttentionMetadata:
     """meta with its decode_order, sorted on the device (one sort a forward pass, inside a CUDA graph
     when captured in one), where the step's decode launches over kv_cache ([L, 2, N, bs, KV, D], a
-    rank's) take it (kernels.needs_decode_order); else meta."""
-    lens = meta.seq_lens
+    rank's) take it (kernels.needs_decode_order); else meta. `unwindowed`: the model has a layer
+    without a sliding window (`attends_unwindowed`); a windowed launch takes no order, so a model whose
+    layers are all windowed never sorts."""
+    lens, plain = meta.seq_lens, kv_cache.element_size() > 1 and unwindowed
     if meta.decode_order is not None or not kernels.needs_decode_order(
-            len(lens), kv_cache.shape[-2], lens.device, plain_cache=kv_cache.element_size() > 1):
+            len(lens), kv_cache.shape[-2], lens.device, plain_cache=plain):
         return meta
     return replace(meta, decode_order=kernels.decode_order(lens))
+
+
+def attends_unwindowed(model: nn.Module) -> bool:
+    """Whether any PagedAttention layer of `model` attends without a sliding window (Gemma's global
+    layers, every layer of most families), the only launches that take a decode_order."""
+    return any(isinstance(m, PagedAttention) and m.sliding_window <= 0 for m in model.modules())
 
 
 class PagedAttention(nn.Module):

@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 import kernels
-from executor_svc.layers.attention import AttentionMetadata, with_decode_order
+from executor_svc.layers.attention import AttentionMetadata, attends_unwindowed, with_decode_order
 from executor_svc.layers.gemm_plan import GemmPlan
 from executor_svc.layers.linear import graph_gemms
 from executor_svc.runner.inputs import ModelInput
@@ -216,6 +216,7 @@ class _BucketGraphs:
         if not buckets:
             raise ValueError("no bucket to capture")
         self.model = model
+        self.unwindowed = attends_unwindowed(model)  # a layer whose decode launch may take the order
         self.gemm_plan = gemm_plan  # None: the fixed rule (executor_svc/layers/gemm_plan.py)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -238,7 +239,7 @@ class _BucketGraphs:
         num_tokens, num_seqs, max_query_len = self.bucket_shape(bucket)
         # the decode launches' order is sorted inside the graph, from each replay's lengths
         meta = self.inputs.metadata(num_tokens, num_seqs, max_query_len, self.max_model_len)
-        meta = with_decode_order(meta, self.kv_cache.device_cache)
+        meta = with_decode_order(meta, self.kv_cache.device_cache, self.unwindowed)
         ids, positions = self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens]
         return self._output(self.model(ids, positions, self.kv_cache.device_cache, meta))  # hidden [T, D]
 

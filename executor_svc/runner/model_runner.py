@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor_svc.layers.attention import AttentionMetadata, with_decode_order
+from executor_svc.layers.attention import AttentionMetadata, attends_unwindowed, with_decode_order
 from executor_svc.layers.gemm_plan import GemmPlan
 from executor_svc.layers.linear import projection_weights
 from executor_svc.runner.cuda_graphs import MIXED_BUCKETS, DecodeGraphs, MixedGraphs, buckets_up_to
@@ -18,6 +18,7 @@ from scheduler_svc.wire.sampling_params import MAX_LOGPROBS
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache):
         self.model = model
+        self.unwindowed = attends_unwindowed(model)  # a layer whose decode launch may take the order
         self.kv_cache = kv_cache
         self.decode_graphs: DecodeGraphs | None = None
         # A plain greedy decode step samples inside its decode graph (`execute`); False: every step
@@ -70,7 +71,7 @@ class ModelRunner:
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
             return self.mixed_graphs.run(batch)
         cache = self.kv_cache.device_cache  # [L, 2, N, bs, KV, D]
-        meta = with_decode_order(batch.attn, cache)
+        meta = with_decode_order(batch.attn, cache, self.unwindowed)
         hidden = self.model(batch.input_ids, batch.positions, cache, meta)  # [T, D]
         return self.model.compute_logits(hidden[batch.logits_indices])
 

@@ -536,6 +536,74 @@ def test_decode_order_env(monkeypatch):
             kernels.check_launch_env()
 
 
+class _LaunchRecorder:
+    """Stands for a Triton kernel object: records each launch's grid and ORDERED, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((tuple(grid), kwargs["ORDERED"]))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_default_rule_orders_only_the_plain_unsplit_launch(seed, monkeypatch):
+    """With PAGEDSERVE_DECODE_ORDER unset, a decode launch given an order takes it (one grid axis,
+    ORDERED) only unsplit and unbalanced over a plain cache without a window; split, balanced and
+    windowed launches keep their three-axis grid; every one writes the bits of the unordered launch."""
+    monkeypatch.delenv(kernels.DECODE_ORDER_ENV, raising=False)
+    recorder = _LaunchRecorder(triton_attention._paged_attention_kernel)
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", recorder)
+    case = make_paged_case(BALANCED_LENGTHS, [1] * 8, 8, 2, 32, 16, torch.float32, "cpu", seed)
+    order = kernels.decode_order(case.seq_lens)
+    kinds = {"unsplit": (dict(num_splits=1), 0, True), "split": (dict(num_splits=3), 0, False),
+             "balanced": (dict(balance_programs=5, balance_chunks=4), 0, False),
+             "windowed": (dict(num_splits=1), 100, False)}
+    for name, (kwargs, window, ordered) in kinds.items():
+        args = (*case.args(), window)  # sliding_window
+        plain = triton_attention.paged_attention(*args, **kwargs)
+        recorder.launches.clear()
+        out = triton_attention.paged_attention(*args, **kwargs, decode_order=order)
+        assert torch.equal(out, plain), name
+        grid, took = recorder.launches[0]
+        assert took is ordered and (len(grid) == 1) is ordered, (name, grid, took)
+
+
+def test_a_model_of_windowed_layers_only_never_sorts(monkeypatch):
+    """with_decode_order sorts a step's lengths only for a model with a layer without a sliding window
+    (attends_unwindowed): a windowed launch takes no order. needs_decode_order is asked as on a CUDA
+    device of 264 split slots, where 67 sequences of 8 KV heads sort under the rule."""
+    from torch import nn
+
+    from executor_svc.layers.attention import (
+        AttentionMetadata,
+        PagedAttention,
+        attends_unwindowed,
+        with_decode_order,
+    )
+
+    monkeypatch.delenv(kernels.DECODE_ORDER_ENV, raising=False)
+    monkeypatch.setattr(triton_attention, "split_slots", lambda device: 264)
+    on_cuda = kernels.needs_decode_order
+    monkeypatch.setattr(kernels, "needs_decode_order",
+                        lambda n, kv, device, plain_cache=True: on_cuda(n, kv, torch.device("cuda", 0),
+                                                                         plain_cache))
+    mistral = nn.ModuleList(PagedAttention(32, 8, 128, 0.1, sliding_window=4096) for _ in range(2))
+    gemma = nn.ModuleList(PagedAttention(32, 8, 128, 0.1, sliding_window=w) for w in (4096, 0))
+    assert not attends_unwindowed(mistral) and attends_unwindowed(gemma)
+    assert attends_unwindowed(nn.ModuleList([PagedAttention(32, 8, 128, 0.1)]))
+    lens = torch.randint(1, 2000, (67,), dtype=torch.int32)
+    meta = AttentionMetadata(torch.zeros(67, dtype=torch.int64), torch.zeros(67, 4, dtype=torch.int32), lens,
+                             torch.arange(68, dtype=torch.int32), 1, 2000)
+    cache = torch.empty(2, 2, 4, 16, 8, 128, dtype=torch.bfloat16)  # [L, 2, N, bs, KV, D]
+    assert with_decode_order(meta, cache, attends_unwindowed(mistral)) is meta
+    sorted_meta = with_decode_order(meta, cache, attends_unwindowed(gemma))
+    assert torch.equal(sorted_meta.decode_order, kernels.decode_order(lens))
+    assert with_decode_order(meta, cache.to(torch.float8_e4m3fn), True) is meta  # FP8: no order taken
+
+
 def test_balanced_chunks_cover_each_context():
     """However uneven the lengths, each sequence has 1 to max_chunks chunks of one partition size (whole
     32-position tiles, at least _MIN_PARTITION) that cover its context and no more."""
