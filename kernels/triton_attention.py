@@ -149,7 +149,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import balanced_decode, fused_rotary, ordered_decode, pdl, pdl_launch
+from kernels import (
+    BALANCED_MAX_PROGRAMS_PER_SLOT,
+    balanced_decode,
+    fused_rotary,
+    ordered_decode,
+    pdl,
+    pdl_launch,
+)
 from kernels.reference import check_scales, is_fp8
 from kernels.triton_cache import as_cached
 from kernels.triton_layers import rotated
@@ -498,6 +505,17 @@ EVEN_SPLIT_DECODE_MAXNREG = 128
 # (fewer programs) were slower with it (1.09 at 24 x 896) and keep the default (docs/benchmarks.md,
 # round 10).
 UNSPLIT_DECODE_TILE = (32, 1, 6)
+# ... and of one that neither splits nor runs balanced, over more than kernels.BALANCED_MAX_PROGRAMS_PER_SLOT
+# and at most WIDE_DECODE_MAX_PROGRAMS_PER_SLOT programs a split slot, with GQA, without a window, over a
+# 16-bit cache of heads up to 128 wide (what was measured): four warps over 128 positions, two stages
+# (128 KB of shared memory, one program an SM). A long context's program streams faster, where few
+# programs a slot leave the launch's end to the longest ones. H200, llama3-8b heads, attention alone at
+# sharegpt-400's decode steps (longest first), µs a layer against UNSPLIT_DECODE_TILE: 80 sequences
+# 54.4 / 66.5, 97 63.1 / 78.3, 113 64.4 / 76.8, 129 67.2 / 74.5 (160, past the limit, 75.4 / 77.8); at
+# one length it costs 0-8 % at 72-96 sequences of 256-1,500 positions, nothing at 128
+# (docs/benchmarks.md round 30).
+WIDE_DECODE_TILE = (128, 4, 2)
+WIDE_DECODE_MAX_PROGRAMS_PER_SLOT = 4.0
 # Not taken (H200, docs/benchmarks.md round 19): 16-24 sequences x 8 KV heads (128-192 programs)
 # unsplit with a (128, 4, 3) tile ran 8-12 % faster than split in two in a graph of attention calls
 # alone, and no faster inside a decode step's graph (paired processes, within their spread).
@@ -1100,6 +1118,11 @@ def paged_attention(
     bulk_decode = fp8_decode or (is_decode and not split and tile is None and key_cache.element_size() > 1)
     if bulk_decode and not fp8_decode:
         block_n, num_warps, num_stages = UNSPLIT_DECODE_TILE
+        programs_per_slot = num_tiles * num_kv_heads / split_slots(query.device)
+        if (not balanced and sliding_window <= 0 and group > 1 and key_cache.element_size() == 2
+                and d_pad <= 128
+                and BALANCED_MAX_PROGRAMS_PER_SLOT < programs_per_slot <= WIDE_DECODE_MAX_PROGRAMS_PER_SLOT):
+            block_n, num_warps, num_stages = WIDE_DECODE_TILE
     tuning = dict(BULK_N=0, BLOCK_ADDR=False, EVEN_D=False, FMA_SOFTMAX=False)
     launch = {}
     if is_decode and even_splits and not fp8_decode and EVEN_SPLIT_DECODE_MAXNREG:

@@ -45,6 +45,22 @@ def test_balanced_matches_reference(num_seqs, heads, kv_heads, head_dim, block_s
     assert max(counts) > 1
 
 
+@pytest.mark.parametrize("num_seqs", [80, 100, 130])
+def test_wide_tile_matches_reference(num_seqs):
+    """Unsplit launches of 2-4 programs a split slot (80-130 sequences of 8 KV heads on 132 SMs) run
+    WIDE_DECODE_TILE: against the float32 reference on uneven lengths, and longest first with the
+    same bits."""
+    slots = triton_attention.split_slots(torch.device("cuda"))
+    if not 2 < num_seqs * LLAMA3[1] / slots <= triton_attention.WIDE_DECODE_MAX_PROGRAMS_PER_SLOT:
+        pytest.skip(f"{num_seqs} x {LLAMA3[1]} programs are not 2-4 a slot of this GPU's {slots}")
+    lens = uneven_lengths(num_seqs, num_seqs + 7)
+    case = make_paged_case(lens, [1] * num_seqs, *LLAMA3, torch.bfloat16, "cuda", num_seqs)
+    out = triton_attention.paged_attention(*case.args())
+    assert relative_error(out, reference.paged_attention(*case.args())) < 1e-2
+    ordered = triton_attention.paged_attention(*case.args(), decode_order=kernels.decode_order(case.seq_lens))
+    assert torch.equal(ordered, out)
+
+
 def test_balanced_graph_replays_new_lengths(monkeypatch):
     """Captured for 64 sequences at one mix of lengths (and a graph's max_seq_len), replayed on others:
     every replay matches the reference for its own lengths, so the plan follows the step's seq_lens;

@@ -537,14 +537,16 @@ def test_decode_order_env(monkeypatch):
 
 
 class _LaunchRecorder:
-    """Stands for a Triton kernel object: records each launch's grid and ORDERED, then launches it."""
+    """Stands for a Triton kernel object: records each launch's grid and ORDERED (and in `tiles` its
+    BLOCK_N, num_warps and num_stages), then launches it."""
 
     def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
+        self.kernel, self.launches, self.tiles = kernel, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append((tuple(grid), kwargs["ORDERED"]))
+            self.tiles.append((kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]))
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -569,6 +571,42 @@ def test_default_rule_orders_only_the_plain_unsplit_launch(seed, monkeypatch):
         assert torch.equal(out, plain), name
         grid, took = recorder.launches[0]
         assert took is ordered and (len(grid) == 1) is ordered, (name, grid, took)
+
+
+def test_wide_decode_tile_takes_few_programs_a_slot(seed, monkeypatch):
+    """An unbalanced, unsplit decode launch of more than 2 and at most WIDE_DECODE_MAX_PROGRAMS_PER_SLOT
+    programs a split slot (a CPU has 8) with GQA over a 16-bit cache without a window runs
+    WIDE_DECODE_TILE; balanced (2 a slot), past the limit (5), a float32 cache, a window or no GQA keep
+    UNSPLIT_DECODE_TILE. The
+    tile attends as the reference does, in any order (float32 here, the tile forced: the interpreter's
+    bf16 dots are not the GPU's; tests/gpu/test_balanced_decode_gpu.py checks the compiled bf16 launch)."""
+    monkeypatch.delenv(kernels.BALANCED_DECODE_ENV, raising=False)
+    recorder = _LaunchRecorder(triton_attention._paged_attention_kernel)
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", recorder)
+    rng = random.Random(seed)
+    wide, narrow = triton_attention.WIDE_DECODE_TILE, triton_attention.UNSPLIT_DECODE_TILE
+    for num_seqs, dtype, window, tile in [(12, torch.bfloat16, 0, wide), (16, torch.float16, 0, wide),
+                                          (8, torch.bfloat16, 0, narrow), (20, torch.bfloat16, 0, narrow),
+                                          (12, torch.float32, 0, narrow), (12, torch.bfloat16, 50, narrow)]:
+        lens = [rng.randint(1, 400) for _ in range(num_seqs)]
+        case = make_paged_case(lens, [1] * num_seqs, 8, 2, 32, 16, dtype, "cpu", seed)
+        recorder.tiles.clear()
+        triton_attention.paged_attention(*case.args(), window)
+        assert recorder.tiles == [tile], (num_seqs, dtype, window)
+    mha = make_paged_case([rng.randint(1, 400) for _ in range(12)], [1] * 12, 2, 2, 32, 16, torch.bfloat16,
+                          "cpu", seed)  # no GQA: not measured, the narrow tile
+    recorder.tiles.clear()
+    triton_attention.paged_attention(*mha.args())
+    assert recorder.tiles == [narrow]
+    monkeypatch.setattr(triton_attention, "UNSPLIT_DECODE_TILE", wide)
+    lens = [rng.randint(1, 700) for _ in range(12)]
+    case = make_paged_case(lens, [1] * 12, 8, 2, 32, 16, torch.float32, "cpu", seed)
+    recorder.tiles.clear()
+    out = triton_attention.paged_attention(*case.args())
+    assert recorder.tiles == [wide]
+    assert relative_error(out, reference.paged_attention(*case.args())) < 1e-5
+    order = kernels.decode_order(case.seq_lens)
+    assert torch.equal(triton_attention.paged_attention(*case.args(), decode_order=order), out)
 
 
 def test_a_model_of_windowed_layers_only_never_sorts(monkeypatch):
