@@ -57,6 +57,9 @@ the collectives for real, which also creates the NCCL communicator before any ca
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -205,6 +208,28 @@ class StaticInputs:
         )
 
 
+@contextlib.contextmanager
+def no_cyclic_gc() -> Iterator[None]:
+    """Python's cyclic garbage collected once, then no automatic collection until the block ends.
+
+    torch's `torch.cuda.graph` no longer collects before a capture (only under
+    `torch.compiler.config.force_cudagraph_gc`), so an automatic collection can start inside one and run,
+    on the capturing thread, the finalizers of objects that died in reference cycles before it: in one
+    process that built a worker before (the GPU tests build one a test), that worker's CUDA graphs, events
+    and pinned buffers. A CUDA call the capture forbids then invalidates it (H200, 2026-12-03:
+    `test_models_gpu[bfloat16-granite]`, the GEMM plan's first timing graph of the test failed with
+    cudaErrorStreamCaptureInvalidated; the same test passed on the same code the day before). Nothing is
+    lost: what becomes garbage meanwhile is collected after the block."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class _BucketGraphs:
     """One CUDA graph per bucket over shared static inputs and one memory pool. Subclasses give a
     bucket's shape (`bucket_shape`) and what its graph makes of the hidden states (`_output`)."""
@@ -251,7 +276,8 @@ class _BucketGraphs:
             raise ValueError("CUDA graphs need a CUDA device")
         self.inputs.clear()
         pool = None
-        with graph_gemms(self.gemm_plan):  # each projection its planned GEMM (no host cost in a replay)
+        # each projection its planned GEMM (no host cost in a replay); no finalizer runs inside a capture
+        with graph_gemms(self.gemm_plan), no_cyclic_gc():
             self._capture_buckets(pool)
         torch.cuda.synchronize()
         if self.gemm_plan is not None:
