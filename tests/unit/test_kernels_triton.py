@@ -607,6 +607,12 @@ def test_wide_decode_tile_takes_few_programs_a_slot(seed, monkeypatch):
     assert relative_error(out, reference.paged_attention(*case.args())) < 1e-5
     order = kernels.decode_order(case.seq_lens)
     assert torch.equal(triton_attention.paged_attention(*case.args(), decode_order=order), out)
+    # a softcapped model's unwindowed layers (Gemma 2) take the tile too: the cap as the reference's
+    recorder.tiles.clear()
+    capped = triton_attention.paged_attention(*case.args(), 0, 5.0)
+    assert recorder.tiles == [wide]
+    assert relative_error(capped, reference.paged_attention(*case.args(), 0, 5.0)) < 1e-5
+    assert relative_error(capped, out) > 1e-3  # the cap changed the result: not the uncapped launch
 
 
 def test_a_model_of_windowed_layers_only_never_sorts(monkeypatch):
