@@ -47,7 +47,7 @@ from clients.cli.supervise import (
 from executor_svc.models.families import UnsupportedArchitectureError, family_of
 from executor_svc.server.main import ExecutorOptions
 from executor_svc.worker.config import WorkerConfig
-from scheduler_svc.frontend.main import FrontendOptions
+from scheduler_svc.frontend.main import FrontendOptions, http_extra_missing
 from scheduler_svc.sched.kv_policies import check_policy_options
 from scheduler_svc.server.main import ServeOptions
 from scheduler_svc.sim.models import MODELS, ModelSpec, moe_and_head_fields
@@ -361,6 +361,8 @@ def check_options(args: argparse.Namespace) -> str | None:
         return str(err)
     if not 1 <= args.api_frontends <= MAX_API_FRONTENDS:
         return f"--api-frontends must be in [1, {MAX_API_FRONTENDS}], got {args.api_frontends}"
+    if args.http_port is not None:  # before the executors load the model
+        return http_extra_missing()
     return None
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import itertools
 import logging
 import os
@@ -315,7 +316,22 @@ async def start_frontend(
     return server, bound, health, link_task
 
 
+HTTP_MODULES = ("uvicorn", "starlette", "pydantic")  # the http extra's packages the HTTP API imports
+
+
+def http_extra_missing() -> str | None:
+    """Why `--http-port` cannot serve here (a package of the http extra is not installed), or None:
+    asked before any server starts (`serve`, and `pagedserve serve` before it starts a process)."""
+    for name in HTTP_MODULES:
+        if importlib.util.find_spec(name) is None:
+            return (f"--http-port needs the http extra (pip install 'pagedserve[http]'): no module named "
+                    f"{name!r}")
+    return None
+
+
 async def serve(a: FrontendOptions) -> None:
+    if a.http_port is not None and (missing := http_extra_missing()) is not None:
+        raise SystemExit(missing)  # before the gRPC server starts: nothing to shut down
     links: list[EngineLink] = []
     server, port, health, link_task = await start_frontend(
         a.engine, a.host, a.port, server_credentials(a.tls_cert_file, a.tls_key_file),
@@ -324,11 +340,8 @@ async def serve(a: FrontendOptions) -> None:
     )
     http = None
     if a.http_port is not None:
-        try:
-            from scheduler_svc.frontend.http_app import start_http_api
-        except ImportError as err:
-            extra = "pip install 'pagedserve[http]'"
-            raise SystemExit(f"--http-port needs the http extra ({extra}): {err}") from None
+        from scheduler_svc.frontend.http_app import start_http_api
+
         http = await start_http_api(
             links[0], a.host, a.http_port, a.model_dir, a.chat_template, a.tls_cert_file, a.tls_key_file,
             read_auth_token(a.auth_token_file), reuse_port=a.reuse_port,
