@@ -311,10 +311,19 @@ async def start_http_server(
             sock.close()
             raise OSError(f"the HTTP API cannot listen on {host}:{port}: {err}") from err
         sockets = [sock]
-    task = asyncio.ensure_future(server.serve(sockets=sockets))
+
+    async def serve() -> None:
+        try:
+            await server.serve(sockets=sockets)
+        except SystemExit:  # uvicorn exits when it cannot start (it logged why); out of a task, a
+            # SystemExit would leave the event loop itself
+            raise OSError(f"the HTTP API cannot listen on {host}:{port}: the port is in use (another "
+                          "server?) or the address is not this machine's") from None
+
+    task = asyncio.ensure_future(serve())
     while not server.started:
         if task.done():
-            task.result()
+            task.result()  # raises why
             raise RuntimeError(f"the HTTP API could not listen on {host}:{port}")
         await asyncio.sleep(0.01)
     return server, server.servers[0].sockets[0].getsockname()[1], task

@@ -342,10 +342,15 @@ async def serve(a: FrontendOptions) -> None:
     if a.http_port is not None:
         from scheduler_svc.frontend.http_app import start_http_api
 
-        http = await start_http_api(
-            links[0], a.host, a.http_port, a.model_dir, a.chat_template, a.tls_cert_file, a.tls_key_file,
-            read_auth_token(a.auth_token_file), reuse_port=a.reuse_port,
-        )
+        try:
+            http = await start_http_api(
+                links[0], a.host, a.http_port, a.model_dir, a.chat_template, a.tls_cert_file, a.tls_key_file,
+                read_auth_token(a.auth_token_file), reuse_port=a.reuse_port,
+            )
+        except BaseException:  # e.g. its port in use: the gRPC server stopped, not left to the exit
+            await server.stop(0)
+            link_task.cancel()
+            raise
     freeze_startup_heap()
     print(f"pagedserve api front-end listening on {a.host}:{port} (scheduler {a.engine})", flush=True)
     stop = asyncio.Event()
@@ -364,7 +369,10 @@ async def serve(a: FrontendOptions) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
-    asyncio.run(serve(parse_args(argv)))
+    try:
+        asyncio.run(serve(parse_args(argv)))
+    except OSError as err:  # e.g. a port that is another server's
+        raise SystemExit(f"python -m scheduler_svc.frontend.main: {err}") from None
 
 
 if __name__ == "__main__":

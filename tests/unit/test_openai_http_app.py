@@ -550,3 +550,45 @@ def test_the_body_limit_follows_the_servers_context():
     reply = call(api, "POST", "/v1/completions", malformed)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt.40.1023", reply.text
     assert len(link.requests) == MAX_PROMPTS
+
+
+def test_an_http_port_in_use_is_refused_by_name_and_the_grpc_server_stopped(monkeypatch):
+    """The HTTP API's port is another server's: start_http_server raises an OSError naming the address
+    (uvicorn's own exit turned into it); the front-end then stops its gRPC server, already started,
+    before the error leaves `serve` (nothing left to the interpreter's exit), and its main exits with
+    the message."""
+    import socket
+
+    from scheduler_svc.frontend import http_app
+    from scheduler_svc.frontend import main as frontend_main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        api, _ = make_api()
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
+            asyncio.run(http_app.start_http_server(api, "127.0.0.1", port))
+
+        stopped: list[float] = []
+
+        class FakeServer:
+            async def stop(self, grace):
+                stopped.append(grace)
+
+        async def fake_frontend(*args, on_link, **kwargs):
+            on_link(object())
+            return FakeServer(), 1234, None, asyncio.ensure_future(asyncio.sleep(60))
+
+        async def no_http(*args, **kwargs):
+            raise OSError(f"the HTTP API cannot listen on 127.0.0.1:{port}: the port is in use")
+
+        monkeypatch.setattr(frontend_main, "start_frontend", fake_frontend)
+        monkeypatch.setattr(http_app, "start_http_api", no_http)
+        refused = f"frontend.main: the HTTP API cannot listen on 127.0.0.1:{port}"
+        with pytest.raises(SystemExit, match=refused):
+            frontend_main.main(["--engine", "h:1", "--http-port", str(port)])
+        assert stopped == [0]
+    finally:
+        taken.close()
