@@ -365,8 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     try:
         asyncio.run(serve(parse_args(argv)))
-    except (ExecutorsUnreachableError, EngineDiedError, ExecutorError) as err:
-        sys.exit(f"python -m scheduler_svc.server.main: {err}")
+    except (ExecutorsUnreachableError, EngineDiedError, ExecutorError, OSError) as err:  # OSError: e.g. a
+        sys.exit(f"python -m scheduler_svc.server.main: {err}")  # port that is another server's
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""`--http-port` without the http extra installed: `pagedserve serve` refuses before it starts any
+"""Start-up failures a careless operator meets, each refused with a message and no traceback.
+
+`--http-port` without the http extra installed: `pagedserve serve` refuses before it starts any
 process (no model loaded for nothing), and the front-end process refuses before its gRPC server starts
 (no half-started server left to its interpreter's exit), each naming the missing package and the
-install command."""
+install command. A scheduler whose port is another server's exits with the address named
+(tests/unit/test_openai_http_app.py: the HTTP API's port in use)."""
 
 from __future__ import annotations
 
@@ -53,3 +56,28 @@ def test_the_front_end_refuses_before_its_grpc_server_starts(monkeypatch):
     monkeypatch.setattr(frontend_main, "start_frontend", no_server)
     with pytest.raises(SystemExit, match="no module named 'uvicorn'"):
         asyncio.run(frontend_main.serve(frontend_main.FrontendOptions(engine="h:1", http_port=0)))
+
+
+def test_a_scheduler_whose_port_is_taken_exits_with_the_address(monkeypatch):
+    import socket
+
+    from scheduler_svc.server import main as scheduler_main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+
+    async def bind_it(options):
+        from scheduler_svc.wire.grpc_serving import start_grpc_server
+
+        await start_grpc_server("pagedserve.v1.Generation", lambda server: None, "127.0.0.1", port, 1 << 20)
+
+    monkeypatch.setattr(scheduler_main, "serve", bind_it)
+    monkeypatch.setattr(scheduler_main, "parse_args", lambda argv: None)
+    try:
+        refused = f"server.main: cannot listen on 127.0.0.1:{port}: the port is in use"
+        with pytest.raises(SystemExit, match=refused):
+            scheduler_main.main([])
+    finally:
+        taken.close()
