@@ -68,13 +68,35 @@ class Terminated(SystemExit):
     """The bench received SIGTERM (exit status 143, as the signal's own)."""
 
 
+# After a SIGTERM (its servers already stopped), the bench unwinds its run; should that not end within
+# this many seconds, the process exits with SIGTERM's status all the same. On a busy 2-core host an
+# asyncio run stopped mid-start once never ended: asyncio.run's cancellation of its tasks waited on one
+# that the cancellation did not end (2026-12-03, `bench throughput` with SIGTERM 1 s after its scheduler
+# started, beside four busy processes).
+TERMINATED_UNWIND_S = 30.0
+
+
+def _exit_if_still_unwinding(limit_s: float) -> None:
+    """A daemon timer: os._exit(143) after `limit_s`, unless the process has ended before."""
+    def hard_exit() -> None:
+        print(f"pagedserve bench: still unwinding {limit_s:g} s after SIGTERM (its servers are stopped); "
+              "exiting", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + signal.SIGTERM)
+
+    timer = threading.Timer(limit_s, hard_exit)
+    timer.daemon = True
+    timer.start()
+
+
 @contextlib.contextmanager
 def sigterm_raises(first: Callable[[], object] | None = None):
     """While the servers run, SIGTERM raises `Terminated` in the main thread, so that the `finally`
     blocks that stop them run (`servers` here, `bench repeat`'s `supervised`); `first` runs before
     (stopping the servers at once: unwinding a load run of many requests cancels each one's task, which
-    can take a minute on a busy host). (Signal handlers can only be set from the main thread;
-    elsewhere this changes nothing.)"""
+    can take a minute on a busy host); an unwinding still going TERMINATED_UNWIND_S later ends with
+    os._exit(143). (Signal handlers can only be set from the main thread; elsewhere this changes
+    nothing.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -83,6 +105,7 @@ def sigterm_raises(first: Callable[[], object] | None = None):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the servers' stop short
         if first is not None:
             first()
+        _exit_if_still_unwinding(TERMINATED_UNWIND_S)
         raise Terminated(128 + signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, raise_terminated)
