@@ -315,10 +315,10 @@ async def start_http_server(
     async def serve() -> None:
         try:
             await server.serve(sockets=sockets)
-        except SystemExit:  # uvicorn exits when it cannot start (it logged why); out of a task, a
-            # SystemExit would leave the event loop itself
-            raise OSError(f"the HTTP API cannot listen on {host}:{port}: the port is in use (another "
-                          "server?) or the address is not this machine's") from None
+        except SystemExit:  # uvicorn exits when it cannot bind (it logged the OS's error); out of a task,
+            # a SystemExit would leave the event loop itself
+            raise OSError(f"the HTTP API cannot listen on {host}:{port} (the error above: the port in use "
+                          "by another server, an address not this machine's, or a port below 1024)") from None
 
     task = asyncio.ensure_future(serve())
     while not server.started:

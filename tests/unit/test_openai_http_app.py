@@ -568,7 +568,8 @@ def test_an_http_port_in_use_is_refused_by_name_and_the_grpc_server_stopped(monk
     port = taken.getsockname()[1]
     try:
         api, _ = make_api()
-        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
+        bind_failed = rf"cannot listen on 127.0.0.1:{port} \(the error above: the port in use"
+        with pytest.raises(OSError, match=bind_failed):
             asyncio.run(http_app.start_http_server(api, "127.0.0.1", port))
 
         stopped: list[float] = []
