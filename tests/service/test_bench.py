@@ -475,7 +475,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="reads /proc")
 @pytest.mark.parametrize("mode,delay_s", [("throughput", 0.0), ("throughput", 3.0), ("repeat", 2.0)])
-def test_a_bench_stopped_by_sigterm_stops_its_servers(mode, delay_s, config_only_model, tiny_llama_dir):
+def test_a_bench_stopped_by_sigterm_stops_its_servers(mode, delay_s, config_only_model, tiny_llama_dir,
+                                                      tmp_path):
     """`timeout` or a job runner ends a bench with SIGTERM: its executor and scheduler must not
     outlive it (they would hold the GPU against the next run) — whether the signal lands while the
     scheduler starts (0 s) or mid-run, where the bench stops its servers before unwinding the load
@@ -493,10 +494,15 @@ def test_a_bench_stopped_by_sigterm_stops_its_servers(mode, delay_s, config_only
     else:  # runs of 64 requests of 1,500 tokens: long enough on the CPU for the signal to land mid-run
         options = ["--model", str(tiny_llama_dir), "--num-gpu-blocks", "512", "--requests", "64",
                    "--max-tokens", "1500"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clients.cli", "bench", mode, "--device", "cpu", "--no-progress", *options],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    # the bench's stderr is kept: one CI run exited 1 instead of 143, and its output was lost (round 30)
+    stderr_path = tmp_path / "bench.stderr"
+    with stderr_path.open("wb") as stderr:
+        command = [sys.executable, "-m", "clients.cli", "bench", mode, "--device", "cpu", "--no-progress"]
+        proc = subprocess.Popen([*command, *options], stdout=subprocess.DEVNULL, stderr=stderr)
+
+    def stderr_tail() -> str:
+        return stderr_path.read_text(errors="replace")[-4000:]
+
     children: set[int] = set()
     try:
         deadline = time.monotonic() + 120
@@ -506,7 +512,7 @@ def test_a_bench_stopped_by_sigterm_stops_its_servers(mode, delay_s, config_only
             if servers:  # the scheduler starts once the executor serves
                 break
             time.sleep(0.1)
-        assert servers, "the bench never started its scheduler"
+        assert servers, f"the bench never started its scheduler; its stderr ends:\n{stderr_tail()}"
         time.sleep(delay_s)
         children = _descendants(proc.pid)
         servers = {p for p in children if b"_svc.server" in _cmdline(p)}
@@ -515,8 +521,9 @@ def test_a_bench_stopped_by_sigterm_stops_its_servers(mode, delay_s, config_only
         deadline = time.monotonic() + 40  # each server's grace is 10 s
         while time.monotonic() < deadline and any(_alive(p) for p in servers):
             time.sleep(0.2)
-        assert not [p for p in servers if _alive(p)], "servers outlived the SIGTERM"
-        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        assert not [p for p in servers if _alive(p)], f"servers outlived the SIGTERM:\n{stderr_tail()}"
+        rc = proc.wait(timeout=120)
+        assert rc == 128 + signal.SIGTERM, f"the bench exited {rc}; its stderr ends:\n{stderr_tail()}"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(_alive(p) for p in children):
             time.sleep(0.2)
