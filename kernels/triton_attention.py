@@ -174,6 +174,18 @@ BALANCED_MAX_CHUNKS = 2
 # Each program of a balanced launch reads the step's lengths padded to a power of two, in one warp's
 # registers (32 a thread at 1,024): larger launches keep the unbalanced forms.
 BALANCED_MAX_SEQS = 1024
+# _attend_bulk's K/V addresses as 32-bit element offsets from the cache's base (OFFSET32) where every
+# element of a layer's cache is within reach: one IMAD a row for the offset and one IMAD.WIDE for each of
+# K's and V's addresses, where 64-bit offsets took ~11 integer instructions a row (sign extension, a
+# 64-bit product, the byte shift, a carried add). sm_90 compile of the one-warp decode tile (32, 1, 6),
+# Triton 3.6: 532 -> 400 instructions a 32-position tile, the same 202 registers and 37.1 KB of shared
+# memory (docs/benchmarks.md round 32).
+OFFSET32_MAX_ELEMENTS = 2**31 - 1
+
+
+def offsets_fit_int32(cache: torch.Tensor) -> bool:
+    """Whether every element offset of a [blocks, block_size, KV heads, D] cache fits in an int32."""
+    return cache.numel() <= OFFSET32_MAX_ELEMENTS
 
 
 def _is_pow2(n) -> bool:
@@ -387,12 +399,14 @@ def _attend_context(
     first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window, softcap_log2,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr, BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr,
-    FMA_SOFTMAX: tl.constexpr,
+    FMA_SOFTMAX: tl.constexpr, OFFSET32: tl.constexpr, BULK_TAIL: tl.constexpr,
 ):
     """The default mode's pass over a query tile's context [kv_lo, kv_hi): the mask only where some
     row of the tile needs it. BULK_N > 0 (a PrefillTuning): the unmasked whole tiles go through
     _attend_bulk in BULK_N tiles (up to BULK_N - 1 positions more than otherwise then take the masked
-    loop); BULK_N == 0: through _attend_tiles unmasked, in BLOCK_N tiles."""
+    loop); BULK_N == 0: through _attend_tiles unmasked, in BLOCK_N tiles. BULK_TAIL (a decode launch
+    with BLOCK_ADDR, so no causal mask and a block-aligned kv_lo): the partial last tile through
+    _attend_bulk's TAIL, not _attend_tiles (sm_90: 515 against 869 instructions for the one-warp tile)."""
     # Whole tiles at or before the tile's first query position need no mask; the rest (the causal
     # diagonal, the partial last tile) do. SLIDING: so do the positions before the last row's window
     # (the first rows see them, later rows do not), attended first with their own upper bound.
@@ -410,7 +424,7 @@ def _attend_context(
         acc, m_i, l_i = _attend_bulk(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo,
             unmasked_hi, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
-            BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX,
+            BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX, OFFSET32,
         )
     else:
         num_unmasked = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BLOCK_N
@@ -420,11 +434,18 @@ def _attend_context(
             unmasked_hi, kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
             softcap_log2, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, SLIDING, SOFTCAP,
         )
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_hi, kv_hi,
-        kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
-        softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
-    )
+    if BULK_TAIL:
+        acc, m_i, l_i = _attend_bulk(
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_hi,
+            kv_hi, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
+            BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX, OFFSET32, True,
+        )
+    else:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_hi, kv_hi,
+            kv_hi, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
+            softcap_log2, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, SLIDING, SOFTCAP,
+        )
     return acc, m_i, l_i
 
 
@@ -433,13 +454,19 @@ def _attend_bulk(
     acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, lo, hi,
     dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
     BULK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
+    BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr, OFFSET32: tl.constexpr = False,
+    TAIL: tl.constexpr = False,
 ):
     """PrefillTuning's unmasked loop: whole BULK_N tiles of [lo, hi) that every row of the query tile
     sees, so no mask and every row's running max finite after the first tile. BLOCK_ADDR: lo is a
     multiple of BLOCK_SIZE (the host checks), so row r of every tile is slot r % BLOCK_SIZE of the
-    tile's block r // BLOCK_SIZE: the in-block part of each address is computed once."""
+    tile's block r // BLOCK_SIZE: the in-block part of each address is computed once. OFFSET32: the
+    element offsets in int32 (offsets_fit_int32). TAIL (with BLOCK_ADDR): [lo, hi) is the partial last
+    tile of a context whose every position < hi each row sees (a decode launch): the positions past hi
+    are masked out of the block-table load, the scores and V, in the same block-aligned addressing."""
     rows_n = tl.arange(0, BULK_N)
+    if OFFSET32:
+        head_offset = head_offset.to(tl.int32)
     if BLOCK_ADDR:
         tl.assume(lo % BLOCK_SIZE == 0)
         block_of_row = rows_n // BLOCK_SIZE  # [BULK_N]
@@ -447,14 +474,28 @@ def _attend_bulk(
         inner = slot_offset[:, None] + dims[None, :]  # [BULK_N, D_PAD]
     for start in tl.range(lo, hi, BULK_N):
         if BLOCK_ADDR:
-            block = tl.load(block_table + start // BLOCK_SIZE + block_of_row).to(tl.int64)
+            if TAIL:
+                pos_valid = start + rows_n < hi  # [BULK_N]
+                block = tl.load(block_table + start // BLOCK_SIZE + block_of_row, mask=pos_valid, other=0)
+            else:
+                block = tl.load(block_table + start // BLOCK_SIZE + block_of_row)
+            if not OFFSET32:
+                block = block.to(tl.int64)
             offsets = block[:, None] * stride_c_block + inner  # [BULK_N, D_PAD]
         else:
             pos = start + rows_n
             block = tl.load(block_table + pos // BLOCK_SIZE).to(tl.int64)
             kv_offset = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot + head_offset
             offsets = kv_offset[:, None] + dims[None, :]
-        if EVEN_D:  # head_dim == D_PAD: no mask at all
+        if TAIL:  # K of the positions past hi unmasked (their scores are), V zeroed: 0 * NaN is NaN
+            if EVEN_D:
+                k = tl.load(key_cache_ptr + offsets).to(q.dtype)
+                v = tl.load(value_cache_ptr + offsets, mask=pos_valid[:, None], other=0.0).to(q.dtype)
+            else:
+                k = tl.load(key_cache_ptr + offsets, mask=dim_valid[None, :], other=0.0).to(q.dtype)
+                v = tl.load(value_cache_ptr + offsets, mask=pos_valid[:, None] & dim_valid[None, :],
+                            other=0.0).to(q.dtype)
+        elif EVEN_D:  # head_dim == D_PAD: no mask at all
             k = tl.load(key_cache_ptr + offsets).to(q.dtype)
             v = tl.load(value_cache_ptr + offsets).to(q.dtype)
         else:
@@ -464,12 +505,13 @@ def _attend_bulk(
         if SOFTCAP:
             s = s * scale_log2
             s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * (s / softcap_log2)) + 1.0))
-            m_tile = tl.max(s, axis=1)
-        elif FMA_SOFTMAX:  # max(s) * scale = max(s * scale) (scale > 0); the scaling goes into exp2's FMA
-            m_tile = tl.max(s, axis=1) * scale_log2
-        else:
+        elif not FMA_SOFTMAX:
             s = s * scale_log2
-            m_tile = tl.max(s, axis=1)
+        if TAIL:  # after the cap, which would map -inf to -cap
+            s = tl.where(pos_valid[None, :], s, float("-inf"))
+        m_tile = tl.max(s, axis=1)
+        if FMA_SOFTMAX and not SOFTCAP:  # max(s) * scale = max(s * scale) (scale > 0): scale in exp2
+            m_tile = m_tile * scale_log2
         m_new = tl.maximum(m_i, m_tile)
         alpha = tl.exp2(m_i - m_new)
         acc = acc * alpha[:, None]
@@ -563,7 +605,8 @@ def _paged_attention_kernel(
     BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr,
     ROTARY: tl.constexpr = False, RN: tl.constexpr = False, FP8_CACHE: tl.constexpr = False,
     PDL: tl.constexpr = False, BALANCED: tl.constexpr = False, SEQ_PAD: tl.constexpr = 1,
-    GRAIN: tl.constexpr = 1, ORDERED: tl.constexpr = False,
+    GRAIN: tl.constexpr = 1, ORDERED: tl.constexpr = False, OFFSET32: tl.constexpr = False,
+    BULK_TAIL: tl.constexpr = False,
 ):
     if PDL:  # kernels.pdl: before any load (the query, the step's tables) and every early return
         gdc_wait()
@@ -693,7 +736,7 @@ def _paged_attention_kernel(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
             first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
             softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP, BULK_N, BLOCK_ADDR, EVEN_D,
-            FMA_SOFTMAX,
+            FMA_SOFTMAX, OFFSET32, BULK_TAIL,
         )
 
     if SCALE_V:  # an FP8 cache holds V / v_scale (the split reduce is linear in acc)
@@ -1123,7 +1166,8 @@ def paged_attention(
                 and d_pad <= 128
                 and BALANCED_MAX_PROGRAMS_PER_SLOT < programs_per_slot <= WIDE_DECODE_MAX_PROGRAMS_PER_SLOT):
             block_n, num_warps, num_stages = WIDE_DECODE_TILE
-    tuning = dict(BULK_N=0, BLOCK_ADDR=False, EVEN_D=False, FMA_SOFTMAX=False)
+    tuning = dict(BULK_N=0, BLOCK_ADDR=False, EVEN_D=False, FMA_SOFTMAX=False, OFFSET32=False,
+                  BULK_TAIL=False)
     launch = {}
     if is_decode and even_splits and not fp8_decode and EVEN_SPLIT_DECODE_MAXNREG:
         launch["maxnreg"] = EVEN_SPLIT_DECODE_MAXNREG
@@ -1138,11 +1182,12 @@ def paged_attention(
         )
         if t.maxnreg is not None:
             launch["maxnreg"] = t.maxnreg
-    elif bulk_decode:  # the unmasked tiles through _attend_bulk, masked head dims, scale in exp2
-        tuning.update(
-            BULK_N=block_n, FMA_SOFTMAX=True,
-            BLOCK_ADDR=sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0,
-        )
+    elif bulk_decode:  # the whole tiles through _attend_bulk, the scale in exp2; the last one too if aligned
+        block_addr = sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0
+        tuning.update(BULK_N=block_n, FMA_SOFTMAX=True, BLOCK_ADDR=block_addr, EVEN_D=head_dim == d_pad,
+                      BULK_TAIL=block_addr)
+    if tuning["BULK_N"]:
+        tuning["OFFSET32"] = offsets_fit_int32(key_cache)
     grain = math.lcm(block_n, block_size)  # a balanced chunk starts at whole K/V tiles and blocks
 
     if rotary is not None and not is_decode:

@@ -161,6 +161,66 @@ def test_unsplit_decode_takes_the_bulk_tile(monkeypatch, window, softcap, head_d
     assert split[:5] == (3, 64, 4, 3, 0)
 
 
+def poison_unused_slots(case):
+    """The case with a block 0 of NaN that no sequence uses (a masked block-table load reads block 0)
+    and NaN in every other slot no context holds (the rest of a last block, the spare blocks)."""
+    nan = torch.full_like(case.key_cache[:1], float("nan"))
+    case = dataclasses.replace(case, key_cache=torch.cat([nan, case.key_cache]),
+                               value_cache=torch.cat([nan, case.value_cache]),
+                               block_tables=case.block_tables + 1)
+    block_size = case.key_cache.shape[1]
+    used = torch.zeros(case.key_cache.shape[:2], dtype=torch.bool)
+    for seq, length in enumerate(case.seq_lens.tolist()):
+        pos = torch.arange(length)
+        used[case.block_tables[seq, pos // block_size].long(), pos % block_size] = True
+    case.key_cache[~used] = float("nan")
+    case.value_cache[~used] = float("nan")
+    return case
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "softcap"), [(32, 16, 0.0), (32, 8, 2.0), (24, 16, 0.0)])
+def test_decode_reads_its_last_partial_tile_block_aligned(monkeypatch, seed, head_dim, block_size, softcap):
+    """An unsplit decode launch takes its partial last K/V tile through _attend_bulk's TAIL (BULK_TAIL),
+    in int32 offsets (OFFSET32), without head-dim masks when head_dim is a power of two (EVEN_D): every
+    context length around the tile's and the blocks' sizes matches the reference with NaN in every slot
+    past the contexts and in block 0 (the TAIL loads those rows' K unmasked: their scores are masked, their
+    V zeroed), with a logit soft-cap too (small, so that a mask put before it, which maps -inf to -cap,
+    would give those positions weight)."""
+    seen = record_attention_launches(monkeypatch, lambda grid, kw: (
+        kw["BULK_N"], kw["BLOCK_ADDR"], kw["BULK_TAIL"], kw["OFFSET32"], kw["EVEN_D"]))
+    lens = [1, 7, 15, 16, 17, 31, 32, 33, 47, 100]
+    case = make_paged_case(lens, [1] * len(lens), 8, 2, head_dim, block_size, torch.float32, "cpu", seed)
+    case = poison_unused_slots(case)
+    ref = reference.paged_attention(*case.args(), 0, softcap)
+    out = triton_attention.paged_attention(*case.args(), 0, softcap, num_splits=1)
+    err = relative_error(out, ref)
+    assert err < 1e-5, f"seed {seed}: relative error {err}"
+    assert seen == [(triton_attention.UNSPLIT_DECODE_TILE[0], True, True, True, head_dim == 32)]
+
+
+def test_decode_offsets_in_int64_for_a_cache_past_int32(monkeypatch, seed):
+    """A cache of more than 2^31 - 1 elements keeps 64-bit K/V offsets (OFFSET32 off): the same bits as
+    the 32-bit ones (the same elements are read), here by lowering the bound below a small cache."""
+    seen = record_attention_launches(monkeypatch, lambda grid, kw: kw["OFFSET32"])
+    case = make_paged_case([150, 70, 33, 9], [1, 1, 1, 1], 8, 2, 32, 16, torch.float32, "cpu", seed)
+    narrow = triton_attention.paged_attention(*case.args(), num_splits=1)
+    monkeypatch.setattr(triton_attention, "OFFSET32_MAX_ELEMENTS", case.key_cache.numel() - 1)
+    wide = triton_attention.paged_attention(*case.args(), num_splits=1)
+    assert seen == [True, False]
+    assert torch.equal(narrow, wide)
+    assert relative_error(wide, reference.paged_attention(*case.args())) < 1e-5
+
+
+def test_offsets_fit_int32_at_the_bound():
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    assert triton_attention.offsets_fit_int32(torch.empty(1, 1, 1, 2**31 - 1, **meta))
+    assert not triton_attention.offsets_fit_int32(torch.empty(1, 1, 1, 2**31, **meta))
+    # llama3-8b's layers (16 slots x 8 KV heads x 128 a block): 120 GB of cache in 32 layers is 57,220
+    # blocks a layer (0.94 G elements) and fits; 2^17 blocks are 2^31 elements and do not
+    assert triton_attention.offsets_fit_int32(torch.empty(57_220, 16, 8, 128, **meta))
+    assert not triton_attention.offsets_fit_int32(torch.empty(2**17, 16, 8, 128, **meta))
+
+
 @pytest.mark.parametrize(("cache_dtype", "window", "softcap"), [
     (torch.float8_e4m3fn, 0, 0.0), (torch.float32, 6, 0.0), (torch.float32, 0, 30.0)])
 def test_mixed_launch_runs_its_decode_rows_through_the_decode_launch(
