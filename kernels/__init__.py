@@ -198,6 +198,28 @@ def balanced_decode(num_splits: int, programs_per_slot: float = 1.0) -> bool:
                      f"launch)")
 
 
+# ---- the K/V addresses of paged attention's block-aligned loop (triton_attention._attend_bulk) ----
+
+KV_ADDRESSING_ENV = "PAGEDSERVE_KV_ADDRESSING"  # unset or "32": the rule; "64": round 31's form
+# The rule (round 32): int32 element offsets where the layer's cache fits them (offsets_fit_int32), and a
+# decode launch's partial last K/V tile through the same block-aligned loop, masked by position
+# (BULK_TAIL), no head-dim mask at a power-of-two head_dim. "64": 64-bit offsets, the last tile through
+# the masked _attend_tiles loop, head-dim masks: the form before it, kept for paired comparisons. sm_90
+# compile of the one-warp decode tile (python -m kernels.sass): 392 against 532 instructions a
+# 32-position tile, 515 against 869 for the last one (docs/benchmarks.md round 32).
+
+
+def kv_addressing() -> str:
+    """PAGEDSERVE_KV_ADDRESSING: "32" (unset or "32", the default) or "64"; another value is a ValueError
+    naming these."""
+    mode = os.environ.get(KV_ADDRESSING_ENV, "") or "32"
+    if mode not in ("32", "64"):
+        raise ValueError(f"{KV_ADDRESSING_ENV}={mode!r}: expected unset or '32' (the default: 32-bit K/V "
+                         f"offsets where the cache fits them, a decode launch's last tile block-aligned) "
+                         f"or '64' (64-bit offsets, the last tile masked: the form before round 32)")
+    return mode
+
+
 # ---- decode attention's programs, longest context first (triton_attention "Longest first") ----
 
 DECODE_ORDER_ENV = "PAGEDSERVE_DECODE_ORDER"  # unset or "rule": the rule; "0": never; "all": every launch

@@ -6,9 +6,10 @@ kernel call is recorded, not run), compiles it for sm_90 with the Triton and ptx
 and prints the kernel's registers, spill stack and shared memory, and for every loop of its SASS the
 instruction count and the opcodes. The K/V loop's instructions are what a one-warp decode program
 issues for each tile it reads (docs/benchmarks.md rounds 31 and 32: 532 a 32-position tile with 64-bit
-offsets, 400 with 32-bit ones). `--set NAME=VALUE` overrides a constexpr of the recorded launch (e.g.
-`--set OFFSET32=0 --set BULK_TAIL=0` for the form before round 32), so two forms compare on one machine
-without a GPU. Counts are static: a loop's body once, whatever the branches inside it take.
+offsets, 392 with 32-bit ones). The launch follows the environment as the engine's does
+(`PAGEDSERVE_KV_ADDRESSING=64 python -m kernels.sass` gives the form before round 32), and `--set
+NAME=VALUE` overrides any constexpr of the recorded launch, so two forms compare on one machine without a
+GPU. Counts are static: a loop's body once, whatever the branches inside it take.
 """
 
 import argparse

@@ -153,6 +153,7 @@ from kernels import (
     BALANCED_MAX_PROGRAMS_PER_SLOT,
     balanced_decode,
     fused_rotary,
+    kv_addressing,
     ordered_decode,
     pdl,
     pdl_launch,
@@ -179,7 +180,7 @@ BALANCED_MAX_SEQS = 1024
 # K's and V's addresses, where 64-bit offsets took ~11 integer instructions a row (sign extension, a
 # 64-bit product, the byte shift, a carried add). sm_90 compile of the one-warp decode tile (32, 1, 6),
 # Triton 3.6: 532 -> 400 instructions a 32-position tile, the same 202 registers and 37.1 KB of shared
-# memory (docs/benchmarks.md round 32).
+# memory (docs/benchmarks.md round 32). kernels.KV_ADDRESSING_ENV="64" turns it off (comparisons).
 OFFSET32_MAX_ELEMENTS = 2**31 - 1
 
 
@@ -1168,6 +1169,7 @@ def paged_attention(
             block_n, num_warps, num_stages = WIDE_DECODE_TILE
     tuning = dict(BULK_N=0, BLOCK_ADDR=False, EVEN_D=False, FMA_SOFTMAX=False, OFFSET32=False,
                   BULK_TAIL=False)
+    compact = kv_addressing() == "32"  # kernels.KV_ADDRESSING_ENV
     launch = {}
     if is_decode and even_splits and not fp8_decode and EVEN_SPLIT_DECODE_MAXNREG:
         launch["maxnreg"] = EVEN_SPLIT_DECODE_MAXNREG
@@ -1184,9 +1186,10 @@ def paged_attention(
             launch["maxnreg"] = t.maxnreg
     elif bulk_decode:  # the whole tiles through _attend_bulk, the scale in exp2; the last one too if aligned
         block_addr = sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0
-        tuning.update(BULK_N=block_n, FMA_SOFTMAX=True, BLOCK_ADDR=block_addr, EVEN_D=head_dim == d_pad,
-                      BULK_TAIL=block_addr)
-    if tuning["BULK_N"]:
+        tuning.update(BULK_N=block_n, FMA_SOFTMAX=True, BLOCK_ADDR=block_addr)
+        if compact:
+            tuning.update(EVEN_D=head_dim == d_pad, BULK_TAIL=block_addr)
+    if tuning["BULK_N"] and compact:
         tuning["OFFSET32"] = offsets_fit_int32(key_cache)
     grain = math.lcm(block_n, block_size)  # a balanced chunk starts at whole K/V tiles and blocks
 

@@ -211,6 +211,24 @@ def test_decode_offsets_in_int64_for_a_cache_past_int32(monkeypatch, seed):
     assert relative_error(wide, reference.paged_attention(*case.args())) < 1e-5
 
 
+def test_kv_addressing_env_gives_the_form_before(monkeypatch, seed):
+    """PAGEDSERVE_KV_ADDRESSING=64: 64-bit offsets, the last tile masked through _attend_tiles, head-dim
+    masks (round 31's launch, for paired comparisons), the same result within rounding; another value
+    is refused by name."""
+    seen = record_attention_launches(monkeypatch, lambda grid, kw: (
+        kw["OFFSET32"], kw["BULK_TAIL"], kw["EVEN_D"], kw["BULK_N"], kw["BLOCK_ADDR"]))
+    case = make_paged_case([150, 70, 33, 9], [1, 1, 1, 1], 8, 2, 32, 16, torch.float32, "cpu", seed)
+    new = triton_attention.paged_attention(*case.args(), num_splits=1)
+    monkeypatch.setenv(kernels.KV_ADDRESSING_ENV, "64")
+    old = triton_attention.paged_attention(*case.args(), num_splits=1)
+    bulk_n = triton_attention.UNSPLIT_DECODE_TILE[0]
+    assert seen == [(True, True, True, bulk_n, True), (False, False, False, bulk_n, True)]
+    assert relative_error(new, old) < 1e-6
+    monkeypatch.setenv(kernels.KV_ADDRESSING_ENV, "16")
+    with pytest.raises(ValueError, match="PAGEDSERVE_KV_ADDRESSING='16'"):
+        triton_attention.paged_attention(*case.args(), num_splits=1)
+
+
 def test_offsets_fit_int32_at_the_bound():
     meta = dict(device="meta", dtype=torch.bfloat16)
     assert triton_attention.offsets_fit_int32(torch.empty(1, 1, 1, 2**31 - 1, **meta))

@@ -22,14 +22,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def sass_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def sass_cli(*args: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env_vars
     return subprocess.run([sys.executable, "-m", "kernels.sass", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
-def run_sass(*args: str) -> str:
-    done = sass_cli(*args)
+def run_sass(*args: str, **env_vars: str) -> str:
+    done = sass_cli(*args, **env_vars)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -42,7 +42,8 @@ def parse(out: str):
 
 def test_decode_tile_loop_is_shorter_with_32_bit_offsets():
     new = run_sass("--seqs", "33", "--context", "600")
-    old = run_sass("--seqs", "33", "--context", "600", "--set", "OFFSET32=0", "--set", "BULK_TAIL=0")
+    old = run_sass("--seqs", "33", "--context", "600", PAGEDSERVE_KV_ADDRESSING="64")
+    assert "OFFSET32 False" in old and "BULK_TAIL False" in old
     assert "tile (BLOCK_N 32, 1 warps, 6 stages)" in new
     assert "OFFSET32 True" in new and "BULK_TAIL True" in new
     regs, stack, (bulk, tail) = parse(new)
@@ -60,6 +61,8 @@ def test_a_cache_past_int32_keeps_64_bit_offsets():
 def test_bad_override_is_refused():
     done = sass_cli("--set", "NOT_A_FLAG=1")
     assert done.returncode != 0 and "NOT_A_FLAG" in done.stderr
+    done = sass_cli("--set", "OFFSET32")
+    assert done.returncode != 0 and "NAME=VALUE" in done.stderr
 
 
 def test_loops_of_reads_labels_and_back_branches():
