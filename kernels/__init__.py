@@ -277,13 +277,14 @@ def decode_order(seq_lens: torch.Tensor) -> torch.Tensor:
 
 
 def check_launch_env() -> None:
-    """Refuses (ValueError) a PAGEDSERVE_PDL_OFF, PAGEDSERVE_FUSED_ROTARY, PAGEDSERVE_BALANCED_DECODE or
-    PAGEDSERVE_DECODE_ORDER it
-    does not know, so an executor says so at its start instead of at its first kernel launch."""
+    """Refuses (ValueError) a PAGEDSERVE_PDL_OFF, PAGEDSERVE_FUSED_ROTARY, PAGEDSERVE_BALANCED_DECODE,
+    PAGEDSERVE_DECODE_ORDER or PAGEDSERVE_KV_ADDRESSING it does not know, so an executor says so at its
+    start instead of at its first kernel launch."""
     check_pdl_env()
     fused_rotary(1)
     balanced_decode(1)
     decode_order_mode()
+    kv_addressing()
 
 
 def pdl_launch(on: bool) -> dict:
