@@ -187,7 +187,11 @@ def main(argv=None) -> int:
     print(f"grid {launch.grid}; tile (BLOCK_N {kw['BLOCK_N']}, {kw['num_warps']} warps, {kw['num_stages']} "
           f"stages); " + ", ".join(f"{k} {kw[k]}" for k in ("BALANCED", "SPLIT", "BULK_N", "BLOCK_ADDR",
                                                             "EVEN_D", "OFFSET32", "BULK_TAIL")))
-    rep = report(compile_launch(launch, overrides, args.arch))
+    try:
+        kernel = compile_launch(launch, overrides, args.arch)
+    except ValueError as e:  # an override that names no constexpr
+        ap.error(str(e))
+    rep = report(kernel)
     print(f"sm_{args.arch}: {rep.registers} registers, {rep.stack} bytes of stack, {rep.shared} bytes of "
           "shared memory a program")
     for loop in rep.loops:
