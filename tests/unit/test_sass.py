@@ -78,3 +78,9 @@ def test_loops_of_reads_labels_and_back_branches():
     ])
     (loop,) = sass.loops_of(listing)
     assert loop.instructions == 3 and loop.opcodes == {"HMMA": 1, "IADD3": 1, "BRA": 1}
+
+
+def test_a_split_launch_is_recorded_without_its_reduce():
+    """A decode launch that splits its contexts is followed by the split reduce: not run, not recorded."""
+    out = run_sass("--seqs", "4", "--context", "4000")
+    assert "SPLIT True" in out and "tile (BLOCK_N 64, 4 warps, 3 stages)" in out
