@@ -796,3 +796,52 @@ def test_balanced_decode_rule(monkeypatch):
     monkeypatch.setenv(kernels.BALANCED_DECODE_ENV, "yes")
     with pytest.raises(ValueError, match="PAGEDSERVE_BALANCED_DECODE='yes'"):
         kernels.check_launch_env()
+
+
+def ramp_keys(case, per_position: float):
+    """The case with each sequence's key at position p scaled by 1 + per_position x p: the scores'
+    maxima rise along the context, tile after tile (by more than 2^8 a tile at a steep ramp)."""
+    key_cache = case.key_cache.clone()
+    block_size = key_cache.shape[1]
+    for seq, length in enumerate(case.seq_lens.tolist()):
+        pos = torch.arange(length)
+        blocks, slots = case.block_tables[seq, pos // block_size].long(), pos % block_size
+        key_cache[blocks, slots] *= (1 + per_position * pos.float())[:, None, None]
+    return dataclasses.replace(case, key_cache=key_cache)
+
+
+@pytest.mark.parametrize("per_position", [0.0, 0.02, 2.0])
+@pytest.mark.parametrize("launch", ["unsplit", "balanced", "fp8"])
+def test_lazy_rescale_matches_reference(monkeypatch, seed, per_position, launch):
+    """PAGEDSERVE_LAZY_RESCALE=1: a decode launch's K/V loop rescales only in a tile where some row's
+    maximum rose by more than 2^LAZY_RESCALE_LOG2; at flat scores (no later rescale), a gentle ramp (some)
+    and a steep one (a rise of hundreds of log2 units a tile: a loop that skipped those rescales would
+    overflow float32), unsplit, balanced (chunks combined on their stale maxima) and over an FP8 cache,
+    it matches the reference as the eager rescale does; the flag reaches the launch only when set, and
+    another value is refused by name."""
+    seen = record_attention_launches(monkeypatch, lambda grid, kw: (kw["LAZY"], kw["BULK_N"]))
+    lens = [150, 70, 33, 300, 1, 64]
+    case = make_paged_case(lens, [1] * len(lens), 8, 2, 32, 16, torch.float32, "cpu", seed)
+    case = ramp_keys(case, per_position)
+    kwargs = {"num_splits": 1} if launch == "unsplit" else {}
+    if launch == "balanced":
+        kwargs = dict(balance_programs=16, balance_chunks=4)
+    args, scales = case.args(), {}
+    if launch == "fp8":  # K / k_scale in e4m3 (max 448), the reference on the same bytes
+        scales = dict(k_scale=float(case.key_cache.abs().max()) / 448.0, v_scale=0.5)
+        k8 = (case.key_cache / scales["k_scale"]).to(torch.float8_e4m3fn)
+        v8 = (case.value_cache / scales["v_scale"]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        args = (case.query, k8, v8, *case.args()[3:])
+        kwargs = scales
+    ref = reference.paged_attention(*args, **scales)
+    eager = triton_attention.paged_attention(*args, **kwargs)
+    monkeypatch.setenv(kernels.LAZY_RESCALE_ENV, "1")
+    lazy = triton_attention.paged_attention(*args, **kwargs)
+    assert torch.isfinite(lazy).all()
+    for out in (eager, lazy):
+        err = relative_error(out, ref)
+        assert err < 2e-5, f"seed {seed}: relative error {err}"
+    assert [flag for flag, bulk_n in seen] == [False, True] and all(bulk_n for _, bulk_n in seen)
+    monkeypatch.setenv(kernels.LAZY_RESCALE_ENV, "yes")
+    with pytest.raises(ValueError, match="PAGEDSERVE_LAZY_RESCALE='yes'"):
+        triton_attention.paged_attention(*args, **kwargs)
