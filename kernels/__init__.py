@@ -276,36 +276,15 @@ def decode_order(seq_lens: torch.Tensor) -> torch.Tensor:
     return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
 
 
-LAZY_RESCALE_ENV = "PAGEDSERVE_LAZY_RESCALE"  # "1": on; unset or "0": off
-# Lazy rescale (round 33): a decode launch's K/V loop (kernels/triton_attention.py _attend_bulk) moves a
-# row's running maximum, and rescales the accumulator and the running sum, only in a tile where some row's
-# maximum rose by more than LAZY_RESCALE_LOG2 (log2 units); otherwise the tile's probabilities are taken
-# against the stale maximum (each at most 2 ** LAZY_RESCALE_LOG2, in float32). The rescale of the 16-row
-# accumulator is 66 FMUL a tile of the one-warp loop's ~390 instructions (round 32's sm_90 SASS), and it
-# stands between the tile's maximum and its PV product.
-LAZY_RESCALE_LOG2 = 8.0
-
-
-def lazy_rescale() -> bool:
-    """PAGEDSERVE_LAZY_RESCALE: "1" on, unset or "0" off; another value is a ValueError naming these."""
-    mode = os.environ.get(LAZY_RESCALE_ENV, "") or "0"
-    if mode not in ("0", "1"):
-        raise ValueError(f"{LAZY_RESCALE_ENV}={mode!r}: expected unset or '0' (off: every tile rescales) "
-                         f"or '1' (a decode launch rescales only where a row's maximum rose by more than "
-                         f"2 ** {LAZY_RESCALE_LOG2:g})")
-    return mode == "1"
-
-
 def check_launch_env() -> None:
     """Refuses (ValueError) a PAGEDSERVE_PDL_OFF, PAGEDSERVE_FUSED_ROTARY, PAGEDSERVE_BALANCED_DECODE,
-    PAGEDSERVE_DECODE_ORDER, PAGEDSERVE_KV_ADDRESSING or PAGEDSERVE_LAZY_RESCALE it does not know, so an
-    executor says so at its start instead of at its first kernel launch."""
+    PAGEDSERVE_DECODE_ORDER or PAGEDSERVE_KV_ADDRESSING it does not know, so an executor says so at its
+    start instead of at its first kernel launch."""
     check_pdl_env()
     fused_rotary(1)
     balanced_decode(1)
     decode_order_mode()
     kv_addressing()
-    lazy_rescale()
 
 
 def pdl_launch(on: bool) -> dict:

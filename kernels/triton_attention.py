@@ -151,11 +151,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import (
     BALANCED_MAX_PROGRAMS_PER_SLOT,
-    LAZY_RESCALE_LOG2,
     balanced_decode,
     fused_rotary,
     kv_addressing,
-    lazy_rescale,
     ordered_decode,
     pdl,
     pdl_launch,
@@ -165,7 +163,6 @@ from kernels.triton_cache import as_cached
 from kernels.triton_layers import rotated
 
 F16_MAX = tl.constexpr(65504.0)
-LAZY_LOG2 = tl.constexpr(LAZY_RESCALE_LOG2)  # kernels.LAZY_RESCALE_LOG2 in the kernels
 _NO_PARTITION = 1 << 30
 _MIN_PARTITION = 256  # context positions; smaller partitions cost more in the reduce than they win
 # A balanced decode launch (balanced_chunks) by default: no share (so many programs that the partition
@@ -403,7 +400,7 @@ def _attend_context(
     first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window, softcap_log2,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr, BULK_N: tl.constexpr, BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr,
-    FMA_SOFTMAX: tl.constexpr, OFFSET32: tl.constexpr, BULK_TAIL: tl.constexpr, LAZY: tl.constexpr = False,
+    FMA_SOFTMAX: tl.constexpr, OFFSET32: tl.constexpr, BULK_TAIL: tl.constexpr,
 ):
     """The default mode's pass over a query tile's context [kv_lo, kv_hi): the mask only where some
     row of the tile needs it. BULK_N > 0 (a PrefillTuning): the unmasked whole tiles go through
@@ -428,8 +425,7 @@ def _attend_context(
         acc, m_i, l_i = _attend_bulk(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_lo,
             unmasked_hi, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
-            BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX, OFFSET32, False,
-            LAZY,
+            BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX, OFFSET32,
         )
     else:
         num_unmasked = tl.maximum(tl.minimum(kv_hi, first_row_pos + 1) - unmasked_lo, 0) // BLOCK_N
@@ -444,7 +440,6 @@ def _attend_context(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, unmasked_hi,
             kv_hi, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
             BULK_N, BLOCK_SIZE, DOT_PRECISION, SOFTCAP, BLOCK_ADDR, EVEN_D, FMA_SOFTMAX, OFFSET32, True,
-            LAZY,
         )
     else:
         acc, m_i, l_i = _attend_tiles(
@@ -461,7 +456,7 @@ def _attend_bulk(
     dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, softcap_log2,
     BULK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_ADDR: tl.constexpr, EVEN_D: tl.constexpr, FMA_SOFTMAX: tl.constexpr, OFFSET32: tl.constexpr = False,
-    TAIL: tl.constexpr = False, LAZY: tl.constexpr = False,
+    TAIL: tl.constexpr = False,
 ):
     """PrefillTuning's unmasked loop: whole BULK_N tiles of [lo, hi) that every row of the query tile
     sees, so no mask and every row's running max finite after the first tile. BLOCK_ADDR: lo is a
@@ -469,10 +464,7 @@ def _attend_bulk(
     tile's block r // BLOCK_SIZE: the in-block part of each address is computed once. OFFSET32: the
     element offsets in int32 (offsets_fit_int32). TAIL (with BLOCK_ADDR): [lo, hi) is the partial last
     tile of a context whose every position < hi each row sees (a decode launch): the positions past hi
-    are masked out of the block-table load, the scores and V, in the same block-aligned addressing. LAZY
-    (a decode launch, kernels.lazy_rescale): the running maxima move, and acc and l_i are rescaled, only in
-    a tile where some row's maximum rose by more than LAZY_RESCALE_LOG2; elsewhere p is taken against the
-    stale maxima (p <= 2 ** LAZY_RESCALE_LOG2), which acc, l_i and m_i keep consistent for any combine."""
+    are masked out of the block-table load, the scores and V, in the same block-aligned addressing."""
     rows_n = tl.arange(0, BULK_N)
     if OFFSET32:
         head_offset = head_offset.to(tl.int32)
@@ -522,17 +514,10 @@ def _attend_bulk(
         if FMA_SOFTMAX and not SOFTCAP:  # max(s) * scale = max(s * scale) (scale > 0): scale in exp2
             m_tile = m_tile * scale_log2
         m_new = tl.maximum(m_i, m_tile)
-        if LAZY:  # one branch for the warp: any row whose maximum rose past the threshold (not -inf -> -inf)
-            if tl.max((m_new > m_i + LAZY_LOG2).to(tl.int32), axis=0) > 0:
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
         if FMA_SOFTMAX and not SOFTCAP:
             p = tl.exp2(s * scale_log2 - m_i[:, None])
         else:
@@ -622,7 +607,7 @@ def _paged_attention_kernel(
     ROTARY: tl.constexpr = False, RN: tl.constexpr = False, FP8_CACHE: tl.constexpr = False,
     PDL: tl.constexpr = False, BALANCED: tl.constexpr = False, SEQ_PAD: tl.constexpr = 1,
     GRAIN: tl.constexpr = 1, ORDERED: tl.constexpr = False, OFFSET32: tl.constexpr = False,
-    BULK_TAIL: tl.constexpr = False, LAZY: tl.constexpr = False,
+    BULK_TAIL: tl.constexpr = False,
 ):
     if PDL:  # kernels.pdl: before any load (the query, the step's tables) and every early return
         gdc_wait()
@@ -752,7 +737,7 @@ def _paged_attention_kernel(
             acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table, head_offset, kv_lo, kv_hi, kv_end,
             first_row_pos, row_pos, dims, dim_valid, scale_log2, stride_c_block, stride_c_slot, window,
             softcap_log2, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, SLIDING, SOFTCAP, BULK_N, BLOCK_ADDR, EVEN_D,
-            FMA_SOFTMAX, OFFSET32, BULK_TAIL, LAZY,
+            FMA_SOFTMAX, OFFSET32, BULK_TAIL,
         )
 
     if SCALE_V:  # an FP8 cache holds V / v_scale (the split reduce is linear in acc)
@@ -1183,7 +1168,7 @@ def paged_attention(
                 and BALANCED_MAX_PROGRAMS_PER_SLOT < programs_per_slot <= WIDE_DECODE_MAX_PROGRAMS_PER_SLOT):
             block_n, num_warps, num_stages = WIDE_DECODE_TILE
     tuning = dict(BULK_N=0, BLOCK_ADDR=False, EVEN_D=False, FMA_SOFTMAX=False, OFFSET32=False,
-                  BULK_TAIL=False, LAZY=False)
+                  BULK_TAIL=False)
     compact = kv_addressing() == "32"  # kernels.KV_ADDRESSING_ENV
     launch = {}
     if is_decode and even_splits and not fp8_decode and EVEN_SPLIT_DECODE_MAXNREG:
@@ -1201,7 +1186,7 @@ def paged_attention(
             launch["maxnreg"] = t.maxnreg
     elif bulk_decode:  # the whole tiles through _attend_bulk, the scale in exp2; the last one too if aligned
         block_addr = sliding_window <= 0 and partition_size == _NO_PARTITION and block_n % block_size == 0
-        tuning.update(BULK_N=block_n, FMA_SOFTMAX=True, BLOCK_ADDR=block_addr, LAZY=lazy_rescale())
+        tuning.update(BULK_N=block_n, FMA_SOFTMAX=True, BLOCK_ADDR=block_addr)
         if compact:
             tuning.update(EVEN_D=head_dim == d_pad, BULK_TAIL=block_addr)
     if tuning["BULK_N"] and compact:
